@@ -1,0 +1,61 @@
+"""Error codes that travel with the first collective of a step, and the messages built from them.
+
+Every rank builds the message from the gathered codes, so all ranks raise the same text.
+"""
+import enum
+
+
+class InputCode(enum.IntEnum):
+    OK = 0
+    NOT_ARRAY = 1
+    NDIM = 2
+    LENGTH = 3
+    DTYPE = 4
+    DTYPE_MISMATCH = 5
+    NOT_CONTIGUOUS = 6
+    DEVICE = 7
+    REQUIRES_GRAD = 8
+    NONFINITE = 9
+    STATE = 10
+    BAD_OUT = 11
+
+
+class StepError(ValueError):
+    """A step refused on every rank because of bad input on at least one; no state was changed."""
+
+
+_DEVICE_NAMES = {1: "the CPU", 2: "a CUDA device"}
+
+
+def describe(code, detail, numel, dtype_names):
+    code = InputCode(code)
+    if code == InputCode.NOT_ARRAY:
+        return "grad is not an array (need a NumPy/CuPy array or a DLPack producer)"
+    if code == InputCode.NDIM:
+        return f"grad has {detail} dimensions, expected a 1-D array"
+    if code == InputCode.LENGTH:
+        return f"grad has length {detail}, expected numel={numel}"
+    if code == InputCode.DTYPE:
+        return "grad has a non-float dtype, expected float32 or float64"
+    if code == InputCode.DTYPE_MISMATCH:
+        return f"grad is {dtype_names.get(detail, '?')}, but earlier steps fixed the dtype"
+    if code == InputCode.NOT_CONTIGUOUS:
+        return "grad is not contiguous"
+    if code == InputCode.DEVICE:
+        where = _DEVICE_NAMES.get(detail, f"DLPack device type {detail}")
+        return f"grad lives on {where}, not on this sparsifier's device"
+    if code == InputCode.REQUIRES_GRAD:
+        return "grad requires grad; pass tensor.detach() (or the .grad buffer)"
+    if code == InputCode.NONFINITE:
+        return f"grad has {detail} non-finite values (NaN or inf) after error feedback"
+    if code == InputCode.BAD_OUT:
+        return "out must be a contiguous 1-D array of numel elements, same dtype and device as grad"
+    if code == InputCode.STATE:
+        return "state_dict does not match this sparsifier"
+    return f"error code {int(code)}"
+
+
+def refusal(codes, numel, dtype_names, what="step refused"):
+    """One message naming every failing rank; ``codes`` is a list of (rank, code, detail)."""
+    parts = [f"rank {r}: {describe(c, d, numel, dtype_names)}" for r, c, d in codes]
+    return f"{what} on all ranks, state unchanged: " + "; ".join(parts)

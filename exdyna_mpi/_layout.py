@@ -1,0 +1,135 @@
+"""Algorithm layer: the block layout of ExDyna and its rotation and rebalancing.
+
+Pure host logic on small integer lists. Every rank runs it on the same inputs (the gathered
+counts), so every rank computes the same bounds with no communication. Faithful to the authors'
+code (specs/exdyna.md §1, §3) except where their code crashes (P = 1, a zero mean count).
+"""
+import numpy as np
+
+
+def block_size(numel, n_blocks, block_align):
+    """Block size and block count for ``numel`` elements.
+
+    The authors' rule: ``a = numel // n_blocks`` rounded down to a multiple of ``block_align``. When
+    that is 0 (a small vector) the blocks shrink to ``block_align`` elements, then to 1, so that a
+    small vector still has blocks to move; the remainder always goes to the last partition.
+    """
+    a = numel // n_blocks
+    size = a - a % block_align
+    if size > 0:
+        return size, n_blocks
+    for size in (block_align, 1):
+        if numel // size >= 1:
+            return size, numel // size
+    raise ValueError("numel must be positive")
+
+
+def initial_blocks(n_blocks, nparts):
+    q, r = divmod(n_blocks, nparts)
+    return [q + 1 if p < r else q for p in range(nparts)]
+
+
+def partition_of(rank, t, nparts):
+    """Partition owned by ``rank`` at step ``t``: ``(t mod P + rank) mod P``."""
+    return (t % nparts + rank) % nparts
+
+
+def owners(t, nparts):
+    """``owned[r]``: the partition rank r owns at step t."""
+    return [(t % nparts + r) % nparts for r in range(nparts)]
+
+
+class BlockLayout:
+    """Partitions as runs of whole blocks; the remainder of ``numel`` sits in the last one."""
+
+    def __init__(self, numel, nparts, n_blocks=1024, block_align=32):
+        self.numel = numel
+        self.nparts = nparts
+        self.sz_blk, self.n_blocks = block_size(numel, n_blocks, block_align)
+        self.rem = numel - self.sz_blk * self.n_blocks
+        self.min_blk = self.n_blocks / (4 * nparts)
+        self.blk_part = initial_blocks(self.n_blocks, nparts)
+
+    def bounds(self):
+        """Element offsets of partitions 0..P-1 (length P+1)."""
+        b = np.zeros(self.nparts + 1, dtype=np.int64)
+        np.cumsum(self.blk_part, out=b[1:])
+        b *= self.sz_blk
+        b[-1] += self.rem
+        return b
+
+    def range_of(self, p):
+        b = self.bounds()
+        return int(b[p]), int(b[p + 1])
+
+    def rebalance_faithful(self, counts_prev, t):
+        """The authors' one-block neighbour move (§3), given last step's per-rank counts.
+
+        ``counts_prev[r]`` was selected by rank r at step ``t - 1``, in partition
+        ``partition_of(r, t - 1)``. One left-to-right sweep; each boundary moves at most one block.
+        """
+        n = self.nparts
+        k_prev = int(sum(counts_prev))
+        mean = k_prev // n
+        if n < 2 or mean == 0:
+            return
+        load = [0] * n
+        for r in range(n):
+            load[partition_of(r, t - 1, n)] = int(counts_prev[r])
+        dens = k_prev / self.numel
+        m = int(self.sz_blk * dens)
+        hi, lo = 1.05, 1 / 1.05
+        part = self.blk_part
+        for i in range(n - 1):
+            a = load[i] / mean
+            b = load[i + 1] / mean
+            if a > hi and b < lo:
+                if part[i] - 1 < self.min_blk:
+                    continue
+                part[i] -= 1
+                part[i + 1] += 1
+                load[i] -= m
+                load[i + 1] += m
+            if a < lo and b > hi:
+                if part[i + 1] - 1 < self.min_blk:
+                    continue
+                part[i] += 1
+                part[i + 1] -= 1
+                load[i] += m
+                load[i + 1] -= m
+
+    def state(self):
+        return {"blk_part": list(self.blk_part)}
+
+    def load_state(self, d):
+        part = [int(x) for x in d["blk_part"]]
+        if len(part) != self.nparts or sum(part) != self.n_blocks or min(part) < 0:
+            raise ValueError("blk_part does not fit this layout")
+        self.blk_part = part
+
+
+class EqualLayout:
+    """MiCRO's layout: P fixed element ranges, the first ``numel % P`` one element longer."""
+
+    def __init__(self, numel, nparts):
+        self.numel = numel
+        self.nparts = nparts
+        q, r = divmod(numel, nparts)
+        sizes = [q + 1 if p < r else q for p in range(nparts)]
+        self._bounds = np.zeros(nparts + 1, dtype=np.int64)
+        np.cumsum(sizes, out=self._bounds[1:])
+
+    def bounds(self):
+        return self._bounds.copy()
+
+    def range_of(self, p):
+        return int(self._bounds[p]), int(self._bounds[p + 1])
+
+    def rebalance_faithful(self, counts_prev, t):
+        pass
+
+    def state(self):
+        return {}
+
+    def load_state(self, d):
+        pass

@@ -1,0 +1,58 @@
+"""Shared test helpers: collective asserts and communicators to parametrise over.
+
+A multi-rank test must not let one rank leave a test early while the others wait in a collective:
+compute local checks, then call ``mpi_assert`` (an allreduce), which fails on every rank together.
+"""
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+
+def pytest_configure(config):
+    # Under mpiexec every rank runs pytest; give each rank its own JUnit file.
+    rank = MPI.COMM_WORLD.Get_rank()
+    xml = getattr(config.option, "xmlpath", None)
+    if xml and rank > 0:
+        config.option.xmlpath = f"{xml}.rank{rank}"
+
+
+def mpi_assert(ok, msg="", comm=MPI.COMM_WORLD):
+    """Assert ``ok`` on every rank: all ranks fail together if any rank's ``ok`` is false."""
+    flags = comm.allgather(bool(ok))
+    if not all(flags):
+        bad = [r for r, f in enumerate(flags) if not f]
+        raise AssertionError(f"failed on ranks {bad}: {msg}")
+
+
+def allgather_array(x, comm=MPI.COMM_WORLD):
+    """Every rank's copy of ``x`` stacked as a (P, ...) array, on every rank."""
+    return np.stack(comm.allgather(np.asarray(x)))
+
+
+def _split_half(comm):
+    return comm.Split(comm.Get_rank() % 2, comm.Get_rank())
+
+
+COMMS = {
+    "world": lambda: MPI.COMM_WORLD,
+    "dup": lambda: MPI.COMM_WORLD.Dup(),
+    "self": lambda: MPI.COMM_SELF,
+    "split": lambda: _split_half(MPI.COMM_WORLD),
+}
+
+
+@pytest.fixture(params=sorted(COMMS))
+def comm(request):
+    """Each communicator kind a sparsifier must work on (a Dup and a Split are freed after)."""
+    c = COMMS[request.param]()
+    yield c
+    if request.param in ("dup", "split"):
+        c.Free()
+
+
+@pytest.fixture
+def wcomm():
+    """A private duplicate of COMM_WORLD, so one test's messages never meet another's."""
+    c = MPI.COMM_WORLD.Dup()
+    yield c
+    c.Free()
