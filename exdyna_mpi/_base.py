@@ -102,8 +102,9 @@ class Sparsifier:
         self.density = density
         self.nonfinite = nonfinite
         self.options = opts
-        self._device = None if device == "auto" else device
-        self._ops = ops_for(self._device) if self._device else None
+        self._device, self._ops = None, None
+        if device != "auto":
+            self._use_device(device)
         self._dtype = None
         self._residual = None
         self._spare = None
@@ -138,12 +139,21 @@ class Sparsifier:
             out = o.array if err is None else None
         return inp, err, out
 
+    def _use_device(self, device):
+        """Bind the per-element ops and the transport to ``device`` ("cpu" or "cuda")."""
+        self._device = device
+        self._ops = ops_for(device)
+        if device == "cuda":
+            from ._device_transport import DeviceExchange
+
+            self.xch = DeviceExchange(self.xch)
+
     def _bind(self, inp):
         """Fix device and dtype from the first good gradient; allocate the residual there."""
         if self._residual is not None:
             return
-        self._device = inp.device
-        self._ops = ops_for(self._device)
+        if self._device is None:
+            self._use_device(inp.device)
         self._dtype = np.dtype(inp.array.dtype)
         self._residual = self._ops.zeros(self.numel, self._dtype)
 
@@ -243,9 +253,8 @@ class Sparsifier:
             self._dtype, self._residual = None, None
         else:
             self._dtype = np.dtype(d["dtype"])
-            dev = self._device or "cpu"
             if self._ops is None:
-                self._device, self._ops = dev, ops_for(dev)
+                self._use_device("cpu")
             host = np.array(d["residual"], dtype=self._dtype, copy=True)
             self._residual = self._ops.from_host(host)
         self._load_extra_state(d)
