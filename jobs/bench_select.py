@@ -1,0 +1,117 @@
+"""Per-step time of ExDyna's select + exchange against exact top-k + Allgatherv, same gradients.
+
+    mpiexec -n 4 python -m mpi4py jobs/bench_select.py --numel 10000000 --density 0.001 --steps 10
+
+Both methods run in one process, alternating step by step on the same gradient stream, so they see
+the same machine load. A step's time is the slowest rank's (the step ends when every rank is done).
+Top-k: ``acc = residual + grad``; ``np.argpartition(|acc|, N-k)`` (no full sort); Allgatherv of
+int32 indices; the union (``np.unique``); Allreduce of each rank's ``acc`` at the union; residual
+zeroed there. ExDyna: ``sp.step`` with its own phase timers.
+"""
+import argparse
+import json
+import os
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+import exdyna_mpi
+
+
+class ExactTopK:
+    """Reference top-k exchange with Allgatherv, written plainly with NumPy (a benchmark baseline)."""
+
+    def __init__(self, numel, density, comm):
+        self.comm, self.k = comm, max(1, int(numel * density))
+        self.residual = np.zeros(numel, np.float32)
+        self.seconds = {}
+
+    def step(self, grad):
+        c, P = self.comm, self.comm.Get_size()
+        t0 = time.perf_counter()
+        acc = self.residual + grad
+        n = acc.size
+        idx = np.argpartition(np.abs(acc), n - self.k)[n - self.k:].astype(np.int32)
+        t1 = time.perf_counter()
+        counts = np.array(c.allgather(idx.size))
+        union = np.empty(int(counts.sum()), np.int32)
+        displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        c.Allgatherv(idx, [union, (counts, displs)])
+        union = np.unique(union)
+        vals = acc[union]
+        c.Allreduce(MPI.IN_PLACE, vals, op=MPI.SUM)
+        out = np.zeros(n, np.float32)
+        out[union] = vals / np.float32(P)
+        acc[union] = 0
+        self.residual = acc
+        t2 = time.perf_counter()
+        self.seconds = {"select": t1 - t0, "exchange": t2 - t1, "total": t2 - t0, "union": union.size}
+        return out
+
+
+def grad_stream(rank, step, n):
+    rng = np.random.default_rng([rank, step])
+    g = rng.standard_normal(n, dtype=np.float32)
+    g *= np.float32(0.01)
+    g[: n // 8] *= np.float32(3.0)          # a heavier head, as real layers differ
+    return g
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--numel", type=int, default=10_000_000)
+    ap.add_argument("--density", type=float, default=0.001)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--json", default=None, help="append a JSON line with the results")
+    a = ap.parse_args()
+    comm = MPI.COMM_WORLD
+    rank, P = comm.Get_rank(), comm.Get_size()
+    # Start ExDyna's threshold at the stream's top-k value, so both methods select about k from step 0.
+    ex = exdyna_mpi.ExDyna(a.numel, a.density, comm, controller="faithful")
+    g0 = grad_stream(rank, 0, a.numel)
+    k = max(1, int(a.numel * a.density))
+    thr0 = float(np.partition(np.abs(g0), a.numel - k)[a.numel - k])
+    ex.controller.threshold = comm.allreduce(thr0, op=MPI.MAX)
+    tk = ExactTopK(a.numel, a.density, comm)
+    rows = {"exdyna": [], "topk": []}
+    for t in range(a.warmup + a.steps):
+        g = grad_stream(rank, t, a.numel)
+        for name, sp in (("exdyna", ex), ("topk", tk)):
+            comm.Barrier()
+            t0 = time.perf_counter()
+            sp.step(g)
+            wall = time.perf_counter() - t0
+            if name == "exdyna":
+                s = ex.stats.seconds
+                sel = s["select"]
+                extra = {"selected": ex.stats.selected, "imbalance": ex.stats.imbalance}
+            else:
+                sel = tk.seconds["select"]
+                extra = {"selected": tk.seconds["union"]}
+            step = np.array([wall, sel])
+            comm.Allreduce(MPI.IN_PLACE, step, op=MPI.MAX)
+            if t >= a.warmup:
+                rows[name].append({"total": step[0], "select": step[1], "exchange": step[0] - step[1], **extra})
+    if rank == 0:
+        res = {"nranks": P, "numel": a.numel, "density": a.density, "steps": a.steps}
+        print(f"P={P} numel={a.numel:,} density={a.density} ({a.steps} steps after {a.warmup} warm-up; "
+              f"median of the slowest rank per step)")
+        print(f"{'method':8} {'select ms':>10} {'exchange ms':>12} {'total ms':>9} {'selected':>9}")
+        for name, rs in rows.items():
+            med = {k: float(np.median([r[k] for r in rs])) for k in ("total", "select", "exchange", "selected")}
+            res[name] = med
+            print(f"{name:8} {med['select']*1e3:10.2f} {med['exchange']*1e3:12.2f} {med['total']*1e3:9.2f} "
+                  f"{int(med['selected']):9d}")
+        ratio = res["topk"]["total"] / res["exdyna"]["total"]
+        res["speedup_total"] = ratio
+        print(f"exact top-k / ExDyna, per-step time: {ratio:.1f}x")
+        if a.json:
+            os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
+            with open(a.json, "a") as f:
+                f.write(json.dumps(res) + "\n")
+
+
+if __name__ == "__main__":
+    main()

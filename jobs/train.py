@@ -1,0 +1,350 @@
+#!/usr/bin/env python
+"""Data-parallel training with sparse gradient exchange: the job people run.
+
+    mpiexec -n 4 python jobs/train.py                          # CNN on sklearn digits, ExDyna d=0.01
+    mpiexec -n 4 python jobs/train.py --compare dense,exdyna   # same seed, one plot
+    mpiexec -n 4 python jobs/train.py --model big --epochs 1   # >= 10M parameters, synthetic data
+
+Each rank trains on its own shard; gradients go through ``exdyna_mpi.adapters.torch.
+DistributedOptimizer``. Rank 0 shows a progress bar, one line per epoch and a final table, and writes
+``<out>/metrics.jsonl`` (one record per step, per epoch and per run) and ``<out>/train.png``. At the
+end every rank's parameters are hashed and compared; the job exits 1 if any rank differs.
+"""
+import argparse
+import ast
+import hashlib
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import models  # noqa: E402  (jobs/models.py, beside this script)
+
+from exdyna_mpi import available as sparsifier_names
+from exdyna_mpi.adapters.torch import DistributedOptimizer  # noqa: E402
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--sparsifier", default="exdyna", help=f"one of {', '.join(sparsifier_names())}")
+    ap.add_argument("--compare", default="", help="comma-separated sparsifiers run back to back (overrides --sparsifier)")
+    ap.add_argument("--density", type=float, default=0.01, help="target density (fraction of gradient kept)")
+    ap.add_argument("--densities", default="", help="comma-separated densities: each sparse run is repeated at each")
+    ap.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
+                    help="sparsifier option, e.g. --opt controller=symmetric (repeatable)")
+    ap.add_argument("--model", choices=sorted(models.MODELS), default="cnn",
+                    help="cnn: small CNN on sklearn digits; big: >=10M-parameter MLP on synthetic data")
+    ap.add_argument("--width", type=int, default=16, help="model width (CNN channels; MLP hidden = 256*width)")
+    ap.add_argument("--epochs", type=int, default=30)
+    ap.add_argument("--batch-size", type=int, default=32, help="per rank")
+    ap.add_argument("--max-steps", type=int, default=0, help="stop each epoch after this many steps (0: full epoch)")
+    ap.add_argument("--lr", type=float, default=0.1)
+    ap.add_argument("--momentum", type=float, default=0.9)
+    ap.add_argument("--weight-decay", type=float, default=1e-4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cores / ranks on this node)")
+    ap.add_argument("--out", default="out/train", help="folder for metrics.jsonl and train.png")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ap.add_argument("--no-plot", action="store_true")
+    return ap.parse_args(argv)
+
+
+def parse_options(items):
+    opts = {}
+    for item in items:
+        key, _, val = item.partition("=")
+        try:
+            opts[key] = ast.literal_eval(val)
+        except (ValueError, SyntaxError):
+            opts[key] = val
+    return opts
+
+
+def set_threads(comm, requested):
+    """One torch thread per rank when ranks fill the node's cores (else they fight over them)."""
+    if requested:
+        torch.set_num_threads(requested)
+        return requested
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    ranks_here = local.Get_size()
+    local.Free()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    n = max(1, cores // ranks_here)
+    torch.set_num_threads(n)
+    return n
+
+
+def params_hash(model):
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def evaluate(model, data, comm):
+    """Test accuracy and loss over the whole test set, split across ranks."""
+    rank, p = comm.Get_rank(), comm.Get_size()
+    x, y = data.x_test[rank::p], data.y_test[rank::p]
+    with torch.no_grad():
+        logits = model(x)
+        local = np.array([float((logits.argmax(1) == y).sum()),
+                          float(torch.nn.functional.cross_entropy(logits, y, reduction="sum")), float(len(y))])
+    tot = np.empty_like(local)
+    comm.Allreduce(local, tot, op=MPI.SUM)
+    return tot[0] / tot[2], tot[1] / tot[2]
+
+
+def imbalance_of(stats):
+    imb = getattr(stats, "imbalance", None)
+    if imb is not None:
+        return float(imb)
+    counts = np.asarray(stats.counts if stats.counts is not None else [0])
+    total = counts.sum()
+    return float(counts.max() * len(counts) / total - 1.0) if total else 0.0
+
+
+class Run:
+    """One training run (one sparsifier, one density) with its per-step records."""
+
+    def __init__(self, name, density, args, comm, log):
+        self.name, self.density, self.args, self.comm, self.log = name, density, args, comm, log
+        self.label = name if name == "dense" else f"{name} d={density:g}"
+        self.steps, self.epochs = [], []
+
+    def train(self, show_progress):
+        args, comm = self.args, self.comm
+        rank, nranks = comm.Get_rank(), comm.Get_size()
+        model, data = models.build(args.model, args.width, args.seed, rank, nranks)
+        opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
+                              weight_decay=args.weight_decay)
+        opt = DistributedOptimizer(opt, model, sparsifier=self.name, density=self.density, comm=comm,
+                                   **(parse_options(args.opt) if self.name != "dense" else {}))
+        numel = opt.flat_grad.numel()
+        self.options = dict(getattr(opt.sparsifier, "options", {}) or {})
+        itemsize = opt.flat_grad.element_size()
+        # Ring allreduce of the whole gradient: what dense sends per rank and step (same model as
+        # exdyna_mpi's byte accounting).
+        self.dense_bytes = 2 * (nranks - 1) * numel * itemsize // nranks
+        shard = comm.allreduce(data.x_train.shape[0], op=MPI.MIN)
+        steps = max(1, shard // args.batch_size)
+        if args.max_steps:
+            steps = min(steps, args.max_steps)
+        self.numel, self.steps_per_epoch = numel, steps
+        acc0, loss0 = evaluate(model, data, comm)
+        self.initial = {"test_acc": acc0, "test_loss": loss0}
+        bar = None
+        if show_progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=args.epochs * steps, desc=self.label, unit="step", dynamic_ncols=True,
+                       mininterval=0.5, file=sys.stderr)
+        lossf = torch.nn.functional.cross_entropy
+        t_start = time.perf_counter()
+        for epoch in range(args.epochs):
+            model.train()
+            first = len(self.steps)
+            for x, y in data.batches(epoch, args.batch_size, steps, args.seed, rank):
+                t0 = time.perf_counter()
+                opt.zero_grad()
+                loss = lossf(model(x), y)
+                loss.backward()
+                t1 = time.perf_counter()
+                opt.step()
+                st = opt.stats
+                sec = st.seconds or {}
+                select = sec.get("select", 0.0)
+                local = np.array([loss.item(), st.bytes_sent, st.bytes_received, t1 - t0, select,
+                                  sec.get("total", 0.0) - select])
+                mean = np.empty_like(local)
+                comm.Allreduce(local, mean, op=MPI.SUM)
+                mean /= nranks
+                rec = {"kind": "step", "run": self.label, "sparsifier": self.name, "target": self.density,
+                       "step": len(self.steps), "epoch": epoch, "loss": mean[0], "density": float(st.density),
+                       "imbalance": imbalance_of(st), "bytes_sent": mean[1], "bytes_received": mean[2],
+                       "dense_bytes": self.dense_bytes, "t_compute": mean[3], "t_select": mean[4],
+                       "t_exchange": mean[5]}
+                self.steps.append(rec)
+                self.log(rec)
+                if bar is not None:
+                    bar.set_postfix(loss=f"{mean[0]:.3f}", density=f"{st.density:.4f}", refresh=False)
+                    bar.update(1)
+            model.eval()
+            acc, tloss = evaluate(model, data, comm)
+            ep = self._epoch_record(epoch, self.steps[first:], acc, tloss, time.perf_counter() - t_start)
+            self.epochs.append(ep)
+            self.log(ep)
+            line = self.epoch_line(ep)
+            if bar is not None:
+                bar.write(line, file=sys.stderr)
+            elif rank == 0:
+                print(line, flush=True)
+        if bar is not None:
+            bar.close()
+        self.wall = time.perf_counter() - t_start
+        digest = params_hash(model)
+        hashes = comm.allgather(digest)
+        self.identical = all(h == hashes[0] for h in hashes)
+        self.hash = digest
+        self.summary = self._summary()
+        self.log(self.summary)
+        return self
+
+    def _epoch_record(self, epoch, recs, acc, tloss, wall):
+        def mean(key):
+            return float(np.mean([r[key] for r in recs]))
+
+        return {"kind": "epoch", "run": self.label, "sparsifier": self.name, "target": self.density,
+                "epoch": epoch, "step": len(self.steps), "train_loss": mean("loss"), "test_acc": acc,
+                "test_loss": tloss, "density": mean("density"), "imbalance": mean("imbalance"),
+                "bytes_sent": mean("bytes_sent"), "dense_bytes": self.dense_bytes,
+                "t_compute": mean("t_compute"), "t_select": mean("t_select"),
+                "t_exchange": mean("t_exchange"), "wall": wall}
+
+    def epoch_line(self, ep):
+        ratio = ep["bytes_sent"] / self.dense_bytes if self.dense_bytes else float("nan")
+        return (f"[{self.label}] epoch {ep['epoch'] + 1}/{self.args.epochs}  loss {ep['train_loss']:.4f}  "
+                f"test acc {100 * ep['test_acc']:.2f}%  density {ep['density']:.5f} (target "
+                f"{self.density if self.name != 'dense' else 1:g})  imbalance {ep['imbalance']:.3f}  "
+                f"sent/step {ep['bytes_sent'] / 1e3:.1f} kB = {100 * ratio:.2f}% of dense  "
+                f"ms/step compute {1e3 * ep['t_compute']:.2f} select {1e3 * ep['t_select']:.2f} "
+                f"exchange {1e3 * ep['t_exchange']:.2f}")
+
+    def _summary(self):
+        recs = self.steps
+        last = self.epochs[-1]
+
+        def mean(key):
+            return float(np.mean([r[key] for r in recs]))
+
+        sent = mean("bytes_sent")
+        return {"kind": "run", "run": self.label, "sparsifier": self.name, "target": self.density,
+                "ranks": self.comm.Get_size(), "numel": self.numel, "steps": len(recs), "options": self.options,
+                "initial_test_acc": self.initial["test_acc"], "test_acc": last["test_acc"],
+                "test_loss": last["test_loss"], "train_loss": last["train_loss"],
+                "density": mean("density"), "density_last_epoch": last["density"],
+                "imbalance": mean("imbalance"), "bytes_sent_per_step": sent,
+                "dense_bytes_per_step": self.dense_bytes,
+                "bytes_ratio": sent / self.dense_bytes if self.dense_bytes else None,
+                "t_compute": mean("t_compute"), "t_select": mean("t_select"),
+                "t_exchange": mean("t_exchange"), "wall": self.wall,
+                "params_identical": self.identical, "params_sha256": self.hash}
+
+
+def summary_table(runs):
+    head = ("run", "test acc", "final loss", "density", "imbalance", "kB sent/step", "vs dense",
+            "compute ms", "select ms", "exchange ms", "identical")
+    rows = []
+    for r in runs:
+        s = r.summary
+        ratio = "n/a" if s["bytes_ratio"] is None else f"{100 * s['bytes_ratio']:.2f}%"
+        rows.append((s["run"], f"{100 * s['test_acc']:.2f}%", f"{s['train_loss']:.4f}", f"{s['density']:.5f}",
+                     f"{s['imbalance']:.3f}", f"{s['bytes_sent_per_step'] / 1e3:.1f}", ratio,
+                     f"{1e3 * s['t_compute']:.2f}", f"{1e3 * s['t_select']:.2f}", f"{1e3 * s['t_exchange']:.2f}",
+                     "yes" if s["params_identical"] else "NO"))
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
+    fmt = "| " + " | ".join(f"{{:<{w}}}" for w in widths) + " |"
+    lines = [fmt.format(*head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    lines += [fmt.format(*row) for row in rows]
+    return "\n".join(lines)
+
+
+def plot(runs, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(2, 2, figsize=(12, 8))
+    for i, r in enumerate(runs):
+        c = f"C{i}"
+        steps = np.array([s["step"] for s in r.steps])
+        loss = np.array([s["loss"] for s in r.steps])
+        k = max(1, r.steps_per_epoch // 2)
+        smooth = np.convolve(loss, np.ones(k) / k, mode="valid") if len(loss) >= k else loss
+        ax[0, 0].plot(steps, loss, color=c, alpha=0.2, lw=0.8)
+        ax[0, 0].plot(steps[len(steps) - len(smooth):], smooth, color=c, label=r.label)
+        ax[0, 1].plot([0] + [e["step"] for e in r.epochs],
+                      [100 * r.initial["test_acc"]] + [100 * e["test_acc"] for e in r.epochs],
+                      "o-", color=c, ms=3, label=r.label)
+        ax[1, 0].plot(steps, [s["density"] for s in r.steps], color=c, label=f"{r.label} achieved")
+        if r.name != "dense":
+            ax[1, 0].axhline(r.density, color=c, ls="--", lw=1, label=f"{r.label} target")
+        if r.dense_bytes:
+            ax[1, 1].plot(steps, [s["bytes_sent"] / r.dense_bytes for s in r.steps], color=c, label=r.label)
+    ax[0, 0].set(xlabel="step", ylabel="training loss (mean over ranks)", title="loss")
+    ax[0, 1].set(xlabel="step", ylabel="test accuracy (%)", title="test accuracy (end of each epoch)")
+    ax[1, 0].set(xlabel="step", ylabel="density", yscale="log", title="achieved vs target density")
+    ax[1, 1].set(xlabel="step", ylabel="bytes sent / dense allreduce", yscale="log", title="bytes per step vs dense")
+    for a in ax.flat:
+        a.grid(alpha=0.3)
+        if a.lines:
+            a.legend(fontsize=7)
+    p = runs[0].comm.Get_size()
+    fig.suptitle(f"{runs[0].args.model}, {p} ranks, {runs[0].numel:,} parameters, seed {runs[0].args.seed}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plan(args):
+    names = [n.strip() for n in args.compare.split(",") if n.strip()] or [args.sparsifier]
+    dens = [float(d) for d in args.densities.split(",") if d.strip()] or [args.density]
+    known = sparsifier_names()
+    bad = [n for n in names if n not in known]
+    if bad:
+        raise SystemExit(f"unknown sparsifier(s) {bad}; available: {', '.join(known)}")
+    runs = []
+    for n in names:
+        for d in ([1.0] if n == "dense" else dens):
+            runs.append((n, d))
+    return runs
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    comm = MPI.COMM_WORLD
+    rank, nranks = comm.Get_rank(), comm.Get_size()
+    threads = set_threads(comm, args.threads)
+    todo = plan(args)
+    if rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+        log_file = open(os.path.join(args.out, "metrics.jsonl"), "w")
+
+        def log(rec):
+            log_file.write(json.dumps(rec, default=str) + "\n")
+
+        print(f"exdyna_mpi train: model {args.model}, {nranks} ranks x {threads} torch threads, "
+              f"runs: {', '.join(n if n == 'dense' else f'{n} d={d:g}' for n, d in todo)}", flush=True)
+    else:
+        log_file = None
+
+        def log(rec):
+            pass
+
+    runs = []
+    for name, density in todo:
+        runs.append(Run(name, density, args, comm, log).train(show_progress=rank == 0 and not args.no_progress))
+    ok = all(r.identical for r in runs)
+    if rank == 0:
+        log_file.close()
+        print("\n" + summary_table(runs), flush=True)
+        if not args.no_plot:
+            plot(runs, os.path.join(args.out, "train.png"))
+        for r in runs:
+            state = "bit-identical" if r.identical else "DIFFERENT"
+            opts = " ".join(f"{k}={v}" for k, v in sorted(r.options.items()))
+            print(f"[{r.label}] parameters {state} on all {nranks} ranks (sha256 {r.hash[:16]})"
+                  + (f"; options {opts}" if opts else ""))
+        print(f"wrote {os.path.join(args.out, 'metrics.jsonl')}"
+              + ("" if args.no_plot else f" and {os.path.join(args.out, 'train.png')}"), flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
