@@ -5,6 +5,8 @@ so every rank computes the same threshold sequence.
 """
 import math
 
+import numpy as np
+
 
 def target_count(density, numel):
     """k = int(density * numel), at least 1 (the authors' code divides by it)."""
@@ -73,7 +75,150 @@ class DenseController:
         self.threshold = float(d["threshold"])
 
 
-CONTROLLERS = {c.name: c for c in (FaithfulController, SymmetricController)}
+class HistogramController:
+    """Holds the target density from the first step: a histogram quantile plus an integral trim.
+
+    Every step each rank histograms ``|acc|`` over the partition it owns, in the same pass that
+    selects (``kernels/cpu_controller.py``), in ``N_BUCKETS`` buckets ``2**SUB_BITS`` per octave,
+    centred on the threshold in use. The histograms travel in the step's first collective with the
+    counts, so every rank sums the same ``(P, N_BUCKETS)`` words: the histogram of the whole
+    vector as its owners saw it. The next threshold is the level the summed histogram puts
+    ``k * exp(-trim)`` elements above (log-log interpolation inside a bucket); ``trim`` integrates
+    ``log(selected / k)``, which removes the bias that error feedback adds (mass left below the
+    threshold keeps growing, so next step's tail is heavier than this step's). A 10x change of
+    gradient scale shows in the very next histogram, so the threshold follows it in one step.
+
+    Step 0 has no history: the sparsifier histograms the whole exponent range first
+    (``hist_spec(dtype, 0)``: one bucket per octave), refines around that estimate
+    (``refine_spec``, 16 buckets per octave, one extra small Allgather and one read of the owned
+    range, at step 0 only), then selects with ``first_threshold``.
+
+    Without a histogram (``update(counts)`` alone, e.g. jobs/simulate.py) it falls back to a
+    multiplicative step on ``log(selected / k)`` with an assumed tail slope.
+
+    Example::
+
+        >>> c = HistogramController(numel=1 << 20, density=0.001)
+        >>> nb, shift, key0 = c.hist_spec(np.float32, t)        # kernel arguments for this step
+        >>> c.update(counts, hists)                            # gathered (P,) and (P, nb)
+        >>> c.threshold                                        # next step's, same on every rank
+    """
+
+    name = "histogram"
+    N_BUCKETS = 64
+    SUB_BITS = 3            # 8 buckets per octave: the window spans 8 octaves around the threshold
+    REFINE_BITS = 4         # step 0: 16 buckets per octave over 4 octaves
+    COARSE_BUCKETS = 64
+    COARSE_LOW = -40        # step 0 coarse window: one bucket per octave from 2**-40 to 2**24
+    BETA = 0.5              # fraction of the histogram's correction taken per step
+    GAIN = 0.1              # integral gain on log(selected / k)
+    TRIM_BAND = 0.3         # integrate only while |log(selected / k)| is below this
+    TRIM_MAX = 2.0          # |trim| bound (a factor e**2 on the aimed count)
+    SLOPE = 4.0             # histogram-less fallback: assumed d log(count) / d log(threshold)
+
+    def __init__(self, numel, density):
+        self.k = target_count(density, numel)
+        self.numel = numel
+        self.threshold = 1.0 / (2.0 * math.sqrt(self.k))   # a placeholder until step 0 is seen
+        self.trim = 0.0
+
+    # ------------------------------------------------------------------ bucket geometry
+    @staticmethod
+    def _mantissa_bits(dtype):
+        return 23 if np.dtype(dtype) == np.float32 else 52
+
+    @staticmethod
+    def _key(value, dtype, shift):
+        bits = np.array([abs(value)], dtype=dtype).view(np.int32 if np.dtype(dtype) == np.float32 else np.int64)
+        return int(bits[0]) >> shift
+
+    @staticmethod
+    def _edges(dtype, shift, key0, nb):
+        """Lower edges of buckets 0..nb (float64): the floats whose bits are ``(key0 + j) << shift``."""
+        ity = np.int32 if np.dtype(dtype) == np.float32 else np.int64
+        keys = np.clip(np.arange(key0, key0 + nb + 1, dtype=np.int64), 1, None)
+        cap = (1 << (31 if ity is np.int32 else 63)) - 1
+        bits = np.minimum(keys << shift, (cap >> shift) << shift).astype(ity)
+        return bits.view(np.dtype(dtype)).astype(np.float64)
+
+    def hist_spec(self, dtype, t):
+        """``(n_buckets, shift, key0)`` for the kernel at step ``t`` (same on every rank)."""
+        mb = self._mantissa_bits(dtype)
+        if t == 0:
+            bias = 127 if mb == 23 else 1023
+            return self.COARSE_BUCKETS, mb, bias + self.COARSE_LOW
+        shift = mb - self.SUB_BITS
+        return self.N_BUCKETS, shift, self._key(self.threshold, dtype, shift) - self.N_BUCKETS // 2
+
+    def refine_spec(self, dtype, coarse_hist):
+        """Step 0: a finer window around the coarse estimate, and that estimate."""
+        nb, shift, key0 = self.hist_spec(dtype, 0)
+        guess = self._quantile(np.asarray(coarse_hist).sum(axis=0), self._edges(dtype, shift, key0, nb), self.k)
+        fshift = self._mantissa_bits(dtype) - self.REFINE_BITS
+        return self.COARSE_BUCKETS, fshift, self._key(guess, dtype, fshift) - self.COARSE_BUCKETS // 2
+
+    def first_threshold(self, dtype, spec, fine_hist):
+        nb, shift, key0 = spec
+        self.threshold = self._quantile(np.asarray(fine_hist).sum(axis=0), self._edges(dtype, shift, key0, nb),
+                                        self.k)
+        return self.threshold
+
+    # ------------------------------------------------------------------ estimates
+    @staticmethod
+    def _quantile(hist, edges, target):
+        """The level with ``target`` elements above it, from bucket counts (log-log interpolation).
+
+        ``hist[j]`` counts values in ``[edges[j], edges[j+1])``; the last bucket also holds
+        everything above, the first everything below. Beyond the window: a factor 2 past its edge.
+        """
+        hist = np.asarray(hist, dtype=np.float64)
+        nb = hist.shape[0]
+        above = np.cumsum(hist[::-1])[::-1]            # above[j]: count at or above edges[j]
+        target = max(float(target), 0.5)
+        if above[nb - 1] >= target:                    # inside the open top bucket
+            return float(edges[nb - 1] * 2.0)
+        j = int(np.nonzero(above >= target)[0][-1]) if above[0] >= target else 0
+        if j == 0:                                     # the open bottom bucket: below the window
+            return float(edges[1] * 0.5) if above[0] >= target else float(edges[0] * 0.5)
+        a_hi = above[j + 1]
+        lo_e, hi_e = math.log(edges[j]), math.log(edges[j + 1])
+        if a_hi > 0:
+            frac = (math.log(target) - math.log(a_hi)) / (math.log(above[j]) - math.log(a_hi))
+        else:
+            frac = target / above[j]
+        return float(math.exp(hi_e + frac * (lo_e - hi_e)))
+
+    # ------------------------------------------------------------------ the loop
+    def update(self, counts_prev, hists=None, dtype=np.float32, spec=None):
+        """Set the next threshold from the gathered counts and histograms (``spec``: this step's).
+
+        ``thr <- thr * (q / thr) ** BETA`` where ``q`` is the level the summed histogram puts
+        ``k * exp(-trim)`` elements above. A full step (BETA = 1) would feed each step's count
+        noise (about 1/sqrt(k) in log) straight into the next threshold and double its variance.
+        """
+        n = float(sum(int(c) for c in counts_prev))
+        err = math.log(max(n, 0.5) / self.k)
+        if hists is None:
+            self.threshold *= math.exp(max(-1.0, min(1.0, err)) / self.SLOPE)
+            return
+        # integral trim on the log ratio, only near the target: a scale jump (a large miss that the
+        # histogram corrects by itself) must not wind it up and cost an undershoot afterwards
+        if abs(err) < self.TRIM_BAND:
+            self.trim = max(-self.TRIM_MAX, min(self.TRIM_MAX, self.trim + self.GAIN * err))
+        nb, shift, key0 = spec
+        q = self._quantile(np.asarray(hists, dtype=np.int64).sum(axis=0), self._edges(dtype, shift, key0, nb),
+                           self.k * math.exp(-self.trim))
+        self.threshold = math.exp(math.log(self.threshold) + self.BETA * (math.log(q) - math.log(self.threshold)))
+
+    def state(self):
+        return {"threshold": self.threshold, "trim": self.trim}
+
+    def load_state(self, d):
+        self.threshold = float(d["threshold"])
+        self.trim = float(d.get("trim", 0.0))
+
+
+CONTROLLERS = {c.name: c for c in (FaithfulController, SymmetricController, HistogramController)}
 
 
 def make_controller(name, numel, density):

@@ -98,14 +98,66 @@ class BlockLayout:
                 load[i] += m
                 load[i + 1] -= m
 
+    # ------------------------------------------------------------------ adaptive rebalancing
+    #: per-block load estimates are fixed-point integers (1/2**FIX of a count) so that every rank
+    #: computes the same bits; the estimate moves 1/2**EMA_SHIFT of the way to each observation.
+    FIX, EMA_SHIFT = 20, 3
+
+    def min_blocks_adaptive(self):
+        """Smallest partition the adaptive rule makes: 1/16 of the mean, at least one block."""
+        return max(1, self.n_blocks // (16 * self.nparts))
+
+    def rebalance_adaptive(self, counts_prev, t):
+        """Move every boundary as far as needed to equalise the predicted load (integer logic).
+
+        Last step's count of each partition is spread evenly over its blocks and folded into a
+        per-block moving estimate; the new boundaries cut the cumulative estimate into P equal
+        shares, each partition keeping at least ``min_blocks_adaptive()`` blocks. Unlike the
+        one-block neighbour rule this passes load across any number of overloaded partitions.
+        """
+        n = self.nparts
+        if n < 2:
+            return
+        load = np.zeros(n, dtype=np.int64)
+        for r in range(n):
+            load[partition_of(r, t - 1, n)] = int(counts_prev[r])
+        part = np.asarray(self.blk_part, dtype=np.int64)
+        obs = np.repeat((load << self.FIX) // np.maximum(part, 1), part)
+        w = getattr(self, "_blk_load", None)
+        w = obs if w is None else w + ((obs - w) >> self.EMA_SHIFT)
+        self._blk_load = w
+        total = int(w.sum())
+        if total == 0:
+            return
+        cum = np.cumsum(w)
+        targets = (np.arange(1, n, dtype=np.int64) * total) // n
+        cuts = np.searchsorted(cum, targets, side="left").astype(np.int64) + 1
+        m = self.min_blocks_adaptive()
+        nb = self.n_blocks
+        # clamp so that each partition keeps >= m blocks: forward for the lower limit, backward for the upper
+        prev = 0
+        for j in range(n - 1):
+            cuts[j] = max(int(cuts[j]), prev + m)
+            prev = int(cuts[j])
+        nxt = nb
+        for j in range(n - 2, -1, -1):
+            cuts[j] = min(int(cuts[j]), nxt - m)
+            nxt = int(cuts[j])
+        self.blk_part = [int(x) for x in np.diff(np.concatenate(([0], cuts, [nb])))]
+
     def state(self):
-        return {"blk_part": list(self.blk_part)}
+        d = {"blk_part": list(self.blk_part)}
+        if getattr(self, "_blk_load", None) is not None:
+            d["blk_load"] = [int(x) for x in self._blk_load]
+        return d
 
     def load_state(self, d):
         part = [int(x) for x in d["blk_part"]]
         if len(part) != self.nparts or sum(part) != self.n_blocks or min(part) < 0:
             raise ValueError("blk_part does not fit this layout")
         self.blk_part = part
+        w = d.get("blk_load")
+        self._blk_load = None if w is None else np.asarray(w, dtype=np.int64)
 
 
 class EqualLayout:

@@ -1,9 +1,11 @@
 """ExDyna and MiCRO: exclusive partitions, one owner per partition per step, a global threshold."""
+import math
 import time
 
 import numpy as np
 
 from ._arrays import threshold_for
+from . import _controller_ops as _ctl_ops
 from ._base import Sparsifier, Stats
 from ._controllers import CONTROLLERS, make_controller
 from ._errors import InputCode
@@ -18,6 +20,11 @@ def _positive_int(v):
 
 def _is_bool(v):
     return None if isinstance(v, (bool, np.bool_)) else "must be True or False"
+
+
+def _balance(v):
+    ok = isinstance(v, (bool, np.bool_)) or v in ("faithful", "adaptive")
+    return None if ok else "must be True, False, 'faithful' or 'adaptive'"
 
 
 def _controller_name(v):
@@ -42,13 +49,13 @@ class ExDyna(Sparsifier):
 
     name = "exdyna"
     OPTIONS = {
-        "controller": ("faithful", _controller_name),
-        "balance": (True, _is_bool),
+        "controller": ("histogram", _controller_name),
+        "balance": (True, _balance),
         "n_blocks": (1024, _positive_int),
         "block_align": (32, _positive_int),
     }
 
-    def __init__(self, numel, density, comm=None, *, controller="faithful", balance=True,
+    def __init__(self, numel, density, comm=None, *, controller="histogram", balance=True,
                  n_blocks=1024, block_align=32, device="auto", nonfinite="raise", **unknown):
         super().__init__(numel, density, comm, device=device, nonfinite=nonfinite, controller=controller,
                          balance=balance, n_blocks=n_blocks, block_align=block_align, **unknown)
@@ -78,19 +85,32 @@ class ExDyna(Sparsifier):
         lo, hi = self.layout.range_of(part)
         thr = self.controller.threshold
         count, acc = 0, None
+        spec = hist = None
+        if hasattr(self.controller, "hist_spec"):
+            dt = self._dtype if self._dtype is not None else (inp.array.dtype if err is None else np.float32)
+            spec = self.controller.hist_spec(dt, t)
+            hist = np.zeros(spec[0], dtype=np.int64)
         if err is None:
             self._bind(inp)
             ops = self._ops
             acc = self._acc_buffer()
             idx = self._idx_buffer(hi - lo)
             t0 = time.perf_counter()
-            count, bad = ops.accumulate_select(self._residual, inp.array, acc, lo, hi,
-                                               threshold_for(thr, self._dtype), idx)
+            if spec is None:
+                count, bad = ops.accumulate_select(self._residual, inp.array, acc, lo, hi,
+                                                   threshold_for(thr, self._dtype), idx)
+            else:   # histogram controller: the same pass also histograms |acc| in [lo, hi)
+                count, bad = _ctl_ops.accumulate_select_hist(
+                    ops, self._residual, inp.array, acc, lo, hi,
+                    threshold_for(thr if t else math.inf, self._dtype), idx, spec[1], spec[2], hist)
             sec["select"] = time.perf_counter() - t0
             if bad:
                 err = (InputCode.NONFINITE, bad)
         t0 = time.perf_counter()
-        words = self.xch.agree(self._words(count if err is None else 0, err))
+        words = self._words(count if err is None else 0, err)
+        if spec is not None:   # the histogram rides in the first collective (zeros on a refusing rank)
+            words = words + (hist.tolist() if err is None else [0] * spec[0])
+        words = self.xch.agree(words)
         sec["counts"] = time.perf_counter() - t0
         try:
             skip = self._check_words(words, err)
@@ -102,6 +122,9 @@ class ExDyna(Sparsifier):
             return self._skip(inp, out)
 
         ops = self._ops
+        if spec is not None and t == 0:   # step 0: refine the first threshold, then select (§ docs/controller.md)
+            thr, count = _ctl_ops.first_step(self, acc, lo, hi, words[:, 4:], sec)
+            words = self.xch.agree([count])
         counts = words[:, 0].copy()
         t0 = time.perf_counter()
         union = self.xch.allgatherv(self._idx[:count], counts)
@@ -125,9 +148,17 @@ class ExDyna(Sparsifier):
             bytes_sent=self.xch.bytes_sent, bytes_received=self.xch.bytes_received,
             seconds=sec, skipped=False, imbalance=_imbalance(counts),
         )
-        self.controller.update(counts)
-        if self.options.get("balance", False):
+        if spec is None:
+            self.controller.update(counts)
+        elif t > 0:
+            self.controller.update(counts, words[:, 4:], self._dtype, spec)
+        bal = self.options.get("balance", False)
+        if bal is True:   # True: the controller's own partner rule; the authors' for theirs
+            bal = "adaptive" if spec is not None else "faithful"
+        if bal == "faithful":
             self.layout.rebalance_faithful(counts, t + 1)
+        elif bal == "adaptive":
+            self.layout.rebalance_adaptive(counts, t + 1)
         self.iteration = t + 1
         return inp.wrap(res)
 

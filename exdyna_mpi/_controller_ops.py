@@ -1,0 +1,56 @@
+"""Arrays layer for the histogram controller: its per-element ops and its step-0 procedure.
+
+``accumulate_select_hist`` is ``HostOps.accumulate_select`` that also fills a histogram of
+``|acc|`` over ``[lo, hi)`` (kernels/cpu_controller.py documents the bucket semantics exactly).
+On a CUDA device it falls back to the existing select plus a histogram in array ops (one extra
+read of the owned range) until a CUDA kernel with the same semantics exists.
+"""
+import math
+import time
+
+import numpy as np
+
+from ._arrays import threshold_for
+from .kernels import cpu_controller as _kc
+
+
+def accumulate_select_hist(ops, residual, grad, acc, lo, hi, thr, idx, shift, key0, hist):
+    """``(count, nonfinite)`` as ``ops.accumulate_select``; adds the histogram of ``|acc[lo:hi]|`` to ``hist``."""
+    if ops.device == "cpu":
+        return _kc.host_accumulate_select_hist(residual, grad, acc, lo, hi, thr, idx, shift, key0, hist)
+    count, bad = ops.accumulate_select(residual, grad, acc, lo, hi, thr, idx)
+    hist_range(ops, acc, lo, hi, shift, key0, hist)
+    return count, bad
+
+
+def hist_range(ops, x, lo, hi, shift, key0, hist):
+    """``hist += histogram(|x[lo:hi]|)`` (read only)."""
+    if ops.device == "cpu":
+        _kc.host_hist_range(x, lo, hi, shift, key0, hist)
+        return
+    xp = ops.xp
+    seg = x[lo:hi]
+    ity, mask = (xp.int32, 0x7FFFFFFF) if seg.dtype == np.float32 else (xp.int64, 0x7FFFFFFFFFFFFFFF)
+    keys = ((seg.view(ity) & mask) >> shift).astype(xp.int64) - key0
+    hist += np.asarray(ops.to_host(xp.bincount(xp.clip(keys, 0, hist.shape[0] - 1), minlength=hist.shape[0])),
+                       dtype=np.int64)
+
+
+def first_step(sp, acc, lo, hi, coarse, sec):
+    """Step 0 of ExDyna with the histogram controller, after the first collective succeeded.
+
+    ``coarse`` is the gathered (P, nb) one-bucket-per-octave histogram of ``|acc|`` that the first
+    pass made (it selected nothing). Refine: a finer histogram of the owned range around the coarse
+    estimate, one extra Allgather of it, the threshold from the sum, then select. Step 0 only.
+    Returns ``(threshold, local count)``; the caller exchanges the counts.
+    """
+    t0 = time.perf_counter()
+    ctl, dtype = sp.controller, sp._dtype
+    spec = ctl.refine_spec(dtype, coarse)
+    fine = np.zeros(spec[0], dtype=np.int64)
+    hist_range(sp._ops, acc, lo, hi, spec[1], spec[2], fine)
+    fine_all = sp.xch.agree(fine.tolist())
+    thr = ctl.first_threshold(dtype, spec, fine_all)
+    count = sp._ops.select_range(acc, lo, hi, threshold_for(thr, dtype), sp._idx_buffer(hi - lo))
+    sec["first_threshold"] = time.perf_counter() - t0
+    return thr, int(count)

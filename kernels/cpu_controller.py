@@ -1,0 +1,116 @@
+"""CPU kernels for the histogram threshold controller: Numba ``@njit`` on NumPy buffers.
+
+One kernel, ``accumulate_select_hist``: the step's single pass (``acc = residual + grad``, select
+``|acc| >= thr`` in the owned range, count non-finite values) that also fills a histogram of
+``|acc|`` over the owned range, and ``hist_range``, the same histogram without the rest (used at
+step 0 only, to refine the first threshold).
+
+Bucket semantics (exact, integer-only, so every rank and a CUDA port produce the same counts):
+``bits`` is the IEEE bit pattern of ``acc[i]`` as a signed integer of the same width (int32 for
+float32, int64 for float64); ``key = (bits & SIGN_OFF) >> shift`` where ``SIGN_OFF`` clears the
+sign bit; the bucket is ``clamp(key - key0, 0, len(hist) - 1)``. With ``shift = mantissa_bits - s``
+each octave of ``|acc|`` is cut into ``2**s`` equal-width buckets; bucket ``j`` holds the values
+with ``edge(j) <= |acc| < edge(j + 1)``, where ``edge(j)`` is the float whose bits are
+``(key0 + j) << shift`` (the first and last buckets also hold everything below / above). NaN and
+inf land in the last bucket (the step is refused anyway).
+"""
+import numpy as np
+from numba import njit
+
+_CHUNK = 4096  # elements per inner block, as in kernels/cpu.py
+
+
+@njit(cache=True, nogil=True)
+def _add_count_nonfinite(r, g, acc):
+    n = acc.shape[0]
+    bad = 0
+    for s in range(0, n, _CHUNK):
+        e = min(s + _CHUNK, n)
+        rs = r[s:e]
+        gs = g[s:e]
+        a = acc[s:e]
+        for i in range(e - s):
+            a[i] = rs[i] + gs[i]
+        for i in range(e - s):
+            if a[i] - a[i] != 0:
+                bad += 1
+    return bad
+
+
+@njit(cache=True, nogil=True)
+def _add_select_hist(r, g, acc, bits, thr, idx, base, sign_off, shift, key0, hist):
+    # ``bits`` is ``acc`` viewed as integers (the same memory): the value just written is read
+    # back as its bit pattern, which gives the bucket with two integer ops and no log.
+    n = acc.shape[0]
+    top = hist.shape[0] - 1
+    bad = 0
+    c = 0
+    for i in range(n):
+        v = r[i] + g[i]
+        acc[i] = v
+        if v - v != 0:
+            bad += 1
+        if abs(v) >= thr:
+            idx[c] = base + i
+            c += 1
+        j = ((bits[i] & sign_off) >> shift) - key0
+        if j < 0:
+            j = 0
+        elif j > top:
+            j = top
+        hist[j] += 1
+    return c, bad
+
+
+@njit(cache=True, nogil=True)
+def _hist(bits, sign_off, shift, key0, hist):
+    top = hist.shape[0] - 1
+    for i in range(bits.shape[0]):
+        j = ((bits[i] & sign_off) >> shift) - key0
+        if j < 0:
+            j = 0
+        elif j > top:
+            j = top
+        hist[j] += 1
+
+
+@njit(cache=True, nogil=True)
+def accumulate_select_hist(residual, grad, acc, bits, lo, hi, thr, idx, sign_off, shift, key0, hist):
+    """``accumulate_select`` of kernels/cpu.py plus ``hist += histogram(|acc[lo:hi]|)``.
+
+    ``bits`` must be ``acc.view(int32)`` (float32) or ``acc.view(int64)`` (float64). Returns
+    ``(count, nonfinite)`` exactly as ``accumulate_select``; ``hist`` (int64) is added to, not reset.
+    """
+    bad = _add_count_nonfinite(residual[:lo], grad[:lo], acc[:lo])
+    count, bad_mid = _add_select_hist(residual[lo:hi], grad[lo:hi], acc[lo:hi], bits[lo:hi], thr, idx,
+                                      lo, sign_off, shift, key0, hist)
+    bad += bad_mid
+    bad += _add_count_nonfinite(residual[hi:], grad[hi:], acc[hi:])
+    return count, bad
+
+
+@njit(cache=True, nogil=True)
+def hist_range(bits, lo, hi, sign_off, shift, key0, hist):
+    """``hist += histogram(|x[lo:hi]|)`` where ``bits`` is ``x`` viewed as integers (read only)."""
+    _hist(bits[lo:hi], sign_off, shift, key0, hist)
+
+
+# ---------------------------------------------------------------------------- host wrappers
+def int_view(x):
+    """``x`` (float32 / float64) viewed as same-width signed integers, and the sign-clearing mask."""
+    if x.dtype == np.float32:
+        return x.view(np.int32), np.int32(0x7FFFFFFF)
+    return x.view(np.int64), np.int64(0x7FFFFFFFFFFFFFFF)
+
+
+def host_accumulate_select_hist(residual, grad, acc, lo, hi, thr, idx, shift, key0, hist):
+    """HostOps-style wrapper: returns ``(count, nonfinite)`` as Python ints; fills ``hist``."""
+    bits, sign_off = int_view(acc)
+    c, bad = accumulate_select_hist(residual, grad, acc, bits, lo, hi, thr, idx, sign_off,
+                                    bits.dtype.type(shift), bits.dtype.type(key0), hist)
+    return int(c), int(bad)
+
+
+def host_hist_range(x, lo, hi, shift, key0, hist):
+    bits, sign_off = int_view(x)
+    hist_range(bits, lo, hi, sign_off, bits.dtype.type(shift), bits.dtype.type(key0), hist)
