@@ -14,12 +14,20 @@ from ._arrays import threshold_for
 from .kernels import cpu_controller as _kc
 
 
-def accumulate_select_hist(ops, residual, grad, acc, lo, hi, thr, idx, shift, key0, hist):
-    """``(count, nonfinite)`` as ``ops.accumulate_select``; adds the histogram of ``|acc[lo:hi]|`` to ``hist``."""
+def accumulate_select_hist(ops, residual, grad, acc, lo, hi, thr, idx, shift, key0, hist, predict=False, fine=None):
+    """``(count, nonfinite)`` as ``ops.accumulate_select``; adds the histogram of ``|acc[lo:hi]|``
+    to ``hist``, or with ``predict`` of ``|p|``, ``p = (selected ? 0 : acc) + grad`` (kernels/cpu_controller.py)."""
     if ops.device == "cpu":
-        return _kc.host_accumulate_select_hist(residual, grad, acc, lo, hi, thr, idx, shift, key0, hist)
+        return _kc.host_accumulate_select_hist(residual, grad, acc, lo, hi, thr, idx, shift, key0, hist, predict,
+                                               fine)
     count, bad = ops.accumulate_select(residual, grad, acc, lo, hi, thr, idx)
-    hist_range(ops, acc, lo, hi, shift, key0, hist)
+    seg = acc[lo:hi]
+    if predict:
+        g = grad[lo:hi]
+        nb = ops.xp.concatenate([g[1:], g[-2:-1]]) if hi - lo >= 2 else g   # the kernel's neighbour rule
+        seg = ops.xp.where(ops.xp.abs(seg) >= thr, 0, seg).astype(seg.dtype) + nb
+    for sh, k0, h in [(shift, key0, hist)] + ([fine] if fine is not None else []):
+        hist_range(ops, seg, 0, hi - lo, sh, k0, h)
     return count, bad
 
 
@@ -36,13 +44,15 @@ def hist_range(ops, x, lo, hi, shift, key0, hist):
                        dtype=np.int64)
 
 
-def first_step(sp, acc, lo, hi, coarse, sec):
+def first_step(sp, grad, acc, lo, hi, coarse, sec):
     """Step 0 of ExDyna with the histogram controller, after the first collective succeeded.
 
     ``coarse`` is the gathered (P, nb) one-bucket-per-octave histogram of ``|acc|`` that the first
     pass made (it selected nothing). Refine: a finer histogram of the owned range around the coarse
-    estimate, one extra Allgather of it, the threshold from the sum, then select. Step 0 only.
-    Returns ``(threshold, local count)``; the caller exchanges the counts.
+    estimate, one extra Allgather of it, the threshold from the sum. Then select, in a pass that also
+    makes the forecast histograms for step 1 (``predict``), as every later step's pass does.
+    Step 0 only. Returns ``(threshold, local count, spec, fine spec, histogram words)`` for step 1's
+    update; the caller exchanges the count and the words.
     """
     t0 = time.perf_counter()
     ctl, dtype = sp.controller, sp._dtype
@@ -51,6 +61,11 @@ def first_step(sp, acc, lo, hi, coarse, sec):
     hist_range(sp._ops, acc, lo, hi, spec[1], spec[2], fine)
     fine_all = sp.xch.agree(fine.tolist())
     thr = ctl.first_threshold(dtype, spec, fine_all)
-    count = sp._ops.select_range(acc, lo, hi, threshold_for(thr, dtype), sp._idx_buffer(hi - lo))
+    spec1, fspec1 = ctl.hist_spec(dtype, 1), ctl.fine_spec(dtype, 1)
+    hist = np.zeros(spec1[0] + fspec1[0], dtype=np.int64)
+    # acc = residual + grad again: the same bits, so acc is unchanged; this pass selects and forecasts.
+    count, _ = accumulate_select_hist(sp._ops, sp._residual, grad, acc, lo, hi, threshold_for(thr, dtype),
+                                      sp._idx_buffer(hi - lo), spec1[1], spec1[2], hist[: spec1[0]], predict=True,
+                                      fine=(fspec1[1], fspec1[2], hist[spec1[0]:]))
     sec["first_threshold"] = time.perf_counter() - t0
-    return thr, int(count)
+    return thr, int(count), spec1, fspec1, hist

@@ -108,11 +108,13 @@ class HistogramController:
     N_BUCKETS = 64
     SUB_BITS = 3            # 8 buckets per octave: the window spans 8 octaves around the threshold
     REFINE_BITS = 4         # step 0: 16 buckets per octave over 4 octaves
+    FINE_BUCKETS = 64       # and a fine window, 512 buckets per octave (0.14 %) around the threshold:
+    FINE_BITS = 9           # after a drop of scale the count can double for a 1 % lower threshold
     COARSE_BUCKETS = 64
     COARSE_LOW = -40        # step 0 coarse window: one bucket per octave from 2**-40 to 2**24
-    BETA = 0.5              # fraction of the histogram's correction taken per step
-    GAIN = 0.1              # integral gain on log(selected / k)
-    TRIM_BAND = 0.3         # integrate only while |log(selected / k)| is below this
+    BETA = 1.0              # fraction of the way (in log count) from the count now to the aim
+    GAIN = 0.1              # smoothing of the forecast's calibration, log(count / forecast)
+    JUMP = 0.5              # two calibration misses beyond this (in log), same side: a new regime
     TRIM_MAX = 2.0          # |trim| bound (a factor e**2 on the aimed count)
     SLOPE = 4.0             # histogram-less fallback: assumed d log(count) / d log(threshold)
 
@@ -120,7 +122,9 @@ class HistogramController:
         self.k = target_count(density, numel)
         self.numel = numel
         self.threshold = 1.0 / (2.0 * math.sqrt(self.k))   # a placeholder until step 0 is seen
-        self.trim = 0.0
+        self.trim = 0.0           # log(count / forecast), smoothed: the forecast's calibration
+        self.forecast = None      # the uncalibrated count the last histogram gave for the next threshold
+        self.pending = None       # a large calibration miss waiting for confirmation by the next one
 
     # ------------------------------------------------------------------ bucket geometry
     @staticmethod
@@ -149,6 +153,13 @@ class HistogramController:
             return self.COARSE_BUCKETS, mb, bias + self.COARSE_LOW
         shift = mb - self.SUB_BITS
         return self.N_BUCKETS, shift, self._key(self.threshold, dtype, shift) - self.N_BUCKETS // 2
+
+    def fine_spec(self, dtype, t):
+        """``(n_buckets, shift, key0)`` of the fine window at step ``t``, or None (step 0)."""
+        if t == 0:
+            return None
+        shift = self._mantissa_bits(dtype) - self.FINE_BITS
+        return self.FINE_BUCKETS, shift, self._key(self.threshold, dtype, shift) - self.FINE_BUCKETS // 2
 
     def refine_spec(self, dtype, coarse_hist):
         """Step 0: a finer window around the coarse estimate, and that estimate."""
@@ -188,34 +199,84 @@ class HistogramController:
             frac = target / above[j]
         return float(math.exp(hi_e + frac * (lo_e - hi_e)))
 
+    @staticmethod
+    def _count_above(hist, edges, level):
+        """Inverse of ``_quantile``: the count the histogram puts at or above ``level``."""
+        hist = np.asarray(hist, dtype=np.float64)
+        above = np.cumsum(hist[::-1])[::-1]
+        nb = hist.shape[0]
+        if level <= edges[1]:
+            return float(above[0])
+        if level >= edges[nb - 1]:
+            return float(above[nb - 1]) * (edges[nb - 1] / level)
+        j = int(np.searchsorted(edges, level, side="right")) - 1
+        a_lo, a_hi = above[j], above[j + 1]
+        frac = (math.log(edges[j + 1]) - math.log(level)) / (math.log(edges[j + 1]) - math.log(edges[j]))
+        if a_hi > 0:
+            return float(math.exp(math.log(a_hi) + frac * (math.log(a_lo) - math.log(a_hi))))
+        return float(a_lo * frac)
+
     # ------------------------------------------------------------------ the loop
-    def update(self, counts_prev, hists=None, dtype=np.float32, spec=None):
+    def update(self, counts_prev, hists=None, dtype=np.float32, spec=None, fine_hists=None, fine=None):
         """Set the next threshold from the gathered counts and histograms (``spec``: this step's).
 
-        ``thr <- thr * (q / thr) ** BETA`` where ``q`` is the level the summed histogram puts
-        ``k * exp(-trim)`` elements above. A full step (BETA = 1) would feed each step's count
-        noise (about 1/sqrt(k) in log) straight into the next threshold and double its variance.
+        The histograms are of the next step's accumulator as this step foresees it
+        (kernels/cpu_controller.py, ``predict``), summed over ranks: ``N(x)``, the count expected
+        above level ``x`` next step. That forecast is biased (it stands this step's gradient in
+        for the next one, and the next owner of a partition is another rank), so it is calibrated:
+        ``trim`` tracks ``log(count / forecast)``, the ratio between the count a step really
+        selected and the count the previous forecast gave for that step's threshold. The next
+        threshold aims at ``N(x) = k * exp(-trim)`` (``BETA`` < 1 would stop part of the way, in log
+        count). Calibrating the forecast, rather than integrating the miss, cannot wind up during a
+        large transient such as a 10x drop of gradient scale; and because the forecast already
+        holds the pile of residual mass under the threshold, the full step lands there too.
         """
         n = float(sum(int(c) for c in counts_prev))
         err = math.log(max(n, 0.5) / self.k)
         if hists is None:
             self.threshold *= math.exp(max(-1.0, min(1.0, err)) / self.SLOPE)
             return
-        # integral trim on the log ratio, only near the target: a scale jump (a large miss that the
-        # histogram corrects by itself) must not wind it up and cost an undershoot afterwards
-        if abs(err) < self.TRIM_BAND:
-            self.trim = max(-self.TRIM_MAX, min(self.TRIM_MAX, self.trim + self.GAIN * err))
+        if self.forecast is not None:
+            miss = max(-self.TRIM_MAX, min(self.TRIM_MAX, math.log(max(n, 0.5) / max(self.forecast, 0.5))))
+            if abs(miss - self.trim) <= self.JUMP:
+                self.trim += self.GAIN * (miss - self.trim)
+                self.pending = None
+            elif self.pending is not None and (self.pending - self.trim) * (miss - self.trim) > 0:
+                self.trim = miss      # two large misses in a row: the forecast's bias really changed
+                self.pending = None
+            else:
+                self.pending = miss   # one large miss: the data changed under the forecast, an outlier
         nb, shift, key0 = spec
-        q = self._quantile(np.asarray(hists, dtype=np.int64).sum(axis=0), self._edges(dtype, shift, key0, nb),
-                           self.k * math.exp(-self.trim))
-        self.threshold = math.exp(math.log(self.threshold) + self.BETA * (math.log(q) - math.log(self.threshold)))
+        hist = np.asarray(hists, dtype=np.int64).sum(axis=0)
+        edges = self._edges(dtype, shift, key0, nb)
+        aim = self.k * math.exp(-self.trim)
+        if fine is not None:
+            # the fine window decides whenever the aim falls strictly inside it
+            fhist = np.asarray(fine_hists, dtype=np.int64).sum(axis=0)
+            fedges = self._edges(dtype, fine[1], fine[2], fine[0])
+            if fedges[1] < self._quantile(hist, edges, aim) < fedges[-2]:
+                hist, edges = fhist, fedges
+        # Damped in count space: the slope of count against threshold ranges from ~3 (a fresh
+        # heavy tail) to ~100 (the pile error feedback leaves under the threshold after a drop of
+        # scale), so a fixed fraction of the way in threshold would over- or under-shoot by that.
+        now = max(self._count_above(hist, edges, self.threshold), 0.5)
+        goal = math.exp(math.log(now) + self.BETA * (math.log(aim) - math.log(now)))
+        thr = self._quantile(hist, edges, goal)
+        if n == 0:
+            # nothing selected: always move down, even where a histogram bucket hides where
+            thr = min(thr, self.threshold * 0.5)
+        self.threshold = thr
+        self.forecast = self._count_above(hist, edges, self.threshold)
 
     def state(self):
-        return {"threshold": self.threshold, "trim": self.trim}
+        return {"threshold": self.threshold, "trim": self.trim, "forecast": self.forecast, "pending": self.pending}
 
     def load_state(self, d):
         self.threshold = float(d["threshold"])
         self.trim = float(d.get("trim", 0.0))
+        f, q = d.get("forecast"), d.get("pending")
+        self.forecast = None if f is None else float(f)
+        self.pending = None if q is None else float(q)
 
 
 CONTROLLERS = {c.name: c for c in (FaithfulController, SymmetricController, HistogramController)}

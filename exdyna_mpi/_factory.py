@@ -1,7 +1,8 @@
 """Sparsifiers by name, so jobs and benchmarks can swap them."""
+from .baselines import BASELINES
 from .exdyna import ExDyna, MiCRO
 
-REGISTRY = {cls.name: cls for cls in (ExDyna, MiCRO)}
+REGISTRY = {cls.name: cls for cls in (ExDyna, MiCRO, *BASELINES)}
 
 
 def register(cls):

@@ -85,11 +85,12 @@ class ExDyna(Sparsifier):
         lo, hi = self.layout.range_of(part)
         thr = self.controller.threshold
         count, acc = 0, None
-        spec = hist = None
+        spec = fspec = hist = None
         if hasattr(self.controller, "hist_spec"):
             dt = self._dtype if self._dtype is not None else (inp.array.dtype if err is None else np.float32)
             spec = self.controller.hist_spec(dt, t)
-            hist = np.zeros(spec[0], dtype=np.int64)
+            fspec = self.controller.fine_spec(dt, t)
+            hist = np.zeros(spec[0] + (fspec[0] if fspec else 0), dtype=np.int64)
         if err is None:
             self._bind(inp)
             ops = self._ops
@@ -102,14 +103,15 @@ class ExDyna(Sparsifier):
             else:   # histogram controller: the same pass also histograms |acc| in [lo, hi)
                 count, bad = _ctl_ops.accumulate_select_hist(
                     ops, self._residual, inp.array, acc, lo, hi,
-                    threshold_for(thr if t else math.inf, self._dtype), idx, spec[1], spec[2], hist)
+                    threshold_for(thr if t else math.inf, self._dtype), idx, spec[1], spec[2], hist[: spec[0]],
+                    predict=t > 0, fine=(fspec[1], fspec[2], hist[spec[0]:]) if fspec else None)
             sec["select"] = time.perf_counter() - t0
             if bad:
                 err = (InputCode.NONFINITE, bad)
         t0 = time.perf_counter()
         words = self._words(count if err is None else 0, err)
         if spec is not None:   # the histogram rides in the first collective (zeros on a refusing rank)
-            words = words + (hist.tolist() if err is None else [0] * spec[0])
+            words = words + (hist.tolist() if err is None else [0] * hist.shape[0])
         words = self.xch.agree(words)
         sec["counts"] = time.perf_counter() - t0
         try:
@@ -123,8 +125,8 @@ class ExDyna(Sparsifier):
 
         ops = self._ops
         if spec is not None and t == 0:   # step 0: refine the first threshold, then select (§ docs/controller.md)
-            thr, count = _ctl_ops.first_step(self, acc, lo, hi, words[:, 4:], sec)
-            words = self.xch.agree([count])
+            thr, count, spec, fspec, hist = _ctl_ops.first_step(self, inp.array, acc, lo, hi, words[:, 4:], sec)
+            words = self.xch.agree([count, 0, 0, 0] + hist.tolist())
         counts = words[:, 0].copy()
         t0 = time.perf_counter()
         union = self.xch.allgatherv(self._idx[:count], counts)
@@ -150,8 +152,9 @@ class ExDyna(Sparsifier):
         )
         if spec is None:
             self.controller.update(counts)
-        elif t > 0:
-            self.controller.update(counts, words[:, 4:], self._dtype, spec)
+        else:
+            nb = 4 + spec[0]
+            self.controller.update(counts, words[:, 4:nb], self._dtype, spec, words[:, nb:], fspec)
         bal = self.options.get("balance", False)
         if bal is True:   # True: the controller's own partner rule; the authors' for theirs
             bal = "adaptive" if spec is not None else "faithful"

@@ -115,3 +115,73 @@ def test_state_round_trip():
     b = HistogramController(50_000, 0.01)
     b.load_state(a.state())
     assert b.state() == a.state()
+
+
+def _buckets(x, shift, key0, nb, dt):
+    bits = np.abs(x).view(np.int32 if dt == np.float32 else np.int64) >> shift
+    return np.bincount(np.clip(bits - key0, 0, nb - 1), minlength=nb)
+
+
+@pytest.mark.parametrize("dt,mb", [(np.float32, 23), (np.float64, 52)])
+def test_forecast_histograms_match_numpy(dt, mb):
+    """predict: histogram of p = (selected ? 0 : acc) + neighbour's grad, coarse and fine windows."""
+    rng = np.random.default_rng(7)
+    n, lo, hi, thr = 30_000, 2_000, 21_000, dt(1.9)
+    r, g = rng.standard_normal((2, n)).astype(dt)
+    acc, idx = np.empty(n, dt), np.empty(n, np.int64)
+    key = int(np.array([1.9], dt).view(np.int32 if dt == np.float32 else np.int64)[0])
+    spec = (64, mb - 3, (key >> (mb - 3)) - 32)
+    fine = (64, mb - 9, (key >> (mb - 9)) - 32)
+    hist, hist_f = np.zeros(64, np.int64), np.zeros(64, np.int64)
+    c, bad = kc.host_accumulate_select_hist(r, g, acc, lo, hi, thr, idx, spec[1], spec[2], hist, predict=True,
+                                            fine=(fine[1], fine[2], hist_f))
+    a = r + g
+    seg, gs = a[lo:hi], g[lo:hi]
+    sel = np.abs(seg) >= thr
+    nbr = np.concatenate([gs[1:], gs[-2:-1]])        # the next element's gradient; the last takes the one before
+    p = np.where(sel, 0, seg).astype(dt) + nbr
+    assert c == sel.sum() and bad == 0 and np.array_equal(acc, a)
+    assert np.array_equal(hist, _buckets(p, spec[1], spec[2], 64, dt))
+    assert np.array_equal(hist_f, _buckets(p, fine[1], fine[2], 64, dt))
+
+
+def test_count_above_inverts_quantile():
+    edges = HistogramController._edges(np.float32, 20, (127 << 3) - 32, 64)
+    hist = np.random.default_rng(0).integers(0, 500, 64)
+    for target in (3.0, 57.0, 900.0, 5000.0):
+        q = HistogramController._quantile(hist, edges, target)
+        if edges[1] < q < edges[-2]:
+            assert abs(HistogramController._count_above(hist, edges, q) / target - 1) < 1e-9
+
+
+def _ef_run(scale_of_step, steps, numel=1 << 17, density=0.01):
+    """Density / target per step of real ExDyna (P=1, error feedback) on a Student-t stream."""
+    from mpi4py import MPI
+
+    import exdyna_mpi
+
+    rng = np.random.default_rng(11)
+    pool = rng.standard_t(3, numel + (1 << 16)).astype(np.float32)
+    sp = exdyna_mpi.ExDyna(numel, density, MPI.COMM_SELF)
+    out = []
+    for t in range(steps):
+        s = int(rng.integers(0, 1 << 16))
+        sp.step(pool[s:s + numel] * np.float32(scale_of_step(t) * (1 if rng.integers(2) else -1)))
+        out.append(sp.stats.density / density)
+    return np.array(out)
+
+
+def test_holds_target_from_the_first_steps_with_error_feedback():
+    d = _ef_run(lambda t: 1.0, 120)
+    assert np.all(np.abs(d[:3] - 1) < 0.25), d[:3]          # step 0 and 1 already near the target
+    assert np.mean(np.abs(d[20:] - 1) > 0.1) < 0.05, d[20:]  # rare count-noise excursions only (k=655)
+    assert abs(d[20:].mean() - 1) < 0.03
+
+
+def test_recovers_from_tenfold_drop_and_rise_within_20_steps():
+    """A learning-rate drop leaves a pile of residual under the threshold; the forecast sees it."""
+    d = _ef_run(lambda t: 0.1 if 60 <= t < 120 else 1.0, 180)
+    for change in (60, 120):
+        after = d[change + 20:change + 60]
+        assert np.mean(np.abs(after - 1) > 0.1) < 0.1, (change, after)
+        assert abs(after.mean() - 1) < 0.05, (change, after.mean())

@@ -1,0 +1,67 @@
+"""Helpers shared by the baselines: option checks, threshold words, local top-k thresholds.
+
+Pure host logic on NumPy arrays (vectorised; the per-element passes go through ``HostOps``).
+"""
+import numpy as np
+
+from .._controllers import target_count
+
+__all__ = ["target_count", "positive_int", "nonneg_int", "float_to_word", "word_to_float", "imbalance",
+           "kth_largest_magnitude", "positive_floor", "accumulate"]
+
+
+def positive_int(v):
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v <= 0:
+        return "must be a positive integer"
+    return None
+
+
+def nonneg_int(v):
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < 0:
+        return "must be a non-negative integer"
+    return None
+
+
+def float_to_word(x):
+    """A float64 as an int64 word (bit cast), so it can ride in the count exchange."""
+    return int(np.array([x], dtype=np.float64).view(np.int64)[0])
+
+
+def word_to_float(w):
+    return np.asarray(w, dtype=np.int64).view(np.float64)
+
+
+def imbalance(counts):
+    """max count x P / total - 1: 0 when every rank sends the same number (ExDyna's ``load_inc``)."""
+    total = int(np.sum(counts))
+    if total == 0:
+        return 0.0
+    return float(np.max(counts)) * len(counts) / total - 1.0
+
+
+def positive_floor(dtype):
+    """The smallest positive value of ``dtype``: a threshold that selects every nonzero."""
+    return np.nextafter(dtype.type(0), dtype.type(1))
+
+
+def kth_largest_magnitude(x, k):
+    """The k-th largest ``|x|`` in ``x``'s dtype (O(n) selection, no sort).
+
+    Never 0: when fewer than k values are nonzero the smallest positive value is returned, so a
+    ``|x| >= thr`` selection takes the nonzeros and not every zero besides.
+    """
+    n = x.shape[0]
+    if k >= n:
+        return positive_floor(x.dtype)
+    mag = np.abs(x)
+    mag.partition(n - k)
+    kth = mag[n - k]
+    return kth if kth > 0 else positive_floor(x.dtype)
+
+
+def accumulate(sp, grad):
+    """``acc = residual + grad`` into a fresh buffer; returns (acc, number of non-finite values)."""
+    acc = sp._acc_buffer()
+    no_idx = np.empty(1, dtype=np.int32)
+    _, bad = sp._ops.accumulate_select(sp._residual, grad, acc, 0, 0, sp._dtype.type(np.inf), no_idx)
+    return acc, bad

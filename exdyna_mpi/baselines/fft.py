@@ -1,0 +1,168 @@
+"""Frequency-domain sparsification with range-based low-bit floats (specs/seed_systems.md §C).
+
+One step on rank r (B = ``block``, k = density * numel real coefficients per rank):
+
+1. ``acc = residual + grad``, cut into rows of B elements (the last row zero-padded), and
+   ``F = rfft(rows)``: B/2 + 1 complex bins per row.
+2. Keep the ``k/2`` bins of largest ``|F|`` (threshold ``tau`` = the (k/2)-th largest ``|F|``;
+   ties at it are kept): each kept bin sends its real and imaginary part, so about k reals.
+3. Code the kept parts as ``bits``-bit range floats (``rangefloat``: sign, exponent relative to
+   the message maximum, mantissa; the layout and its error bound are in that module's docstring),
+   with the exponent width chosen so parts down to ``tau / 2`` are representable (a kept bin has a
+   part of at least ``tau / sqrt 2``); ``bits=32`` sends float32 parts instead.
+4. The count exchange carries the bin count, the error word, ``tau`` and the format header
+   (``e_max``, ``e_bits``); ``Allgatherv`` of the bin positions (int32) and of the codes.
+5. Every rank decodes every message into one dense spectrum in rank order and takes ONE inverse
+   FFT (linearity): ``out = irfft(sum_r D_r) / P`` — identical on every rank because every rank runs
+   the same arithmetic on the same gathered bytes (same NumPy build assumed across ranks).
+6. Error feedback on the reconstruction error: ``residual = acc - irfft(D_r)``, the part of acc
+   this rank's message did not carry (dropped bins, quantisation, the padding of the last row).
+
+So ``residual_after + contribution == residual_before + grad`` holds to rounding for
+``contribution = irfft(D_r)``, and ``out`` is the mean of the contributions to FFT round-off.
+``stats.density`` is the fraction of reals each rank sends (``2 * bins / numel``, mean over ranks).
+
+The per-bin error of the decoded spectrum is bounded by the format: for a part ``v``,
+``|v_hat - v| <= 2^-(m+1) |v|`` when ``|v| >= 2^e_min`` else ``< 2^e_min``; by Parseval a row's
+time-domain error is at most ``sqrt(2 / B * sum |dF|^2)`` (tests/mpi/test_baselines.py checks it).
+"""
+import time
+
+import numpy as np
+
+from .._base import Sparsifier, Stats
+from .._errors import InputCode
+from . import rangefloat
+from ._common import (accumulate, float_to_word, imbalance, kth_largest_magnitude, positive_int,
+                      target_count, word_to_float)
+
+BITS = (8, 16, 32)
+
+
+def _bits(v):
+    return None if v in BITS and not isinstance(v, bool) else f"must be one of {BITS}"
+
+
+def _block(v):
+    return positive_int(v) or (None if v >= 2 else "must be at least 2")
+
+
+class FFTSparsifier(Sparsifier):
+    """FFT sparsification: top bins of each ``block``-row spectrum, low-bit range floats, EF.
+
+    Options: ``block=4096`` (row length of the FFT), ``bits=8`` (8 or 16: range-float codes; 32:
+    float32 parts, no quantisation).
+
+    Example::
+
+        >>> sp = exdyna_mpi.make("fft", numel, 0.01, comm, bits=8)
+        >>> avg = sp.step(flat_grad); sp.stats.rel_error
+    """
+
+    name = "fft"
+    OPTIONS = {"block": (4096, _block), "bits": (8, _bits)}
+
+    def __init__(self, numel, density, comm=None, **kw):
+        super().__init__(numel, density, comm, **kw)
+        self.block = min(int(self.options["block"]), max(2, self.numel))
+        self.rows = -(-self.numel // self.block)
+        self.nbins = self.rows * (self.block // 2 + 1)
+        self.k_bins = min(self.nbins, max(1, target_count(self.density, self.numel) // 2))
+        if self.density >= 1.0:
+            self.k_bins = self.nbins
+        self._pos_dtype = np.dtype(np.int32) if self.nbins < 2**31 else np.dtype(np.int64)
+
+    # ------------------------------------------------------------------ transforms
+    def _spectrum(self, acc):
+        rows = np.zeros(self.rows * self.block, dtype=acc.dtype)
+        rows[: self.numel] = acc
+        return np.fft.rfft(rows.reshape(self.rows, self.block), axis=1).ravel()
+
+    def _signal(self, spec):
+        x = np.fft.irfft(spec.reshape(self.rows, self.block // 2 + 1), n=self.block, axis=1)
+        return x.ravel()[: self.numel]
+
+    def _code(self, parts, tau):
+        bits = self.options["bits"]
+        if bits == 32:
+            return parts.astype(np.float32), 0, 0
+        return rangefloat.encode(parts, bits, floor=float(tau) / 2)
+
+    def _decode(self, codes, e_max, e_bits, cdtype):
+        bits = self.options["bits"]
+        parts = codes if bits == 32 else rangefloat.decode(codes, e_max, e_bits, bits)
+        parts = parts.astype(np.dtype(cdtype).type(0).real.dtype)
+        return parts[0::2] + 1j * parts[1::2]
+
+    # ------------------------------------------------------------------ the step
+    def _step(self, inp, err, out):
+        sec = {}
+        t = self.iteration
+        count, acc, tau, e_max, e_bits = 0, None, 0.0, 0, 0
+        if err is None:
+            self._bind(inp)
+            t0 = time.perf_counter()
+            acc, bad = accumulate(self, inp.array)
+            if bad:
+                err = (InputCode.NONFINITE, bad)
+            else:
+                spec = self._spectrum(acc)
+                mag = np.abs(spec)
+                tau = kth_largest_magnitude(mag, self.k_bins) if self.k_bins < self.nbins else mag.dtype.type(0)
+                kept = np.flatnonzero(mag >= tau).astype(self._pos_dtype)
+                count = kept.shape[0]
+                parts = np.empty(2 * count, dtype=mag.dtype)
+                parts[0::2] = spec.real[kept]
+                parts[1::2] = spec.imag[kept]
+                codes, e_max, e_bits = self._code(parts, tau)
+            sec["select"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        base = self._words(count if err is None else 0, err)
+        words = self.xch.agree(base + [float_to_word(float(tau)), e_max, e_bits])
+        sec["counts"] = time.perf_counter() - t0
+        try:
+            skip = self._check_words(words, err)
+        except Exception:
+            self._spare = acc if acc is not None else self._spare
+            raise
+        if skip:
+            self._spare = acc if acc is not None else self._spare
+            return self._skip(inp, out)
+
+        nb = len(base)
+        counts = words[:, 0].copy()
+        t0 = time.perf_counter()
+        pos = self.xch.allgatherv(kept, counts)
+        all_codes = self.xch.allgatherv(codes, 2 * counts)
+        sec["exchange"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        total = np.zeros(self.nbins, dtype=spec.dtype)
+        offs = np.concatenate(([0], np.cumsum(counts)))
+        own = None
+        for r in range(self.nranks):  # P small decodes; each is vectorised over its message
+            a, b = int(offs[r]), int(offs[r + 1])
+            vals = self._decode(all_codes[2 * a: 2 * b], int(words[r, nb + 1]), int(words[r, nb + 2]),
+                                spec.dtype)
+            total[pos[a:b]] += vals
+            if r == self.rank:
+                own = vals
+        mine = np.zeros(self.nbins, dtype=spec.dtype)
+        mine[kept] = own
+        contribution = self._signal(mine).astype(self._dtype, copy=False)
+        avg = self._signal(total).astype(self._dtype, copy=False)
+        sec["decode"] = time.perf_counter() - t0
+        norm = float(np.linalg.norm(acc))
+        res = self._settle(acc, out)
+        np.divide(avg, self._dtype.type(self.nranks), out=res)
+        np.subtract(self._residual, contribution, out=self._residual)
+
+        self.stats = Stats(
+            iteration=t, counts=counts, selected=int(counts.sum()),
+            density=float(2 * counts.mean() / self.numel), threshold=float(tau), bounds=None, owned=None,
+            bytes_sent=self.xch.bytes_sent, bytes_received=self.xch.bytes_received,
+            seconds=sec, skipped=False, imbalance=imbalance(counts),
+            thresholds=word_to_float(words[:, nb]).copy(), e_max=words[:, nb + 1].copy(),
+            e_bits=words[:, nb + 2].copy(), bits=self.options["bits"], block=self.block,
+            rel_error=float(np.linalg.norm(self._residual)) / norm if norm > 0 else 0.0)
+        self.iteration = t + 1
+        return inp.wrap(res)

@@ -1,0 +1,289 @@
+"""Ok-Topk's sparse allreduce (Li & Hoefler, PPoPP'22; specs/seed_systems.md §A), over mpi4py.
+
+One step on rank r (t = step counter, k = density * numel):
+
+1. ``acc = residual + grad``. Local threshold: the exact k-th largest ``|acc|`` every
+   ``local_period`` steps, otherwise last step's threshold raised by x1.03 (<= 5 times) until at
+   most 4k/3 values pass. ``L_r = {i : |acc[i]| >= thr_r}``.
+2. Every ``region_period`` steps the regions are repartitioned so each holds about the same share
+   of the selected values: rank r proposes the cuts ``L_r[j |L_r| / P]``, j = 1..P-1 (quantiles of
+   its own selection); the new bounds are the integer mean of all ranks' cuts. The cuts ride in the
+   count exchange (the first collective), so repartitioning costs no extra message.
+3. Split and reduce: ``L_r`` is split by region; counts go by ``Alltoall``; then P-1 point-to-point
+   rounds with destination rotation (round s: send to r+s, receive from r-s), posted in buckets of
+   4 rounds; the region owner adds what it receives into a dense region buffer, its own part first
+   and then in rotation order. Indices travel as int32 offsets inside the region (int64 only when
+   numel >= 2^31), values in the gradient's dtype: two messages, never an index cast into floats.
+   The local threshold is then adjusted: /1.012 below 2k/3 selected, x1.012 above 5k/4 (VGG).
+4. Global selection: every ``global_period`` steps each owner sends ALL its reduced nonzeros and
+   every rank takes the exact top-k of the gathered values (the global threshold is their k-th
+   largest magnitude); otherwise each owner keeps ``|R| >= global_thr`` and the global threshold is
+   adjusted /1.008 below 2k/3, x1.008 above 4k/3. Both by ``Allgatherv`` (indices, then values).
+5. ``out[G] = value / P``; ``residual = acc`` zeroed on ``L_r ∩ G`` (only what entered the sum).
+
+``out`` is bit-identical on every rank: each global value is summed on its owner alone and then
+copied by ``Allgatherv``. The balancing step of the paper's second phase (commented out in the
+authors' code) is not done: owners ``Allgatherv`` their own selections, as the released code does.
+
+Byte accounting: the count exchange, Alltoall, point-to-point and Allgatherv bytes that cross this
+rank's link, the same model as ``Exchange``.
+"""
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from .._arrays import threshold_for
+from .._base import Sparsifier, Stats
+from .._errors import InputCode
+from ._common import (accumulate, float_to_word, imbalance, kth_largest_magnitude, nonneg_int,
+                      positive_floor, positive_int, target_count, word_to_float)
+
+_TAG_IDX, _TAG_VAL = 0x4F6B, 0x4F6C
+_BUCKET = 4
+
+
+def equal_bounds(numel, nparts):
+    """``[0, n/P, 2n/P, ..., n]`` (integer division), length P+1."""
+    return (np.arange(nparts + 1, dtype=np.int64) * numel) // nparts
+
+
+def proposed_cuts(selected, numel, nparts):
+    """This rank's P-1 cut proposals: the positions ``selected[j * len // P]``, j = 1..P-1.
+
+    ``selected`` is ascending. With nothing selected the equal cuts are proposed.
+    """
+    c = selected.shape[0]
+    if c == 0:
+        return equal_bounds(numel, nparts)[1:-1]
+    j = np.arange(1, nparts, dtype=np.int64)
+    return selected[(j * c) // nparts].astype(np.int64)
+
+
+def region_bounds(cuts_by_rank, numel):
+    """Region bounds from every rank's cuts (a (P, P-1) int array): ``[0, mean cuts..., numel]``.
+
+    The mean is an integer floor of the sum / P, identical on every rank; each rank's cuts are
+    ascending, so their mean is too.
+    """
+    cuts = np.asarray(cuts_by_rank, dtype=np.int64)
+    nparts = cuts.shape[0]
+    b = np.empty(nparts + 1, dtype=np.int64)
+    b[0], b[-1] = 0, numel
+    b[1:-1] = cuts.sum(axis=0) // nparts
+    return b
+
+
+class OkTopk(Sparsifier):
+    """Ok-Topk: threshold-based top-k, balanced regions, sparse reduce-scatter, global top-k.
+
+    Options (defaults from the authors' VGG runs): ``local_period=32``, ``global_period=32``,
+    ``region_period=64``, ``warmup=0`` (dense steps before sparsifying; the authors use 512 on VGG).
+
+    Example::
+
+        >>> sp = exdyna_mpi.make("oktopk", numel, 0.01, comm)
+        >>> avg = sp.step(flat_grad); sp.stats.global_threshold, sp.stats.bounds
+    """
+
+    name = "oktopk"
+    OPTIONS = {
+        "local_period": (32, positive_int),
+        "global_period": (32, positive_int),
+        "region_period": (64, positive_int),
+        "warmup": (0, nonneg_int),
+    }
+    local_raise, local_tries = 1.03, 5
+    local_adjust, global_adjust = 1.012, 1.008
+
+    def __init__(self, numel, density, comm=None, **kw):
+        super().__init__(numel, density, comm, **kw)
+        self.k = target_count(self.density, self.numel)
+        self._index_dtype = np.dtype(np.int32) if self.numel < 2**31 else np.dtype(np.int64)
+        self._idx = None
+        self.local_thr = None
+        self.global_thr = None
+        self.bounds = equal_bounds(self.numel, self.nranks)
+
+    # ------------------------------------------------------------------ local part (pure)
+    def _local_threshold(self, acc, t, dense):
+        """(threshold in acc's dtype, next step's proposal before the count adjustment)."""
+        dt = self._dtype
+        if dense:
+            return dt.type(0)
+        if t % self.options["local_period"] == 0 or self.local_thr is None:
+            return threshold_for(float(kth_largest_magnitude(acc, self.k)), dt)
+        thr = max(self.local_thr, float(positive_floor(dt)))
+        for _ in range(self.local_tries):
+            if self._ops.count_range(acc, 0, self.numel, threshold_for(thr, dt)) <= 4 * self.k / 3:
+                break
+            thr *= self.local_raise
+        return threshold_for(thr, dt)
+
+    # ------------------------------------------------------------------ communication
+    def _count_bytes(self, sent, received):
+        self.xch.bytes_sent += int(sent)
+        self.xch.bytes_received += int(received)
+
+    def _split_reduce(self, sel, vals, bounds):
+        """Send each region's part of (sel, vals) to its owner; return this rank's reduced region."""
+        p, r = self.nranks, self.rank
+        lo, hi = int(bounds[r]), int(bounds[r + 1])
+        cut = np.searchsorted(sel, bounds)
+        send_counts = np.diff(cut).astype(np.int64)
+        # offsets inside the destination region, int32 (never cast into the value buffer)
+        local = (sel - np.repeat(bounds[:-1], send_counts)).astype(self._index_dtype)
+        region = np.zeros(hi - lo, dtype=self._dtype)
+        touched = np.zeros(hi - lo, dtype=np.bool_)
+        a, b = cut[r], cut[r + 1]
+        region[local[a:b]] += vals[a:b]
+        touched[local[a:b]] = True
+        if p == 1:
+            return region, touched
+        recv_counts = np.empty(p, dtype=np.int64)
+        self.comm.Alltoall(send_counts, recv_counts)
+        self._count_bytes((p - 1) * 8, (p - 1) * 8)
+        isz, vsz = self._index_dtype.itemsize, self._dtype.itemsize
+        for first in range(1, p, _BUCKET):
+            reqs, got = [], []
+            for s in range(first, min(first + _BUCKET, p)):
+                dst, src = (r + s) % p, (r - s) % p
+                n_in = int(recv_counts[src])
+                ri = np.empty(n_in, dtype=self._index_dtype)
+                rv = np.empty(n_in, dtype=self._dtype)
+                reqs.append(self.comm.Irecv(ri, source=src, tag=_TAG_IDX))
+                reqs.append(self.comm.Irecv(rv, source=src, tag=_TAG_VAL))
+                a, b = cut[dst], cut[dst + 1]
+                reqs.append(self.comm.Isend(local[a:b], dest=dst, tag=_TAG_IDX))
+                reqs.append(self.comm.Isend(vals[a:b], dest=dst, tag=_TAG_VAL))
+                self._count_bytes((b - a) * (isz + vsz), n_in * (isz + vsz))
+                got.append((ri, rv))
+            MPI.Request.Waitall(reqs)
+            for ri, rv in got:  # one sender's offsets are distinct, so += is a scatter-add
+                region[ri] += rv
+                touched[ri] = True
+        return region, touched
+
+    def _global_select(self, region, touched, lo, exact, dense):
+        """(G indices, G values, global threshold used, owner counts), identical on every rank."""
+        cand = np.flatnonzero(touched)
+        cvals = region[cand]
+        gthr = self.global_thr
+        if not (exact or dense):
+            keep = np.abs(cvals) >= threshold_for(gthr, self._dtype)
+            cand, cvals = cand[keep], cvals[keep]
+        mine = (cand + lo).astype(self._index_dtype)
+        counts = self.xch.agree([mine.shape[0]])[:, 0].copy()
+        gi = self.xch.allgatherv(mine, counts)
+        gv = self.xch.allgatherv(cvals, counts)
+        if dense:
+            return gi, gv, 0.0, counts
+        if exact:
+            if gv.shape[0] > self.k:
+                gthr = float(kth_largest_magnitude(gv, self.k))
+            else:  # fewer candidates than k: all pass; remember the smallest as the threshold
+                mag = np.abs(gv)
+                gthr = float(mag[mag > 0].min()) if (mag > 0).any() else float(positive_floor(self._dtype))
+            keep = np.abs(gv) >= self._dtype.type(gthr)
+            # what each owner contributed to the global set
+            offs = np.concatenate(([0], np.cumsum(counts)))
+            kept = np.concatenate(([0], np.cumsum(keep)))
+            counts = kept[offs[1:]] - kept[offs[:-1]]
+            gi, gv = gi[keep], gv[keep]
+        return gi, gv, gthr, counts
+
+    # ------------------------------------------------------------------ the step
+    def _step(self, inp, err, out):
+        sec = {}
+        t = self.iteration
+        dense = t < self.options["warmup"] or self.density >= 1.0
+        repartition = not dense and t % self.options["region_period"] == 0
+        exact = t % self.options["global_period"] == 0 or self.global_thr is None
+        count, acc, thr = 0, None, 0.0
+        cuts = np.zeros(self.nranks - 1, dtype=np.int64)
+        if err is None:
+            self._bind(inp)
+            t0 = time.perf_counter()
+            acc, bad = accumulate(self, inp.array)
+            if bad:
+                err = (InputCode.NONFINITE, bad)
+            else:
+                if self._idx is None:
+                    self._idx = self._ops.empty(self.numel, self._index_dtype)
+                thr = self._local_threshold(acc, t, dense)
+                count = self._ops.select_range(acc, 0, self.numel, thr, self._idx)
+                if repartition:
+                    cuts = proposed_cuts(self._idx[:count], self.numel, self.nranks)
+            sec["select"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        base = self._words(count if err is None else 0, err)
+        extra = [float_to_word(thr)] + (cuts.tolist() if repartition else [])
+        words = self.xch.agree(base + extra)
+        sec["counts"] = time.perf_counter() - t0
+        try:
+            skip = self._check_words(words, err)
+        except Exception:
+            self._spare = acc if acc is not None else self._spare
+            raise
+        if skip:
+            self._spare = acc if acc is not None else self._spare
+            return self._skip(inp, out)
+
+        nb = len(base)
+        counts = words[:, 0].copy()
+        bounds = region_bounds(words[:, nb + 1:], self.numel) if repartition else self.bounds
+        sel = self._idx[:count]
+        t0 = time.perf_counter()
+        vals = self._ops.empty(count, self._dtype)
+        self._ops.gather(acc, sel, vals)
+        region, touched = self._split_reduce(sel, vals, bounds)
+        sec["split_reduce"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        lo = int(bounds[self.rank])
+        gi, gv, gthr, owner_counts = self._global_select(region, touched, lo, exact, dense)
+        sec["allgatherv"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        res = self._settle(acc, out)
+        self._ops.scatter(res, gi, gv / self._dtype.type(self.nranks))
+        both = np.intersect1d(sel, gi, assume_unique=True)
+        self._ops.zero_at(self._residual, both)
+        sec["scatter"] = time.perf_counter() - t0
+
+        # state for the next step (committed only now: a refused step changed nothing)
+        k = self.k
+        if not dense:
+            nxt = float(thr)
+            if count < 2 * k / 3:
+                nxt /= self.local_adjust
+            elif count > 5 * k / 4:
+                nxt *= self.local_adjust
+            self.local_thr = nxt
+            if exact:
+                self.global_thr = gthr
+            elif gi.shape[0] < 2 * k / 3:
+                self.global_thr = gthr / self.global_adjust
+            elif gi.shape[0] > 4 * k / 3:
+                self.global_thr = gthr * self.global_adjust
+        self.bounds = bounds
+        selected = int(gi.shape[0])
+        self.stats = Stats(
+            iteration=t, counts=counts, selected=selected, density=selected / self.numel,
+            threshold=float(thr), bounds=bounds.copy(), owned=np.arange(self.nranks),
+            bytes_sent=self.xch.bytes_sent, bytes_received=self.xch.bytes_received,
+            seconds=sec, skipped=False, imbalance=imbalance(owner_counts),
+            thresholds=word_to_float(words[:, nb]).copy(), global_threshold=float(gthr),
+            owner_counts=owner_counts, exact_global=bool(exact or dense), repartitioned=repartition)
+        self.iteration = t + 1
+        return inp.wrap(res)
+
+    # ------------------------------------------------------------------ state
+    def _extra_state(self):
+        return {"local_thr": self.local_thr, "global_thr": self.global_thr, "bounds": self.bounds.tolist()}
+
+    def _load_extra_state(self, d):
+        self.local_thr = d["local_thr"]
+        self.global_thr = d["global_thr"]
+        b = np.asarray(d["bounds"], dtype=np.int64)
+        if b.shape != (self.nranks + 1,) or b[0] != 0 or b[-1] != self.numel or (np.diff(b) < 0).any():
+            raise ValueError("oktopk: state_dict bounds do not fit this sparsifier")
+        self.bounds = b

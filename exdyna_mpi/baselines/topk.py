@@ -1,0 +1,259 @@
+"""Union-exchange baselines: every rank selects from its WHOLE accumulator; the union is summed.
+
+One step on rank r (``TopK``, ``HardThreshold``, ``GaussianK``, ``DGC``):
+
+1. ``acc = residual + grad``; the method picks a threshold ``thr_r`` from ``acc`` (its own rule);
+   the local selection is ``S_r = {i : |acc[i]| >= thr_r}`` (ascending indices).
+2. The count exchange carries ``|S_r|``, the error word and ``thr_r`` (so stats and tests see every
+   rank's threshold); ``Allgatherv`` of the indices; ``U = unique(concat S_r)``.
+3. Every rank's ``acc[U]`` is summed (``sum_identical``, bit-identical on all ranks); ``out[U] = sum / P``.
+4. ``residual = acc`` with ``U`` zeroed (error feedback).
+
+``|U|`` grows with P when the ranks pick different indices: the gradient build-up that ExDyna's
+exclusive partitions avoid. ``stats.union`` and ``stats.build_up = |U| / k`` report it.
+``CLTK`` differs only in step 1-2: the leader ``t mod P`` alone selects top-k and broadcasts.
+
+At ``density = 1`` every method selects everything (threshold 0) and ``out`` is the dense average.
+"""
+import math
+import statistics
+import time
+
+import numpy as np
+
+from .._arrays import threshold_for
+from .._base import Sparsifier, Stats
+from .._errors import InputCode
+from ._common import (accumulate, float_to_word, imbalance, kth_largest_magnitude, positive_floor,
+                      target_count, word_to_float)
+
+
+class UnionSparsifier(Sparsifier):
+    """Base of the union-exchange methods; subclasses implement ``_threshold(acc)``."""
+
+    def __init__(self, numel, density, comm=None, **kw):
+        super().__init__(numel, density, comm, **kw)
+        self.k = target_count(self.density, self.numel)
+        self._index_dtype = np.dtype(np.int32) if self.numel < 2**31 else np.dtype(np.int64)
+        self._idx = None
+
+    # -- the rule a subclass supplies -------------------------------------------------------
+    def _threshold(self, acc):
+        """This rank's threshold for ``acc`` (pure: must not change state; a refusal may follow)."""
+        raise NotImplementedError
+
+    def _selects(self, t):
+        """Whether this rank selects at step ``t`` (all do, except in CLTK)."""
+        return True
+
+    # -- the step ------------------------------------------------------------------------------
+    def _idx_buffer(self):
+        if self._idx is None:
+            self._idx = self._ops.empty(self.numel, self._index_dtype)
+        return self._idx
+
+    def _local_threshold(self, acc):
+        if self.density >= 1.0:
+            return self._dtype.type(0)
+        thr = self._threshold(acc)
+        return threshold_for(max(float(thr), float(positive_floor(self._dtype))), self._dtype)
+
+    def _exchange_indices(self, counts, t):
+        return self.xch.allgatherv(self._idx[:counts[self.rank]], counts)
+
+    def _step(self, inp, err, out):
+        sec = {}
+        t = self.iteration
+        count, acc, thr = 0, None, 0.0
+        if err is None:
+            self._bind(inp)
+            t0 = time.perf_counter()
+            acc, bad = accumulate(self, inp.array)
+            if bad:
+                err = (InputCode.NONFINITE, bad)
+            elif self._selects(t):
+                thr = self._local_threshold(acc)
+                count = self._ops.select_range(acc, 0, self.numel, thr, self._idx_buffer())
+            sec["select"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        words = self.xch.agree(self._words(count if err is None else 0, err) + [float_to_word(thr)])
+        sec["counts"] = time.perf_counter() - t0
+        try:
+            skip = self._check_words(words, err)
+        except Exception:
+            self._spare = acc if acc is not None else self._spare
+            raise
+        if skip:
+            self._spare = acc if acc is not None else self._spare
+            return self._skip(inp, out)
+
+        ops = self._ops
+        self._idx_buffer()
+        counts = words[:, 0].copy()
+        t0 = time.perf_counter()
+        gathered = self._exchange_indices(counts, t)
+        # each rank's indices are ascending, so one rank's (or disjoint) lists need no unique
+        union = gathered if np.count_nonzero(counts) <= 1 else np.unique(gathered)
+        sec["indices"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        vals = ops.empty(union.shape[0], self._dtype)
+        ops.gather(acc, union, vals)
+        sec["gather"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        self.xch.sum_identical(vals)
+        sec["reduce"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        res = self._settle(acc, out)
+        ops.scatter_mean_zero(res, self._residual, union, vals, self._dtype.type(self.nranks))
+        sec["scatter"] = time.perf_counter() - t0
+
+        selected = int(union.shape[0])
+        self.stats = Stats(
+            iteration=t, counts=counts, selected=selected, density=selected / self.numel,
+            threshold=float(thr), bounds=None, owned=None,
+            bytes_sent=self.xch.bytes_sent, bytes_received=self.xch.bytes_received,
+            seconds=sec, skipped=False, imbalance=imbalance(counts),
+            thresholds=word_to_float(words[:, -1]).copy(), union=selected, build_up=selected / self.k)
+        self.iteration = t + 1
+        return inp.wrap(res)
+
+
+class TopK(UnionSparsifier):
+    """Exact local top-k of ``|acc|`` (O(n) selection, no sort), union exchange.
+
+    The threshold is the k-th largest ``|acc|``; ties at it are all taken (so a rank may select a
+    few more than k), and zeros never are.
+
+    Example::
+
+        >>> sp = exdyna_mpi.make("topk", numel, 0.01, comm)
+        >>> avg = sp.step(flat_grad); sp.stats.union, sp.stats.build_up
+    """
+
+    name = "topk"
+    OPTIONS = {}
+
+    def _threshold(self, acc):
+        return kth_largest_magnitude(acc, self.k)
+
+
+class CLTK(TopK):
+    """Chief-leader top-k: rank ``t mod P`` picks its top-k; the others sum their acc there.
+
+    The leader's indices go out by ``Bcast`` (its count rides in the count exchange), so the
+    union is exactly the leader's top-k: no build-up, but the other ranks' large values wait.
+
+    Example::
+
+        >>> sp = exdyna_mpi.make("cltk", numel, 0.01, comm)
+    """
+
+    name = "cltk"
+
+    def _selects(self, t):
+        return self.rank == t % self.nranks
+
+    def _exchange_indices(self, counts, t):
+        leader = t % self.nranks
+        buf = self._idx[:counts[leader]]
+        return self.xch.bcast_from(buf, leader)
+
+
+def _positive_float_or_none(v):
+    if v is None:
+        return None
+    try:
+        ok = float(v) > 0 and math.isfinite(float(v))
+    except (TypeError, ValueError):
+        ok = False
+    return None if ok else "must be a positive finite number or None"
+
+
+class HardThreshold(UnionSparsifier):
+    """A fixed hard threshold (default ``1/(2 sqrt k)``, the authors' ExDyna start), union exchange.
+
+    The achieved density follows the gradients' scale: nothing steers it.
+
+    Example::
+
+        >>> sp = exdyna_mpi.make("threshold", numel, 0.01, comm, threshold=1e-3)
+    """
+
+    name = "threshold"
+    OPTIONS = {"threshold": (None, _positive_float_or_none)}
+
+    def _threshold(self, acc):
+        thr = self.options["threshold"]
+        return 1.0 / (2.0 * math.sqrt(self.k)) if thr is None else float(thr)
+
+
+class GaussianK(UnionSparsifier):
+    """Gaussian-k: the threshold from a normal fit of ``acc``, then an adjust loop.
+
+    ``thr = |mean| + std * z`` with ``z`` the normal quantile at ``1 - density/2`` (two-sided);
+    then up to 20 times: x1.02 while the count is above 5k/4, /1.02 while below 3k/4 (the Ok-Topk
+    repository's gaussiank). Heavy tails make the first guess select too much.
+
+    Example::
+
+        >>> sp = exdyna_mpi.make("gaussiank", numel, 0.01, comm)
+    """
+
+    name = "gaussiank"
+    OPTIONS = {}
+    factor, tries = 1.02, 20
+
+    def _threshold(self, acc):
+        mean = float(np.mean(acc, dtype=np.float64))
+        std = float(np.std(acc, dtype=np.float64))
+        z = statistics.NormalDist().inv_cdf(1.0 - self.density / 2.0)
+        thr = abs(mean) + std * z
+        if thr <= 0:
+            return kth_largest_magnitude(acc, self.k)
+        lo, hi = 0.75 * self.k, 1.25 * self.k
+        for _ in range(self.tries):
+            c = self._ops.count_range(acc, 0, self.numel, threshold_for(thr, self._dtype))
+            if c > hi:
+                thr *= self.factor
+            elif c < lo:
+                thr /= self.factor
+            else:
+                break
+        return thr
+
+
+class DGC(UnionSparsifier):
+    """Deep Gradient Compression's threshold: top-k on a strided ~1 % sample, then a correction loop.
+
+    Sample: every ``stride``-th element (stride = 1/sample_ratio), starting at ``t mod stride``;
+    threshold = the ``ceil(k * sample/numel)``-th largest sampled ``|acc|``. Correction (<= 10
+    rounds, as in synxlin/deep-gradient-compression): above 1.3 k, exact top-k among the selected
+    (the threshold becomes their k-th largest); below 0.8 k, lower the threshold by 0.8.
+
+    Example::
+
+        >>> sp = exdyna_mpi.make("dgc", numel, 0.01, comm, sample_ratio=0.01)
+    """
+
+    name = "dgc"
+    OPTIONS = {"sample_ratio": (0.01, lambda v: None if isinstance(v, float) and 0 < v <= 1
+                                else "must be a float in (0, 1]")}
+    upper, lower, rounds = 1.3, 0.8, 10
+
+    def _threshold(self, acc):
+        stride = max(1, int(round(1.0 / self.options["sample_ratio"])))
+        sample = acc[self.iteration % stride::stride]
+        ks = max(1, int(math.ceil(self.k * sample.shape[0] / self.numel)))
+        thr = float(kth_largest_magnitude(sample, ks))
+        for _ in range(self.rounds):
+            t = threshold_for(thr, self._dtype)
+            c = self._ops.count_range(acc, 0, self.numel, t)
+            if c > self.upper * self.k:
+                sel = self._ops.empty(c, self._index_dtype)
+                self._ops.select_range(acc, 0, self.numel, t, sel)
+                return float(kth_largest_magnitude(acc[sel], self.k))
+            if c < self.lower * self.k:
+                thr *= self.lower
+            else:
+                break
+        return thr
