@@ -14,20 +14,27 @@ from ._arrays import threshold_for
 from .kernels import cpu_controller as _kc
 
 
-def accumulate_select_hist(ops, residual, grad, acc, lo, hi, thr, idx, shift, key0, hist, predict=False, fine=None):
-    """``(count, nonfinite)`` as ``ops.accumulate_select``; adds the histogram of ``|acc[lo:hi]|``
-    to ``hist``, or with ``predict`` of ``|p|``, ``p = (selected ? 0 : acc) + grad`` (kernels/cpu_controller.py)."""
+def accumulate_select_hist(ops, residual, grad, acc, lo, hi, thr, idx, shift, key0, hist, predict=False, fine=None,
+                           forecast=None):
+    """``(count, nonfinite)`` as ``ops.accumulate_select``; adds to ``hist`` (and ``fine``'s) the
+    histogram over ``forecast = (flo, fhi)`` (default ``(lo, hi)``) of ``|acc|``, or with ``predict``
+    of the forecast ``|p|`` (kernels/cpu_controller.py gives the exact rule)."""
     if ops.device == "cpu":
         return _kc.host_accumulate_select_hist(residual, grad, acc, lo, hi, thr, idx, shift, key0, hist, predict,
-                                               fine)
+                                               fine, forecast)
     count, bad = ops.accumulate_select(residual, grad, acc, lo, hi, thr, idx)
-    seg = acc[lo:hi]
-    if predict:
-        g = grad[lo:hi]
-        nb = ops.xp.concatenate([g[1:], g[-2:-1]]) if hi - lo >= 2 else g   # the kernel's neighbour rule
-        seg = ops.xp.where(ops.xp.abs(seg) >= thr, 0, seg).astype(seg.dtype) + nb
+    flo, fhi = forecast if forecast is not None else (lo, hi)
+    seg = acc[flo:fhi]
+    if predict and fhi > flo:
+        xp, n = ops.xp, grad.shape[0]
+        nb = grad[flo + 1:min(fhi + 1, n)]
+        if nb.shape[0] < fhi - flo:          # the vector's last element takes the one before it
+            nb = xp.concatenate([nb, grad[max(n - 2, 0):n - 1] if n > 1 else grad[:1]])
+        pos = xp.arange(flo, fhi)
+        sel = (pos >= lo) & (pos < hi) & (xp.abs(seg) >= thr)
+        seg = xp.where(sel, 0, seg).astype(seg.dtype) + nb
     for sh, k0, h in [(shift, key0, hist)] + ([fine] if fine is not None else []):
-        hist_range(ops, seg, 0, hi - lo, sh, k0, h)
+        hist_range(ops, seg, 0, fhi - flo, sh, k0, h)
     return count, bad
 
 
@@ -66,6 +73,6 @@ def first_step(sp, grad, acc, lo, hi, coarse, sec):
     # acc = residual + grad again: the same bits, so acc is unchanged; this pass selects and forecasts.
     count, _ = accumulate_select_hist(sp._ops, sp._residual, grad, acc, lo, hi, threshold_for(thr, dtype),
                                       sp._idx_buffer(hi - lo), spec1[1], spec1[2], hist[: spec1[0]], predict=True,
-                                      fine=(fspec1[1], fspec1[2], hist[spec1[0]:]))
+                                      fine=(fspec1[1], fspec1[2], hist[spec1[0]:]), forecast=sp._forecast_range(0))
     sec["first_threshold"] = time.perf_counter() - t0
     return thr, int(count), spec1, fspec1, hist

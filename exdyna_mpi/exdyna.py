@@ -73,6 +73,10 @@ class ExDyna(Sparsifier):
         """The threshold the next step will use."""
         return self.controller.threshold
 
+    def _forecast_range(self, t):
+        """The element range this rank will own at step ``t + 1`` (with today's bounds)."""
+        return self.layout.range_of(partition_of(self.rank, t + 1, self.nranks))
+
     def _idx_buffer(self, n):
         if self._idx is None or self._idx.shape[0] < n:
             self._idx = self._ops.empty(max(n, 1), self._index_dtype)
@@ -104,7 +108,8 @@ class ExDyna(Sparsifier):
                 count, bad = _ctl_ops.accumulate_select_hist(
                     ops, self._residual, inp.array, acc, lo, hi,
                     threshold_for(thr if t else math.inf, self._dtype), idx, spec[1], spec[2], hist[: spec[0]],
-                    predict=t > 0, fine=(fspec[1], fspec[2], hist[spec[0]:]) if fspec else None)
+                    predict=t > 0, fine=(fspec[1], fspec[2], hist[spec[0]:]) if fspec else None,
+                    forecast=self._forecast_range(t) if t > 0 else None)
             sec["select"] = time.perf_counter() - t0
             if bad:
                 err = (InputCode.NONFINITE, bad)

@@ -136,13 +136,32 @@ def test_forecast_histograms_match_numpy(dt, mb):
     c, bad = kc.host_accumulate_select_hist(r, g, acc, lo, hi, thr, idx, spec[1], spec[2], hist, predict=True,
                                             fine=(fine[1], fine[2], hist_f))
     a = r + g
-    seg, gs = a[lo:hi], g[lo:hi]
+    seg = a[lo:hi]
     sel = np.abs(seg) >= thr
-    nbr = np.concatenate([gs[1:], gs[-2:-1]])        # the next element's gradient; the last takes the one before
-    p = np.where(sel, 0, seg).astype(dt) + nbr
+    p = np.where(sel, 0, seg).astype(dt) + g[lo + 1:hi + 1]     # the next element's gradient
     assert c == sel.sum() and bad == 0 and np.array_equal(acc, a)
     assert np.array_equal(hist, _buckets(p, spec[1], spec[2], 64, dt))
     assert np.array_equal(hist_f, _buckets(p, fine[1], fine[2], 64, dt))
+
+
+@pytest.mark.parametrize("flo,fhi", [(25_000, 30_000), (10_000, 26_000), (0, 3_000), (29_999, 30_000)])
+def test_forecast_covers_the_next_owners_range(flo, fhi):
+    """The histogram covers [flo, fhi) (next step's partition): selection zeroes only inside [lo, hi)."""
+    rng = np.random.default_rng(8)
+    n, lo, hi, thr = 30_000, 2_000, 21_000, np.float32(1.9)
+    r, g = rng.standard_normal((2, n)).astype(np.float32)
+    acc, idx = np.empty(n, np.float32), np.empty(n, np.int64)
+    key0 = (int(np.array([1.9], np.float32).view(np.int32)[0]) >> 20) - 32
+    hist = np.zeros(64, np.int64)
+    c, _ = kc.host_accumulate_select_hist(r, g, acc, lo, hi, thr, idx, 20, key0, hist, predict=True,
+                                          forecast=(flo, fhi))
+    a = r + g
+    sel = np.zeros(n, bool)
+    sel[lo:hi] = np.abs(a[lo:hi]) >= thr
+    nbr = np.concatenate([g[1:], g[-2:-1]])          # the vector's last element takes the one before
+    p = (np.where(sel, 0, a).astype(np.float32) + nbr)[flo:fhi]
+    assert np.array_equal(idx[:c], lo + np.flatnonzero(np.abs(a[lo:hi]) >= thr))
+    assert np.array_equal(hist, _buckets(p, 20, key0, 64, np.float32))
 
 
 def test_count_above_inverts_quantile():
