@@ -110,6 +110,7 @@ class HistogramController:
     REFINE_BITS = 4         # step 0: 16 buckets per octave over 4 octaves
     FINE_BUCKETS = 64       # and a fine window, 512 buckets per octave (0.14 %) around the threshold:
     FINE_BITS = 9           # after a drop of scale the count can double for a 1 % lower threshold
+    COARSE_STRIDE = 1       # the coarse forecast counts every n-th element (it only steers large jumps)
     COARSE_BUCKETS = 64
     COARSE_LOW = -40        # step 0 coarse window: one bucket per octave from 2**-40 to 2**24
     BETA = 1.0              # fraction of the way (in log count) from the count now to the aim
@@ -247,7 +248,7 @@ class HistogramController:
             else:
                 self.pending = miss   # one large miss: the data changed under the forecast, an outlier
         nb, shift, key0 = spec
-        hist = np.asarray(hists, dtype=np.int64).sum(axis=0)
+        hist = np.asarray(hists, dtype=np.int64).sum(axis=0) * self.COARSE_STRIDE
         edges = self._edges(dtype, shift, key0, nb)
         aim = self.k * math.exp(-self.trim)
         if fine is not None:

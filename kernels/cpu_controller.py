@@ -22,7 +22,11 @@ neighbour's gradient stands in for the next one (same layer, same scale, but not
 in ``acc``: that would count it twice). The next owner forecasts, not the current one: a rank's
 residual in a partition it does not own is never thresholded, so it holds elements already above the
 threshold that the current owner's freshly cleaned residual does not show. ``p`` is written to a
-one-element scratch ``pbuf`` whose integer view ``pbits`` gives its bit pattern.
+chunk scratch ``pchunk`` whose integer view ``pbits`` gives its bit patterns.
+
+``stride`` > 1 makes the coarse histogram a sample: only elements whose index is a multiple of
+``stride`` (the controller scales its counts back up). It steers only the large jumps; the fine
+window, which decides near the threshold, counts every element.
 
 ``hist_f`` (may be empty) is a second histogram of the same values with its own ``shift_f`` and
 ``key0_f``, same rule: a fine window around the threshold, where error feedback can make the count
@@ -33,46 +37,71 @@ from numba import njit
 
 from .cpu import _add_count_nonfinite, _add_select
 
+_CHUNK = 4096  # elements per inner block: the forecast and its buckets are read back from L1
+
+
 @njit(cache=True, nogil=True)
-def _add_select_hist(r, g, gn, g_end, acc, bits, thr, idx, base, sign_off, shift, key0, hist, shift_f, key0_f,
-                     hist_f, predict, pbuf, pbits):
-    # ``bits`` is ``acc`` viewed as integers (the same memory): the value just written is read
-    # back as its bit pattern, which gives the bucket with two integer ops and no log.
-    # ``gn[i]`` is element i's neighbour gradient (the next element's); past its end (the vector's
-    # last element) it is ``g_end``, the gradient before it.
+def _add_select_hist(r, g, gn, g_end, acc, thr, idx, base, sign_off, shift, key0, hist, stride,
+                     shift_f, key0_f, hist_f, predict, pchunk, pbits):
+    # Per chunk: (1) acc = r + g and the non-finite count, vectorised; (2) selection, a branch per
+    # element that rarely fires; (3) the forecast p into a chunk buffer, branch-free; (4) buckets
+    # from p's bits: the coarse histogram counts every ``stride``-th element (global index
+    # ``base + i``), the fine one every element, but those below its window (nearly all) only in a
+    # scalar, so few elements touch either histogram in memory.
     n = acc.shape[0]
     top = hist.shape[0] - 1
     top_f = hist_f.shape[0] - 1
+    below_f = 0
+    if top_f >= 0:
+        lo_f = ((key0_f + 1) << shift_f)
     bad = 0
     c = 0
-    for i in range(n):
-        v = r[i] + g[i]
-        acc[i] = v
-        if v - v != 0:
-            bad += 1
-        sel = abs(v) >= thr
-        if sel:
-            idx[c] = base + i
-            c += 1
+    for s in range(0, n, _CHUNK):
+        e = min(s + _CHUNK, n)
+        m = e - s
+        rs = r[s:e]
+        gs = g[s:e]
+        a = acc[s:e]
+        for i in range(m):
+            a[i] = rs[i] + gs[i]
+        for i in range(m):
+            if a[i] - a[i] != 0:
+                bad += 1
+        for i in range(m):
+            if abs(a[i]) >= thr:
+                idx[c] = base + s + i
+                c += 1
         if predict:
-            nbv = gn[i] if i < gn.shape[0] else g_end
-            pbuf[0] = nbv if sel else v + nbv
-            b = pbits[0]
+            # the neighbour's gradient (the vector's last element takes g_end, the one before it)
+            k = min(m, max(gn.shape[0] - s, 0))
+            gns = gn[s:s + k]
+            for i in range(k):
+                v = a[i]
+                pchunk[i] = (gns[i] if abs(v) >= thr else v + gns[i])
+            for i in range(k, m):
+                v = a[i]
+                pchunk[i] = (g_end if abs(v) >= thr else v + g_end)
         else:
-            b = bits[i]
-        j = ((b & sign_off) >> shift) - key0
-        if j < 0:
-            j = 0
-        elif j > top:
-            j = top
-        hist[j] += 1
+            for i in range(m):
+                pchunk[i] = a[i]
         if top_f >= 0:
-            j = ((b & sign_off) >> shift_f) - key0_f
+            for i in range(m):
+                b = pbits[i] & sign_off
+                if b < lo_f:
+                    below_f += 1
+                else:
+                    j = (b >> shift_f) - key0_f
+                    hist_f[j if j < top_f else top_f] += 1
+        first = (stride - (base + s) % stride) % stride
+        for i in range(first, m, stride):
+            j = ((pbits[i] & sign_off) >> shift) - key0
             if j < 0:
                 j = 0
-            elif j > top_f:
-                j = top_f
-            hist_f[j] += 1
+            elif j > top:
+                j = top
+            hist[j] += 1
+    if top_f >= 0:
+        hist_f[0] += below_f
     return c, bad
 
 
@@ -89,14 +118,16 @@ def _hist(bits, sign_off, shift, key0, hist):
 
 
 @njit(cache=True, nogil=True)
-def accumulate_select_hist(residual, grad, acc, bits, lo, hi, flo, fhi, thr, idx, sign_off, shift, key0, hist,
-                           shift_f, key0_f, hist_f, predict, pbuf, pbits):
+def accumulate_select_hist(residual, grad, acc, lo, hi, flo, fhi, thr, idx, sign_off, shift, key0, hist, stride,
+                           shift_f, key0_f, hist_f, predict, pchunk, pbits):
     """``accumulate_select`` of kernels/cpu.py (select in ``[lo, hi)``) plus histograms over ``[flo, fhi)``.
 
     Without ``predict`` the histograms are of ``|acc|``; with it, of ``|p|``, ``p = (selected ? 0 :
-    acc) + grad[i + 1]`` (the last element of the vector takes ``grad[i - 1]``). ``bits`` must be
-    ``acc.view(int32)`` (float32) or ``acc.view(int64)`` (float64). Returns ``(count, nonfinite)``
-    exactly as ``accumulate_select``; ``hist`` and ``hist_f`` (int64) are added to, not reset.
+    acc) + grad[i + 1]`` (the last element of the vector takes ``grad[i - 1]``). ``hist`` counts the
+    elements whose index is a multiple of ``stride``; ``hist_f`` (may be empty) counts all.
+    ``pchunk`` is a float scratch of ``_CHUNK`` elements of acc's dtype and ``pbits`` its integer
+    view. Returns ``(count, nonfinite)`` exactly as ``accumulate_select``; the histograms (int64)
+    are added to, not reset.
     """
     n = acc.shape[0]
     pts = np.sort(np.array([0, lo, hi, flo, fhi, n]))
@@ -111,9 +142,8 @@ def accumulate_select_hist(residual, grad, acc, bits, lo, hi, flo, fhi, thr, idx
         sel = lo <= a and b <= hi
         if flo <= a and b <= fhi:
             cc, bb = _add_select_hist(residual[a:b], grad[a:b], grad[a + 1:min(b + 1, n)], grad[max(n - 2, 0)],
-                                      acc[a:b], bits[a:b],
-                                      thr if sel else inf, idx[c:], a, sign_off, shift, key0, hist,
-                                      shift_f, key0_f, hist_f, predict, pbuf, pbits)
+                                      acc[a:b], thr if sel else inf, idx[c:], a, sign_off, shift, key0, hist,
+                                      stride, shift_f, key0_f, hist_f, predict, pchunk, pbits)
         elif sel:
             cc, bb = _add_select(residual[a:b], grad[a:b], acc[a:b], thr, idx[c:], a)
         else:
@@ -138,20 +168,21 @@ def int_view(x):
 
 
 def host_accumulate_select_hist(residual, grad, acc, lo, hi, thr, idx, shift, key0, hist, predict=False,
-                                fine=None, forecast=None):
+                                fine=None, forecast=None, stride=1):
     """HostOps-style wrapper: returns ``(count, nonfinite)`` as Python ints; fills ``hist``.
 
     ``fine``: optional ``(shift_f, key0_f, hist_f)`` for the second histogram. ``forecast``: the
     ``(flo, fhi)`` range the histograms cover (default: the selected range ``[lo, hi)``).
+    ``stride``: the coarse histogram counts every ``stride``-th element.
     """
-    bits, sign_off = int_view(acc)
-    pbuf = np.zeros(1, acc.dtype)
-    pbits, _ = int_view(pbuf)
+    pchunk = np.empty(_CHUNK, acc.dtype)
+    pbits, sign_off = int_view(pchunk)
     shift_f, key0_f, hist_f = fine if fine is not None else (0, 0, np.zeros(0, np.int64))
     flo, fhi = forecast if forecast is not None else (lo, hi)
-    ity = bits.dtype.type
-    c, bad = accumulate_select_hist(residual, grad, acc, bits, lo, hi, flo, fhi, thr, idx, sign_off, ity(shift),
-                                    ity(key0), hist, ity(shift_f), ity(key0_f), hist_f, bool(predict), pbuf, pbits)
+    ity = pbits.dtype.type
+    c, bad = accumulate_select_hist(residual, grad, acc, lo, hi, flo, fhi, thr, idx, sign_off, ity(shift),
+                                    ity(key0), hist, int(stride), ity(shift_f), ity(key0_f), hist_f,
+                                    bool(predict), pchunk, pbits)
     return int(c), int(bad)
 
 
