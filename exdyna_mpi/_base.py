@@ -6,7 +6,7 @@ import numpy as np
 
 from . import _transport
 from ._arrays import DTYPE_CODES, DTYPE_NAMES, as_input, check_vector
-from ._errors import InputCode, StepError, describe, refusal
+from ._errors import InputCode, StepError, refusal
 from ._ops import gpu_available, ops_for
 
 NONFINITE_POLICIES = ("raise", "skip")
@@ -195,6 +195,43 @@ class Sparsifier:
             raise StepError(f"{self.name}: step refused on all ranks, state unchanged: "
                             f"ranks pass different dtypes ({names})")
         return False
+
+    def _verdict(self, words, err, acc):
+        """After the step's first collective: raise the refusal on every rank, or return True when
+        the step is skipped (``nonfinite="skip"``). Either way a computed ``acc`` is kept for reuse,
+        and nothing else has changed.
+        """
+        try:
+            skip = self._check_words(words, err)
+        except Exception:
+            self._keep_spare(acc)
+            raise
+        if skip:
+            self._keep_spare(acc)
+        return skip
+
+    def _keep_spare(self, acc):
+        if acc is not None:
+            self._spare = acc
+
+    def _average_at(self, acc, union, out, sec):
+        """The end of a union step: sum every rank's ``acc[union]`` (bit-identical everywhere),
+        ``acc`` becomes the residual with ``union`` zeroed, and the returned buffer holds the sum / P
+        at ``union``, 0 elsewhere. Phase times go into ``sec``.
+        """
+        ops = self._ops
+        t0 = time.perf_counter()
+        vals = ops.empty(union.shape[0], self._dtype)
+        ops.gather(acc, union, vals)
+        sec["gather"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        self.xch.sum_identical(vals)
+        sec["reduce"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        res = self._settle(acc, out)
+        ops.scatter_mean_zero(res, self._residual, union, vals, self._dtype.type(self.nranks))
+        sec["scatter"] = time.perf_counter() - t0
+        return res
 
     def _skip(self, inp, out):
         """A step skipped on every rank: zero update, nothing else changes."""

@@ -119,16 +119,9 @@ class ExDyna(Sparsifier):
             words = words + (hist.tolist() if err is None else [0] * hist.shape[0])
         words = self.xch.agree(words)
         sec["counts"] = time.perf_counter() - t0
-        try:
-            skip = self._check_words(words, err)
-        except Exception:
-            self._spare = acc if acc is not None else self._spare
-            raise
-        if skip:
-            self._spare = acc if acc is not None else self._spare
+        if self._verdict(words, err, acc):
             return self._skip(inp, out)
 
-        ops = self._ops
         if spec is not None and t == 0:   # step 0: refine the first threshold, then select (§ docs/controller.md)
             thr, count, spec, fspec, hist = _ctl_ops.first_step(self, inp.array, acc, lo, hi, words[:, 4:], sec)
             words = self.xch.agree([count, 0, 0, 0] + hist.tolist())
@@ -136,17 +129,7 @@ class ExDyna(Sparsifier):
         t0 = time.perf_counter()
         union = self.xch.allgatherv(self._idx[:count], counts)
         sec["indices"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        vals = ops.empty(union.shape[0], self._dtype)
-        ops.gather(acc, union, vals)
-        sec["gather"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        self.xch.sum_identical(vals)
-        sec["reduce"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        res = self._settle(acc, out)
-        ops.scatter_mean_zero(res, self._residual, union, vals, self._dtype.type(self.nranks))
-        sec["scatter"] = time.perf_counter() - t0
+        res = self._average_at(acc, union, out, sec)
 
         selected = int(counts.sum())
         self.stats = Stats(

@@ -5,7 +5,6 @@ drop wraparound checks and vectorise (see specs/environment.md §7: a runtime-of
 index was 3.5x slower). Comparisons are IEEE exact: no fastmath, so every rank and the CUDA kernels
 produce the same bits.
 """
-import numpy as np
 from numba import njit
 
 _CHUNK = 4096  # elements per inner block: small enough that a re-read stays in L1/L2

@@ -36,13 +36,7 @@ class DenseAllreduce(Sparsifier):
             if bad:
                 err = (InputCode.NONFINITE, bad)
         words = self.xch.agree(self._words(self.numel if err is None else 0, err))
-        try:
-            skip = self._check_words(words, err)
-        except Exception:
-            self._spare = acc if acc is not None else self._spare
-            raise
-        if skip:
-            self._spare = acc if acc is not None else self._spare
+        if self._verdict(words, err, acc):
             return self._skip(inp, out)
         t0 = time.perf_counter()
         self.xch.sum_identical(acc)

@@ -120,13 +120,7 @@ class FFTSparsifier(Sparsifier):
         base = self._words(count if err is None else 0, err)
         words = self.xch.agree(base + [float_to_word(float(tau)), e_max, e_bits])
         sec["counts"] = time.perf_counter() - t0
-        try:
-            skip = self._check_words(words, err)
-        except Exception:
-            self._spare = acc if acc is not None else self._spare
-            raise
-        if skip:
-            self._spare = acc if acc is not None else self._spare
+        if self._verdict(words, err, acc):
             return self._skip(inp, out)
 
         nb = len(base)

@@ -220,13 +220,7 @@ class OkTopk(Sparsifier):
         extra = [float_to_word(thr)] + (cuts.tolist() if repartition else [])
         words = self.xch.agree(base + extra)
         sec["counts"] = time.perf_counter() - t0
-        try:
-            skip = self._check_words(words, err)
-        except Exception:
-            self._spare = acc if acc is not None else self._spare
-            raise
-        if skip:
-            self._spare = acc if acc is not None else self._spare
+        if self._verdict(words, err, acc):
             return self._skip(inp, out)
 
         nb = len(base)

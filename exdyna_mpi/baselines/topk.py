@@ -78,16 +78,9 @@ class UnionSparsifier(Sparsifier):
         t0 = time.perf_counter()
         words = self.xch.agree(self._words(count if err is None else 0, err) + [float_to_word(thr)])
         sec["counts"] = time.perf_counter() - t0
-        try:
-            skip = self._check_words(words, err)
-        except Exception:
-            self._spare = acc if acc is not None else self._spare
-            raise
-        if skip:
-            self._spare = acc if acc is not None else self._spare
+        if self._verdict(words, err, acc):
             return self._skip(inp, out)
 
-        ops = self._ops
         self._idx_buffer()
         counts = words[:, 0].copy()
         t0 = time.perf_counter()
@@ -95,17 +88,7 @@ class UnionSparsifier(Sparsifier):
         # each rank's indices are ascending, so one rank's (or disjoint) lists need no unique
         union = gathered if np.count_nonzero(counts) <= 1 else np.unique(gathered)
         sec["indices"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        vals = ops.empty(union.shape[0], self._dtype)
-        ops.gather(acc, union, vals)
-        sec["gather"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        self.xch.sum_identical(vals)
-        sec["reduce"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        res = self._settle(acc, out)
-        ops.scatter_mean_zero(res, self._residual, union, vals, self._dtype.type(self.nranks))
-        sec["scatter"] = time.perf_counter() - t0
+        res = self._average_at(acc, union, out, sec)
 
         selected = int(union.shape[0])
         self.stats = Stats(

@@ -1,7 +1,6 @@
 """Bad input on one rank: the same clear error on every rank, no hang, state exactly as before."""
 import numpy as np
 import pytest
-from mpi4py import MPI
 
 import exdyna_mpi
 from tests.conftest import mpi_assert

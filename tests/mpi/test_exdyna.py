@@ -4,7 +4,6 @@ Run serially (P=1, and COMM_SELF) and under ``mpiexec -n 2/3/4 ... --with-mpi``.
 """
 import numpy as np
 import pytest
-from mpi4py import MPI
 
 import exdyna_mpi
 from tests.conftest import allgather_array, mpi_assert
