@@ -1,11 +1,12 @@
 """Arrays layer for the histogram controller: its per-element ops and its step-0 procedure.
 
 ``accumulate_select_hist`` is ``HostOps.accumulate_select`` that also fills a histogram of
-``|acc|`` over ``[lo, hi)`` (kernels/cpu_controller.py documents the bucket semantics exactly).
-On a CUDA device it falls back to the existing select plus a histogram in array ops (one extra
-read of the owned range) until a CUDA kernel with the same semantics exists.
+``|acc|`` (or of the forecast ``|p|``) over a range (kernels/cpu_controller.py documents the bucket
+semantics exactly). On the CPU it runs the ``@njit`` kernel of kernels/cpu_controller.py; on a CUDA
+device, the fused kernel of kernels/cuda.py (through exdyna_mpi/_cuda_ops.py), bit-identical to it
+(the same pass as the plain select, the histograms built in shared memory, one device->host copy of
+counts and histograms).
 """
-import math
 import time
 
 import numpy as np
@@ -15,40 +16,26 @@ from .kernels import cpu_controller as _kc
 
 
 def accumulate_select_hist(ops, residual, grad, acc, lo, hi, thr, idx, shift, key0, hist, predict=False, fine=None,
-                           forecast=None):
+                           forecast=None, stride=1):
     """``(count, nonfinite)`` as ``ops.accumulate_select``; adds to ``hist`` (and ``fine``'s) the
     histogram over ``forecast = (flo, fhi)`` (default ``(lo, hi)``) of ``|acc|``, or with ``predict``
-    of the forecast ``|p|`` (kernels/cpu_controller.py gives the exact rule)."""
+    of the forecast ``|p|`` (kernels/cpu_controller.py gives the exact rule). ``hist`` and ``fine[2]``
+    are host int64 arrays on every device."""
     if ops.device == "cpu":
         return _kc.host_accumulate_select_hist(residual, grad, acc, lo, hi, thr, idx, shift, key0, hist, predict,
-                                               fine, forecast)
-    count, bad = ops.accumulate_select(residual, grad, acc, lo, hi, thr, idx)
-    flo, fhi = forecast if forecast is not None else (lo, hi)
-    seg = acc[flo:fhi]
-    if predict and fhi > flo:
-        xp, n = ops.xp, grad.shape[0]
-        nb = grad[flo + 1:min(fhi + 1, n)]
-        if nb.shape[0] < fhi - flo:          # the vector's last element takes the one before it
-            nb = xp.concatenate([nb, grad[max(n - 2, 0):n - 1] if n > 1 else grad[:1]])
-        pos = xp.arange(flo, fhi)
-        sel = (pos >= lo) & (pos < hi) & (xp.abs(seg) >= thr)
-        seg = xp.where(sel, 0, seg).astype(seg.dtype) + nb
-    for sh, k0, h in [(shift, key0, hist)] + ([fine] if fine is not None else []):
-        hist_range(ops, seg, 0, fhi - flo, sh, k0, h)
-    return count, bad
+                                               fine, forecast, stride)
+    from . import _cuda_ops   # only device besides the CPU; imported here so a CPU run never loads numba.cuda
+    return _cuda_ops.accumulate_select_hist(residual, grad, acc, lo, hi, thr, idx, shift, key0, hist, predict, fine,
+                                            forecast, stride)
 
 
 def hist_range(ops, x, lo, hi, shift, key0, hist):
-    """``hist += histogram(|x[lo:hi]|)`` (read only)."""
+    """``hist += histogram(|x[lo:hi]|)`` (read only; ``hist`` a host int64 array)."""
     if ops.device == "cpu":
         _kc.host_hist_range(x, lo, hi, shift, key0, hist)
         return
-    xp = ops.xp
-    seg = x[lo:hi]
-    ity, mask = (xp.int32, 0x7FFFFFFF) if seg.dtype == np.float32 else (xp.int64, 0x7FFFFFFFFFFFFFFF)
-    keys = ((seg.view(ity) & mask) >> shift).astype(xp.int64) - key0
-    hist += np.asarray(ops.to_host(xp.bincount(xp.clip(keys, 0, hist.shape[0] - 1), minlength=hist.shape[0])),
-                       dtype=np.int64)
+    from . import _cuda_ops
+    _cuda_ops.hist_range(x, lo, hi, shift, key0, hist)
 
 
 def first_step(sp, grad, acc, lo, hi, coarse, sec):
@@ -73,6 +60,7 @@ def first_step(sp, grad, acc, lo, hi, coarse, sec):
     # acc = residual + grad again: the same bits, so acc is unchanged; this pass selects and forecasts.
     count, _ = accumulate_select_hist(sp._ops, sp._residual, grad, acc, lo, hi, threshold_for(thr, dtype),
                                       sp._idx_buffer(hi - lo), spec1[1], spec1[2], hist[: spec1[0]], predict=True,
-                                      fine=(fspec1[1], fspec1[2], hist[spec1[0]:]), forecast=sp._forecast_range(0))
+                                      fine=(fspec1[1], fspec1[2], hist[spec1[0]:]), forecast=sp._forecast_range(0),
+                                      stride=ctl.COARSE_STRIDE)
     sec["first_threshold"] = time.perf_counter() - t0
     return thr, int(count), spec1, fspec1, hist

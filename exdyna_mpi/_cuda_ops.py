@@ -3,7 +3,9 @@
 Every per-element operation is a Numba CUDA kernel (``kernels/cuda.py``) launched on CuPy's current
 stream, so the kernels order correctly with whatever the user's framework queued there and the host
 never waits, except for the two count words ``accumulate_select`` / ``select_range`` /
-``count_range`` return (one small device->host copy each).
+``count_range`` return (one small device->host copy each), and for the histogram controller's
+``accumulate_select_hist`` / ``hist_range`` (module functions, called by exdyna_mpi/_controller_ops.py),
+the same words followed by the histograms (one copy of ``2 + buckets`` int64 words).
 
 Under the Numba CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) CuPy cannot allocate, so ``xp`` is NumPy
 and the buffers are NumPy arrays that the simulator runs the same kernels on. CI exercises the whole
@@ -55,6 +57,14 @@ def _totals(scratch):
         return int(t[0]), int(t[1])
     host = t.get(stream=_xp.cuda.get_current_stream())  # waits for this stream only
     return int(host[0]), int(host[1])
+
+
+def _words(scratch, nw):
+    """``[count, nonfinite, hist[:nw]]`` as one host int64 array: a single device->host read."""
+    w = scratch.totals_hist[: 2 + nw]
+    if SIMULATOR:
+        return np.array(w, dtype=np.int64)
+    return w.get(stream=_xp.cuda.get_current_stream()).astype(np.int64, copy=False)
 
 
 class CudaOps:
@@ -131,3 +141,29 @@ class CudaOps:
         """Wait for CuPy's current stream: call once before a device buffer goes to MPI."""
         if not SIMULATOR:
             _xp.cuda.get_current_stream().synchronize()
+
+
+def accumulate_select_hist(residual, grad, acc, lo, hi, thr, idx, shift, key0, hist, predict=False, fine=None,
+                           forecast=None, stride=1):
+    """``CudaOps.accumulate_select`` plus the histogram controller's histograms (host int64 ``hist``
+    and ``fine[2]``, added to), as ``kernels.cpu_controller.host_accumulate_select_hist``: one fused
+    pass, one device->host copy of ``[count, nonfinite, hist..., fine...]``. A module function, not a
+    ``CudaOps`` method: ``CudaOps`` keeps exactly ``HostOps``'s interface (exdyna_mpi/_controller_ops.py
+    dispatches on ``ops.device``)."""
+    s = _scratch_here()
+    shift_f, key0_f, hist_f = fine if fine is not None else (0, 0, np.zeros(0, np.int64))
+    nh, nf = hist.shape[0], hist_f.shape[0]
+    _k.accumulate_select_hist_async(residual, grad, acc, int(lo), int(hi), thr, idx, shift, key0, nh, s, _stream(),
+                                    None, predict, (shift_f, key0_f, nf), forecast, stride)
+    w = _words(s, nh + nf)
+    hist += w[2:2 + nh]
+    hist_f += w[2 + nh:2 + nh + nf]
+    return int(w[0]), int(w[1])
+
+
+def hist_range(x, lo, hi, shift, key0, hist):
+    """``hist`` (host int64) ``+=`` the histogram of ``|x[lo:hi]|``, as ``host_hist_range``."""
+    s = _scratch_here()
+    nh = hist.shape[0]
+    _k.hist_range_async(x, int(lo), int(hi), shift, key0, nh, s, _stream())
+    hist += _words(s, nh)[2:2 + nh]

@@ -109,7 +109,8 @@ class ExDyna(Sparsifier):
                     ops, self._residual, inp.array, acc, lo, hi,
                     threshold_for(thr if t else math.inf, self._dtype), idx, spec[1], spec[2], hist[: spec[0]],
                     predict=t > 0, fine=(fspec[1], fspec[2], hist[spec[0]:]) if fspec else None,
-                    forecast=self._forecast_range(t) if t > 0 else None)
+                    forecast=self._forecast_range(t) if t > 0 else None,
+                    stride=self.controller.COARSE_STRIDE if t > 0 else 1)
             sec["select"] = time.perf_counter() - t0
             if bad:
                 err = (InputCode.NONFINITE, bad)

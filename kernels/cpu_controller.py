@@ -131,7 +131,7 @@ def accumulate_select_hist(residual, grad, acc, lo, hi, flo, fhi, thr, idx, sign
     """
     n = acc.shape[0]
     pts = np.sort(np.array([0, lo, hi, flo, fhi, n]))
-    inf = acc.dtype.type(np.inf)
+    nothing = acc.dtype.type(np.nan)   # no |x| >= NaN: selects nothing (|inf| >= inf would select inf)
     c = 0
     bad = 0
     for s in range(pts.shape[0] - 1):
@@ -142,7 +142,7 @@ def accumulate_select_hist(residual, grad, acc, lo, hi, flo, fhi, thr, idx, sign
         sel = lo <= a and b <= hi
         if flo <= a and b <= fhi:
             cc, bb = _add_select_hist(residual[a:b], grad[a:b], grad[a + 1:min(b + 1, n)], grad[max(n - 2, 0)],
-                                      acc[a:b], thr if sel else inf, idx[c:], a, sign_off, shift, key0, hist,
+                                      acc[a:b], thr if sel else nothing, idx[c:], a, sign_off, shift, key0, hist,
                                       stride, shift_f, key0_f, hist_f, predict, pchunk, pbits)
         elif sel:
             cc, bb = _add_select(residual[a:b], grad[a:b], acc[a:b], thr, idx[c:], a)

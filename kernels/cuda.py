@@ -25,12 +25,18 @@ Two variants of ``tile_scan``, chosen at import (``VARIANT``, env ``EXDYNA_CUDA_
   the simulator tests the exact ordering logic the GPU runs; the fast scan is compiled to PTX in CI
   (tests/cudasim/ptx_check.py) but only runs on a GPU.
 
+The histogram controller's pass (``accumulate_select_hist``, ``hist_range``: the launchers of
+kernels/cpu_controller.py, bit-identical) swaps step 1 for ``_acc_count_hist{32,64}``, which also
+builds the two histograms in shared memory from the values it visits; see the section
+"histogram kernels" below.
+
 Launchers (``accumulate_select``, ``select_range``, ``count_range``, ``gather``, ``scatter``,
-``zero_at``, ``scatter_mean_zero``) take arrays the kernels accept (Numba device arrays, any object
-with ``__cuda_array_interface__`` such as CuPy arrays, or NumPy arrays under the simulator), a
-``stream`` and, for the selection, a ``Scratch`` of small int64 buffers so nothing is allocated per
-step. The ``*_async`` forms leave the counts in ``scratch.totals`` on the device; the plain forms
-copy those two words to the host and return them, like ``kernels.cpu``.
+``zero_at``, ``scatter_mean_zero``, ``accumulate_select_hist``, ``hist_range``) take arrays the
+kernels accept (Numba device arrays, any object with ``__cuda_array_interface__`` such as CuPy
+arrays, or NumPy arrays under the simulator), a ``stream`` and, for the selection, a ``Scratch`` of
+small int64 buffers so nothing is allocated per step. The ``*_async`` forms leave the counts in
+``scratch.totals`` (and histograms in ``scratch.hist``) on the device; the plain forms copy those
+words to the host and return them, like ``kernels.cpu`` / ``kernels.cpu_controller``.
 """
 import math
 import os
@@ -47,6 +53,7 @@ except ImportError:  # pragma: no cover - numba's deprecated built-in CUDA targe
 SIMULATOR = bool(_config.ENABLE_CUDASIM)
 
 NB_MAX = 1024          # most blocks a selection uses; the scan runs one block of up to NB_MAX threads
+HIST_MAX = 1024        # most buckets (coarse + fine) a histogram pass fills: one shared int64 array per block
 WARPS_MAX = 32         # blockDim <= 1024
 FULL_MASK = 0xFFFFFFFF
 
@@ -263,6 +270,189 @@ _compact_safe = _make_compact(_tile_scan_shared)
 _compact_fast = _make_compact(_tile_scan_warp)
 
 
+# ---------------------------------------------------------------------------- histogram kernels
+# The histogram controller's pass (kernels/cpu_controller.py gives the exact semantics): the fused
+# accumulate above, plus two histograms (coarse ``nh`` buckets, fine ``nf``, possibly 0) of the
+# bucket key ``((bits(x) & SIGN_OFF) >> shift) - key0`` clamped to the window, over ``[flo, fhi)``.
+# ``x`` is ``acc`` or, with ``predict``, the forecast ``p = (selected ? 0 : acc) + grad[nb]``
+# (nb = i + 1, the vector's last element i - 1, a 1-element vector itself); only ``[lo, hi)``
+# selects, so elsewhere ``p = acc + grad[nb]``.
+#
+# ``bits(x)`` is the IEEE pattern of a value held in a register (p is never stored). On a GPU that is
+# libdevice's bitcast (``float_as_int`` / ``double_as_longlong``: a register move, no memory); the
+# simulator has no libdevice, so there it is NumPy's view of the same scalar. Both are the bit
+# pattern itself, NaN payloads included, so no float arithmetic can round it differently. Every
+# other line of the kernels is shared; the GPU bitcast is compiled to PTX in the tests.
+if SIMULATOR:
+    @cuda.jit(device=True)
+    def _bits32(x):
+        return int(np.float32(x).view(np.int32))
+
+    @cuda.jit(device=True)
+    def _bits64(x):
+        return int(np.float64(x).view(np.int64))
+else:
+    from numba.cuda import libdevice as _libdevice
+
+    @cuda.jit(device=True)
+    def _bits32(x):
+        return _libdevice.float_as_int(x)
+
+    @cuda.jit(device=True)
+    def _bits64(x):
+        return _libdevice.double_as_longlong(x)
+
+
+@cuda.jit(device=True)
+def _zero_shared_hist(sh, nw):
+    k = cuda.threadIdx.x
+    while k < nw:
+        sh[k] = 0
+        k += cuda.blockDim.x
+    cuda.syncthreads()
+
+
+@cuda.jit(device=True)
+def _flush_hist(sh, nh, nf, low, low_f, hist):
+    """Add this thread's bucket-0 counts to the block's, then the block's counts to ``hist``.
+
+    Every thread of the block must call it (two barriers). Bucket 0 (everything below the window,
+    most of the vector for the fine window) is counted in registers: one shared atomic per thread
+    instead of one per element on a single hot address.
+    """
+    if low != 0:
+        cuda.atomic.add(sh, 0, low)
+    if low_f != 0:
+        cuda.atomic.add(sh, nh, low_f)
+    cuda.syncthreads()
+    k = cuda.threadIdx.x
+    while k < nh + nf:
+        c = sh[k]
+        if c != 0:
+            cuda.atomic.add(hist, k, c)
+        k += cuda.blockDim.x
+
+
+@cuda.jit(device=True)
+def _bucket(key, key0, top):
+    j = key - key0
+    if j < 0:
+        j = 0
+    elif j > top:
+        j = top
+    return j
+
+
+def _make_hist_kernels(bits, sign_off):
+    """The two histogram kernels for one float width (``bits`` its bitcast, ``sign_off`` its mask)."""
+
+    @cuda.jit(device=True)
+    def _put(x, sh, shift, key0, nh, shift_f, key0_f, nf, low, low_f, coarse):
+        """Count ``x`` in the block's histograms (the coarse one only if ``coarse``: its sample);
+        returns the updated bucket-0 register counts."""
+        b = bits(x) & sign_off
+        if coarse:
+            j = _bucket(b >> shift, key0, nh - 1)
+            if j == 0:
+                low += 1
+            else:
+                cuda.atomic.add(sh, j, 1)
+        if nf > 0:
+            j = _bucket(b >> shift_f, key0_f, nf - 1)
+            if j == 0:
+                low_f += 1
+            else:
+                cuda.atomic.add(sh, nh + j, 1)
+        return low, low_f
+
+    @cuda.jit(device=True)
+    def _forecast(v, sel, i, g, n, predict):
+        """The value histogrammed for element i: acc, or the forecast p (cpu_controller's rule)."""
+        if not predict:
+            return v
+        if i + 1 < n:
+            nbv = g[i + 1]
+        elif i > 0:
+            nbv = g[i - 1]
+        else:
+            nbv = g[i]
+        if sel:
+            return nbv
+        return v + nbv
+
+    @cuda.jit
+    def acc_count_hist(r, g, acc, lo, hi, thr, cs, block_counts, block_bad, flo, fhi, predict, shift, key0, nh,
+                       shift_f, key0_f, nf, hist, cstride):
+        """``_acc_count`` plus ``hist[:nh + nf] +=`` the histograms over [flo, fhi) (zeroed before)."""
+        sh = cuda.shared.array(HIST_MAX, np.int64)
+        _zero_shared_hist(sh, nh + nf)
+        t = cuda.threadIdx.x
+        b = cuda.blockIdx.x
+        bd = cuda.blockDim.x
+        n = acc.shape[0]
+        cnt = 0
+        bad = 0
+        low = 0
+        low_f = 0
+        e = min(lo + (b + 1) * cs, hi)
+        i = lo + b * cs + t
+        while i < e:  # this block's chunk of the selection range, as in _acc_count
+            v = r[i] + g[i]
+            acc[i] = v
+            if v - v != 0:
+                bad += 1
+            sel = abs(v) >= thr
+            if sel:
+                cnt += 1
+            if flo <= i and i < fhi:  # p needs sel, known only here
+                low, low_f = _put(_forecast(v, sel, i, g, n, predict), sh, shift, key0, nh, shift_f, key0_f, nf,
+                                  low, low_f, i % cstride == 0)
+            i += bd
+        m = hi - lo
+        stride = cuda.gridDim.x * bd
+        j = b * bd + t
+        while j < n - m:  # the rest of the vector: nothing selected there
+            i = j if j < lo else j + m
+            v = r[i] + g[i]
+            acc[i] = v
+            if v - v != 0:
+                bad += 1
+            if flo <= i and i < fhi:
+                low, low_f = _put(_forecast(v, False, i, g, n, predict), sh, shift, key0, nh, shift_f, key0_f, nf,
+                                  low, low_f, i % cstride == 0)
+            j += stride
+        _flush_hist(sh, nh, nf, low, low_f, hist)
+        _block_total2(cnt, bad, block_counts, block_bad)
+
+    @cuda.jit
+    def hist_range(x, lo, hi, shift, key0, nh, hist):
+        """``hist[:nh] +=`` the histogram of ``|x[lo:hi]|`` (zeroed before); x only read."""
+        sh = cuda.shared.array(HIST_MAX, np.int64)
+        _zero_shared_hist(sh, nh)
+        low = 0
+        low_f = 0
+        i = lo + cuda.grid(1)
+        stride = cuda.gridsize(1)
+        while i < hi:
+            low, low_f = _put(x[i], sh, shift, key0, nh, 0, 0, 0, low, low_f, True)
+            i += stride
+        _flush_hist(sh, nh, 0, low, low_f, hist)
+
+    return acc_count_hist, hist_range
+
+
+_acc_count_hist32, _hist_range32 = _make_hist_kernels(_bits32, 0x7FFFFFFF)
+_acc_count_hist64, _hist_range64 = _make_hist_kernels(_bits64, 0x7FFFFFFFFFFFFFFF)
+
+
+@cuda.jit
+def _zero_words(w, nw):
+    k = cuda.grid(1)
+    while k < nw:
+        w[k] = 0
+        k += cuda.gridsize(1)
+
+
 @cuda.jit
 def _gather(src, idx, out):
     j = cuda.grid(1)
@@ -303,7 +493,7 @@ def _scatter_mean_zero(out, residual, idx, sums, p):
 
 # ---------------------------------------------------------------------------- launchers
 class Scratch:
-    """The small int64 buffers of one selection: block counts, block offsets, totals.
+    """The small int64 buffers of one selection: block counts, block offsets, totals, histograms.
 
     ``words`` is one int64 array of at least ``Scratch.size()`` elements, allocated by the caller
     (a CuPy array, a Numba device array, or NumPy under the simulator) and reused every step.
@@ -311,7 +501,7 @@ class Scratch:
 
     @staticmethod
     def size():
-        return 3 * NB_MAX + 2
+        return 3 * NB_MAX + 2 + HIST_MAX
 
     def __init__(self, words):
         self.words = words
@@ -319,6 +509,9 @@ class Scratch:
         self.block_bad = words[NB_MAX:2 * NB_MAX]
         self.offsets = words[2 * NB_MAX:3 * NB_MAX]
         self.totals = words[3 * NB_MAX:3 * NB_MAX + 2]
+        # the histograms' device counts, right after totals: one copy reads [count, bad, hist...]
+        self.hist = words[3 * NB_MAX + 2:3 * NB_MAX + 2 + HIST_MAX]
+        self.totals_hist = words[3 * NB_MAX:3 * NB_MAX + 2 + HIST_MAX]
 
 
 def new_scratch():
@@ -463,3 +656,94 @@ def zero_at(x, idx, stream=0):
 def scatter_mean_zero(out, residual, idx, sums, p, stream=0):
     """``out[idx[j]] = sums[j] / p`` and ``residual[idx[j]] = 0``; ``p`` in out's dtype."""
     _elementwise(_scatter_mean_zero, idx.shape[0], stream, out, residual, idx, sums, p)
+
+
+# ---------------------------------------------------------------------------- histogram launchers
+def _hist_kernels(dtype):
+    if np.dtype(dtype) == np.float32:
+        return _acc_count_hist32, _hist_range32
+    if np.dtype(dtype) == np.float64:
+        return _acc_count_hist64, _hist_range64
+    raise TypeError(f"histograms need float32 or float64, not {dtype}")
+
+
+def _hist_words(scratch, nw):
+    if nw > HIST_MAX:
+        raise ValueError(f"{nw} histogram buckets: at most HIST_MAX = {HIST_MAX}")
+    if scratch.hist.shape[0] < nw:
+        raise ValueError("scratch has no histogram region (allocate Scratch.size() words)")
+    return _dev(scratch.hist)
+
+
+def accumulate_select_hist_async(residual, grad, acc, lo, hi, thr, idx, shift, key0, nh, scratch, stream=0,
+                                 variant=None, predict=False, fine=(0, 0, 0), forecast=None, stride=1):
+    """``accumulate_select_async`` that also histograms ``[flo, fhi) = forecast`` (default ``[lo, hi)``).
+
+    ``fine = (shift_f, key0_f, nf)`` (``nf`` may be 0); the coarse histogram counts only elements
+    whose index is a multiple of ``stride``. When it completes, ``scratch.totals_hist``
+    holds ``[count, nonfinite, coarse[0:nh], fine[0:nf], ...]`` (int64, this call's counts only).
+    Four launches: zero the histogram words, count + histograms, scan, compaction; the histograms
+    cost no extra pass over memory (see docs/gpu.md).
+    """
+    n = acc.shape[0]
+    m = hi - lo
+    shift_f, key0_f, nf = fine
+    flo, fhi = forecast if forecast is not None else (lo, hi)
+    kcount, _ = _hist_kernels(acc.dtype)
+    hw = _hist_words(scratch, nh + nf)
+    nb, bd = _shape(n)
+    cs = _chunk(m, nb, bd)
+    r, g, a, ix = _dev(residual), _dev(grad), _dev(acc), _dev(idx)
+    bc, bb, off, tot = (_dev(scratch.block_counts), _dev(scratch.block_bad), _dev(scratch.offsets),
+                        _dev(scratch.totals))
+    _zero_words[1, max(1, min(BLOCK, _round32(nh + nf))), stream](hw, nh + nf)
+    kcount[nb, bd, stream](r, g, a, lo, hi, thr, cs, bc, bb, int(flo), int(fhi), bool(predict), int(shift),
+                           int(key0), int(nh), int(shift_f), int(key0_f), int(nf), hw, int(stride))
+    _scan[1, min(SCAN_THREADS, _round32(nb)), stream](bc, bb, nb, off, tot)
+    if m > 0:
+        _compact_kernel(variant)[nb, bd, stream](a, lo, hi, thr, cs, IPT, off, ix)
+
+
+def hist_range_async(x, lo, hi, shift, key0, nh, scratch, stream=0):
+    """Launch ``hist_range``; ``scratch.hist[:nh]`` holds the counts when it completes."""
+    _, khist = _hist_kernels(x.dtype)
+    hw = _hist_words(scratch, nh)
+    _zero_words[1, max(1, min(BLOCK, _round32(nh))), stream](hw, nh)
+    nb, bd = _shape(max(hi - lo, 1))
+    khist[nb, bd, stream](_dev(x), int(lo), int(hi), int(shift), int(key0), int(nh), hw)
+
+
+def read_totals_hist(scratch, nw, stream=0):
+    """``[count, nonfinite, hist words[:nw]]`` as one host int64 array (one device->host copy)."""
+    w = scratch.totals_hist[: 2 + nw]
+    if isinstance(w, np.ndarray):
+        return w.astype(np.int64, copy=True)
+    host = _dev(w).copy_to_host(stream=stream)
+    if stream:
+        stream.synchronize()
+    return host.astype(np.int64, copy=False)
+
+
+def accumulate_select_hist(residual, grad, acc, lo, hi, thr, idx, shift, key0, hist, predict=False, fine=None,
+                           forecast=None, scratch=None, stream=0, variant=None, stride=1):
+    """Like ``kernels.cpu_controller.host_accumulate_select_hist``: returns ``(count, nonfinite)``.
+
+    ``hist`` and ``fine = (shift_f, key0_f, hist_f)``'s ``hist_f`` are host int64 arrays, added to.
+    """
+    scratch = scratch or new_scratch()
+    shift_f, key0_f, hist_f = fine if fine is not None else (0, 0, np.zeros(0, np.int64))
+    nh, nf = hist.shape[0], hist_f.shape[0]
+    accumulate_select_hist_async(residual, grad, acc, lo, hi, thr, idx, shift, key0, nh, scratch, stream, variant,
+                                 predict, (shift_f, key0_f, nf), forecast, stride)
+    w = read_totals_hist(scratch, nh + nf, stream)
+    hist += w[2:2 + nh]
+    hist_f += w[2 + nh:2 + nh + nf]
+    return int(w[0]), int(w[1])
+
+
+def hist_range(x, lo, hi, shift, key0, hist, scratch=None, stream=0):
+    """Like ``kernels.cpu_controller.host_hist_range``: ``hist`` (host int64) ``+=`` the histogram."""
+    scratch = scratch or new_scratch()
+    nh = hist.shape[0]
+    hist_range_async(x, lo, hi, shift, key0, nh, scratch, stream)
+    hist += read_totals_hist(scratch, nh, stream)[2:2 + nh]

@@ -15,6 +15,11 @@ def _hist(x, spec):
     return h
 
 
+def _sampled(x, spec, c):
+    """The coarse histogram as the step's kernel makes it: every COARSE_STRIDE-th element."""
+    return _hist(x[::c.COARSE_STRIDE], spec)
+
+
 def _run(c, draw, steps):
     """Feed the controller the counts and histograms a fresh sample would give at its threshold."""
     x = draw(0)
@@ -27,7 +32,7 @@ def _run(c, draw, steps):
         spec = c.hist_spec(x.dtype, t + 1)
         n = int(np.sum(np.abs(x) >= np.float32(c.threshold)))
         ratios.append(n / c.k)
-        c.update([n], _hist(x, spec)[None], x.dtype, spec)
+        c.update([n], _sampled(x, spec, c)[None], x.dtype, spec)
     return np.array(ratios)
 
 
@@ -87,7 +92,7 @@ def test_zero_counts_lower_the_threshold_and_stay_finite():
     for t in range(1, 6):
         spec = c.hist_spec(x.dtype, t)
         before = c.threshold
-        c.update([0, 0], np.stack([_hist(x, spec), np.zeros(spec[0], np.int64)]), x.dtype, spec)
+        c.update([0, 0], np.stack([_sampled(x, spec, c), np.zeros(spec[0], np.int64)]), x.dtype, spec)
         assert math.isfinite(c.threshold) and 0 < c.threshold < before
     c.update([0])                                   # the counts-only fallback too
     assert math.isfinite(c.threshold) and c.threshold > 0
