@@ -12,6 +12,7 @@ out=${EXDYNA_TEST_OUT:-out/tests}
 rm -rf "$out" && mkdir -p "$out"
 mpi_timeout=${EXDYNA_MPI_TIMEOUT:-900}
 status=0
+start=$SECONDS
 lane() {  # lane NAME CMD...
     local name=$1; shift
     echo "=== lane $name: $*"
@@ -35,5 +36,6 @@ if python -c "import sys, exdyna_mpi._ops as o; sys.exit(0 if o.gpu_available() 
 else
     echo "=== lane gpu: skipped, no CUDA device visible to CuPy"
 fi
+echo "=== all lanes: $((SECONDS - start)) s"
 python tests/summarize.py "$out" || status=1
 exit $status
