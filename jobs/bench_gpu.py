@@ -4,7 +4,9 @@ For each numel (float32) and density: ``CudaOps.accumulate_select`` over the who
 owned range: acc = residual + grad, count, compact), including the one small device->host read of
 the count, timed with CUDA events over ``--reps`` steps after a warm-up. Effective bandwidth uses
 the 12 bytes/element floor (read residual and grad, write acc); the compaction re-reads acc, so
-the kernel moves a little more than that. Side by side on the same data: CuPy's threshold select
+the kernel moves a little more than that. "hist ms" times the pass the default (histogram)
+controller runs every step: the same select plus its two forecast histograms over the owned range
+(P=1: the next owner is this rank), one ~1 KB device->host read. Side by side on the same data: CuPy's threshold select
 (``flatnonzero(abs(acc) >= thr)``), CuPy top-k (``argpartition``) and ``torch.topk`` when a CUDA
 torch is installed.
 
@@ -39,11 +41,11 @@ def peak_bandwidth_gbs(props):
 
 
 def row(numel, density, select_ms, peak_gbs, cupy_sel_ms=None, cupy_topk_ms=None, torch_topk_ms=None,
-        selected=None):
+        selected=None, hist_ms=None):
     eff = 12.0 * numel / (select_ms * 1e-3) / 1e9
     return {
         "numel": int(numel), "density": density, "selected": selected,
-        "select_ms": select_ms, "effective_GBs_12B": eff,
+        "select_ms": select_ms, "effective_GBs_12B": eff, "select_hist_ms": hist_ms,
         "fraction_of_peak": eff / peak_gbs if peak_gbs else None,
         "cupy_threshold_select_ms": cupy_sel_ms, "cupy_topk_ms": cupy_topk_ms,
         "torch_topk_ms": torch_topk_ms,
@@ -55,11 +57,12 @@ def table(rows, device, peak):
         return "-" if v is None else format(v, fmt)
 
     lines = [f"device: {device}, peak DRAM bandwidth {peak:.0f} GB/s",
-             f"{'numel':>11} {'density':>8} {'selected':>10} {'select ms':>10} {'GB/s@12B':>9} "
+             f"{'numel':>11} {'density':>8} {'selected':>10} {'select ms':>10} {'hist ms':>8} {'GB/s@12B':>9} "
              f"{'of peak':>8} {'cupy sel':>9} {'cupy topk':>10} {'torch topk':>11}"]
     for r in rows:
         lines.append(f"{r['numel']:>11,} {r['density']:>8g} {f(r['selected'], 'd'):>10} "
-                     f"{r['select_ms']:>10.3f} {r['effective_GBs_12B']:>9.0f} "
+                     f"{r['select_ms']:>10.3f} {f(r.get('select_hist_ms'), '.3f'):>8} "
+                     f"{r['effective_GBs_12B']:>9.0f} "
                      f"{f(r['fraction_of_peak'], '.0%'):>8} {f(r['cupy_threshold_select_ms'], '.3f'):>9} "
                      f"{f(r['cupy_topk_ms'], '.3f'):>10} {f(r['torch_topk_ms'], '.3f'):>11}")
     return "\n".join(lines)
@@ -114,6 +117,20 @@ def measure(numel, density, reps, topk=True):
         counts.append(c)
 
     select_ms = _time_ms(cp, select, reps)
+
+    from exdyna_mpi._controllers import HistogramController
+    from exdyna_mpi._cuda_ops import accumulate_select_hist
+
+    ctl = HistogramController(n, density)
+    ctl.threshold = float(thr)
+    spec, fspec = ctl.hist_spec(np.float32, 1), ctl.fine_spec(np.float32, 1)
+    hist, fine = np.zeros(spec[0], np.int64), np.zeros(fspec[0], np.int64)
+
+    def select_hist():
+        accumulate_select_hist(res, grad, acc, 0, n, thr, idx, spec[1], spec[2], hist, True,
+                               (fspec[1], fspec[2], fine), (0, n), ctl.COARSE_STRIDE)
+
+    hist_ms = _time_ms(cp, select_hist, reps)
     k = max(1, int(n * density))
     cupy_sel = cupy_topk = torch_topk = None
     if topk:
@@ -122,7 +139,7 @@ def measure(numel, density, reps, topk=True):
         torch_topk = _torch_topk(cp, acc, k, max(1, reps // 4))
     del res, grad, acc, idx
     cp.get_default_memory_pool().free_all_blocks()
-    return select_ms, counts[-1], cupy_sel, cupy_topk, torch_topk
+    return select_ms, counts[-1], cupy_sel, cupy_topk, torch_topk, hist_ms
 
 
 def main(argv=None):
@@ -134,7 +151,8 @@ def main(argv=None):
         device, peak = "fake (--check)", 3350.0
         for n in numels:
             for d in densities:
-                rows.append(row(n, d, 12.0 * n / 2.5e12 * 1e3, peak, None, None, None, int(n * d)))
+                rows.append(row(n, d, 12.0 * n / 2.5e12 * 1e3, peak, None, None, None, int(n * d),
+                                12.0 * n / 2.2e12 * 1e3))
     else:
         import cupy as cp
 
@@ -151,8 +169,8 @@ def main(argv=None):
                 print(f"skip numel {n:,}: needs ~{20 * n / 2**30:.1f} GiB, {free / 2**30:.1f} free")
                 continue
             for d in densities:
-                ms, sel, cs, ct, tt = measure(n, d, a.reps, topk=not a.no_topk)
-                rows.append(row(n, d, ms, peak, cs, ct, tt, sel))
+                ms, sel, cs, ct, tt, hm = measure(n, d, a.reps, topk=not a.no_topk)
+                rows.append(row(n, d, ms, peak, cs, ct, tt, sel, hm))
                 print(table(rows[-1:], device, peak).splitlines()[-1], flush=True)
     print(table(rows, device, peak))
     doc = {"device": device, "peak_GBs": peak, "host": platform.node(), "time": time.time(),
