@@ -174,7 +174,7 @@ class Sparsifier:
         return out
 
     # ------------------------------------------------------------------ collective checks
-    def _words(self, count, err, nonfinite=0):
+    def _words(self, count, err):
         code, detail = err if err is not None else (InputCode.OK, 0)
         return [count, int(code), int(detail), self._dtype_code_of_step]
 

@@ -16,7 +16,6 @@ class InputCode(enum.IntEnum):
     DEVICE = 7
     REQUIRES_GRAD = 8
     NONFINITE = 9
-    STATE = 10
     BAD_OUT = 11
 
 
@@ -50,8 +49,6 @@ def describe(code, detail, numel, dtype_names):
         return f"grad has {detail} non-finite values (NaN or inf) after error feedback"
     if code == InputCode.BAD_OUT:
         return "out must be a contiguous 1-D array of numel elements, same dtype and device as grad"
-    if code == InputCode.STATE:
-        return "state_dict does not match this sparsifier"
     return f"error code {int(code)}"
 
 
