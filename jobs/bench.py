@@ -1,6 +1,6 @@
 """Rank every sparsifier on the same gradient streams: density, imbalance, bytes and time per step.
 
-    timeout 1200 mpiexec -n 4 python jobs/bench.py --out out/bench
+    timeout 1200 mpiexec -n 4 python -m mpi4py jobs/bench.py --out out/bench
 
 Each sparsifier the factory makes (plus ExDyna with ``controller="faithful"`` when that is not the
 default) runs ``--steps`` steps on the same per-rank gradient stream, and the table shows, over the

@@ -9,7 +9,7 @@ and prints per stream and controller: density / target after step 20 (mean, min,
 from which it stays within +-10 %, recovery steps after each scale change, mean imbalance over the
 last steps. Writes JSON and a PNG of density over steps.
 
-    timeout 900 mpiexec -n 4 python jobs/density_bench.py --numel 1048576 --steps 400 --out out/density
+    timeout 900 mpiexec -n 4 python -m mpi4py jobs/density_bench.py --numel 1048576 --steps 400 --out out/density
 """
 import argparse
 import json

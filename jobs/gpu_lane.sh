@@ -9,28 +9,20 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source jobs/env.sh || exit 1
-python -m pip install -q --disable-pip-version-check cupy-cuda12x "numba-cuda[cu12]" || exit 1
-if ! python -c "import sys, exdyna_mpi._ops as o; sys.exit(0 if o.gpu_available() else 1)"; then
+python -m pip install -q --disable-pip-version-check cupy-cuda12x "numba-cuda[cu12]" \
+    || { echo "gpu_lane: FAILED: pip install cupy-cuda12x numba-cuda[cu12] (error above)" >&2; exit 1; }
+source tests/lanes.sh
+if ! gpu_visible; then
     echo "gpu_lane: no CUDA device visible to CuPy" >&2
     exit 1
 fi
 out=${EXDYNA_GPU_OUT:-out/gpu}
-mpi_timeout=${EXDYNA_MPI_TIMEOUT:-900}
 mkdir -p "$out"
-status=0
-step() {  # step NAME CMD...
-    local name=$1; shift
-    echo "=== $name: $*"
-    local t0=$SECONDS
-    "$@"
-    local rc=$?
-    echo "=== $name: rc=$rc in $((SECONDS - t0)) s"
-    if [ $rc -ne 0 ] && [ $rc -ne 5 ]; then status=1; fi
-}
-py="python -m pytest -p no:cacheprovider --color=no -q -rs"
-step gpu $py tests/gpu --with-mpi --junitxml="$out/gpu.xml"
-step gpu-mpi-2 timeout -k 10 "$mpi_timeout" mpiexec -n 2 $py tests/gpu --with-mpi \
-    --junitxml="$out/gpumpi2.xml"
-step cudasim env NUMBA_ENABLE_CUDASIM=1 $py tests/cudasim --junitxml="$out/cudasim.xml"
-step bench python jobs/bench_gpu.py --json "$out/bench_gpu.json" "$@"
+PYTEST="$PYTEST -rs"
+# shellcheck disable=SC2086
+lane gpu python $PYTEST tests/gpu --with-mpi --junitxml="$out/gpu.xml"
+mpi_lane gpu-mpi-2 2 tests/gpu --junitxml="$out/gpumpi2.xml"
+# shellcheck disable=SC2086
+lane cudasim env NUMBA_ENABLE_CUDASIM=1 python $PYTEST tests/cudasim --junitxml="$out/cudasim.xml"
+lane bench python jobs/bench_gpu.py --json "$out/bench_gpu.json" "$@"
 exit $status

@@ -4,6 +4,10 @@
 #   bash jobs/run_train.sh                                   # 4 ranks, CNN on digits, ExDyna d=0.01
 #   NP=8 bash jobs/run_train.sh --compare dense,exdyna --densities 0.01,0.001 --epochs 30
 #   bash jobs/run_train.sh --model big --epochs 1            # >= 10M parameters, synthetic data
+#   bash jobs/run_train.sh --checkpoint-every 50 --resume     # checkpoints under out/train; rerun resumes
+#
+# Ranks run under `python -m mpi4py`: an uncaught exception on any rank aborts the whole job within
+# a second, with that rank's traceback, instead of leaving the others waiting in a collective.
 #
 # Environment knobs:
 #   NP                     ranks (default 4)
@@ -27,4 +31,4 @@ if [ -z "${OMP_NUM_THREADS:-}" ]; then
     export OMP_NUM_THREADS=$(( cores / np_ > 0 ? cores / np_ : 1 ))
 fi
 # shellcheck disable=SC2086
-exec timeout -k 30 "${TRAIN_TIMEOUT:-3600}" mpiexec -n "$np_" ${MPIEXEC_ARGS:-} python jobs/train.py "$@"
+exec timeout -k 30 "${TRAIN_TIMEOUT:-3600}" mpiexec -n "$np_" ${MPIEXEC_ARGS:-} python -m mpi4py jobs/train.py "$@"

@@ -1,22 +1,35 @@
 #!/usr/bin/env python
 """Data-parallel training with sparse gradient exchange: the job people run.
 
-    mpiexec -n 4 python jobs/train.py                          # CNN on sklearn digits, ExDyna d=0.01
-    mpiexec -n 4 python jobs/train.py --compare dense,exdyna   # same seed, one plot
-    mpiexec -n 4 python jobs/train.py --model big --epochs 1   # >= 10M parameters, synthetic data
+    mpiexec -n 4 python -m mpi4py jobs/train.py                          # CNN on digits, ExDyna d=0.01
+    mpiexec -n 4 python -m mpi4py jobs/train.py --compare dense,exdyna   # same seed, one plot
+    mpiexec -n 4 python -m mpi4py jobs/train.py --model big --epochs 1   # >= 10M parameters, synthetic
+    mpiexec -n 4 python -m mpi4py jobs/train.py --checkpoint-every 50 --resume   # restartable
+
+``python -m mpi4py`` (and the hook this script installs) turns an uncaught exception on one rank
+into an abort of the whole job, with that rank's traceback, instead of a hang in the next collective.
 
 Each rank trains on its own shard; gradients go through ``exdyna_mpi.adapters.torch.
 DistributedOptimizer``. Rank 0 shows a progress bar, one line per epoch and a final table, and writes
 ``<out>/metrics.jsonl`` (one record per step, per epoch and per run) and ``<out>/train.png``. At the
 end every rank's parameters are hashed and compared; the job exits 1 if any rank differs.
+
+Checkpoints (``--checkpoint-every N`` steps, and on SIGUSR1): every rank writes its model,
+optimizer + sparsifier state, RNG states, data position and the metrics so far under
+``<out>/checkpoints`` (jobs/checkpoint.py). ``--resume`` continues bit-exactly from the last
+complete one. After a SIGUSR1 (Slurm's ``--signal=USR1@T``) the job checkpoints at the next step
+and exits with status 75 (EX_TEMPFAIL: "requeue me"), see jobs/slurm_train.sbatch.
 """
 import argparse
 import ast
 import hashlib
 import json
 import os
+import random
+import signal
 import sys
 import time
+import traceback
 
 import numpy as np
 import torch
@@ -25,8 +38,11 @@ from mpi4py import MPI
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import models  # noqa: E402  (jobs/models.py, beside this script)
 
-from exdyna_mpi import available as sparsifier_names
+import checkpoint  # noqa: E402  (jobs/checkpoint.py)
+from exdyna_mpi import available as sparsifier_names  # noqa: E402
 from exdyna_mpi.adapters.torch import DistributedOptimizer  # noqa: E402
+
+EX_REQUEUE = 75   # exit status after a checkpoint on SIGUSR1: the job wants to be requeued
 
 
 def parse_args(argv=None):
@@ -52,7 +68,67 @@ def parse_args(argv=None):
     ap.add_argument("--out", default="out/train", help="folder for metrics.jsonl and train.png")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--no-plot", action="store_true")
-    return ap.parse_args(argv)
+    ap.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                    help="write a checkpoint every N steps under <out>/checkpoints (0: only on SIGUSR1)")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue from the last complete checkpoint in --out (start fresh if there is none)")
+    ap.add_argument("--fail-at", default="", metavar="RANK:STEP[:HOW]",
+                    help="fault drill: at job step STEP (from 0, over all runs) rank RANK raises an error "
+                         "(HOW=raise, default), kills itself with SIGKILL (kill) or sends itself SIGUSR1 (signal)")
+    args = ap.parse_args(argv)
+    args.fail_at = parse_fail_at(ap, args.fail_at)
+    return args
+
+
+def parse_fail_at(ap, text):
+    if not text:
+        return None
+    parts = text.split(":")
+    how = parts[2] if len(parts) == 3 else "raise"
+    try:
+        if len(parts) not in (2, 3) or how not in ("raise", "kill", "signal"):
+            raise ValueError
+        return int(parts[0]), int(parts[1]), how
+    except ValueError:
+        ap.error(f"--fail-at wants RANK:STEP[:raise|kill|signal], got {text!r}")
+
+
+def fault_drill(fail_at, rank, step):
+    """``--fail-at``: make this rank fail at this job step, the way real jobs fail."""
+    if fail_at is None or fail_at[:2] != (rank, step):
+        return
+    how = fail_at[2]
+    if how == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif how == "signal":
+        os.kill(os.getpid(), signal.SIGUSR1)
+    else:
+        raise RuntimeError(f"fault drill (--fail-at): rank {rank} fails at step {step}")
+
+
+class StopRequest:
+    """SIGUSR1 sets the flag; the ranks agree on it in the step's metrics Allreduce."""
+
+    def __init__(self):
+        self.requested = False
+        try:
+            signal.signal(signal.SIGUSR1, self._handler)
+        except (ValueError, AttributeError):   # not the main thread, or no SIGUSR1 on this OS
+            pass
+
+    def _handler(self, signum, frame):
+        self.requested = True
+
+
+def abort_on_exception(comm):
+    """An uncaught exception on any rank aborts every rank (as ``python -m mpi4py`` does)."""
+    def hook(kind, value, tb):
+        traceback.print_exception(kind, value, tb)
+        sys.stderr.flush()
+        sys.stdout.flush()
+        comm.Abort(1)
+
+    sys.excepthook = hook
 
 
 def parse_options(items):
@@ -109,16 +185,61 @@ def imbalance_of(stats):
     return float(counts.max() * len(counts) / total - 1.0) if total else 0.0
 
 
+class Job:
+    """What the whole job shares: the step counter over all runs, the log, checkpoints, stop requests."""
+
+    def __init__(self, args, comm, todo, log_file):
+        self.args, self.comm, self.todo, self.log_file = args, comm, todo, log_file
+        self.records = []          # everything logged so far (every rank keeps it; rank 0 writes it)
+        self.step = 0              # steps completed in the whole job
+        self.stop = StopRequest()
+        self.config = {"ranks": comm.Get_size(), "runs": [list(r) for r in todo],
+                       **{k: getattr(args, k) for k in ("model", "width", "epochs", "batch_size", "max_steps",
+                                                        "lr", "momentum", "weight_decay", "seed", "opt")}}
+
+    def log(self, rec):
+        self.records.append(rec)
+        if self.log_file is not None:
+            self.log_file.write(json.dumps(rec, default=str) + "\n")
+            self.log_file.flush()
+
+    def save(self, runs_done, current, model, opt, epoch, in_epoch):
+        """A checkpoint after job step ``self.step`` (collective)."""
+        state = {
+            "config": self.config, "job_step": self.step, "records": self.records,
+            "runs_done": [r.export() for r in runs_done], "run_index": len(runs_done),
+            "current": {**current.export(), "epoch": epoch, "in_epoch": in_epoch,
+                        "model": model.state_dict(), "opt": opt.state_dict()},
+            "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+        }
+        checkpoint.save(self.comm, self.args.out, self.step, state)
+
+
 class Run:
     """One training run (one sparsifier, one density) with its per-step records."""
 
-    def __init__(self, name, density, args, comm, log):
-        self.name, self.density, self.args, self.comm, self.log = name, density, args, comm, log
+    EXPORTED = ("steps", "epochs", "initial", "numel", "steps_per_epoch", "dense_bytes", "options",
+                "summary", "identical", "hash", "wall", "elapsed")
+
+    def __init__(self, name, density, args, comm, job):
+        self.name, self.density, self.args, self.comm, self.job = name, density, args, comm, job
+        self.log = job.log
         self.label = name if name == "dense" else f"{name} d={density:g}"
         self.steps, self.epochs = [], []
+        self.elapsed = 0.0
 
-    def train(self, show_progress):
-        args, comm = self.args, self.comm
+    def export(self):
+        return {k: getattr(self, k) for k in self.EXPORTED if hasattr(self, k)}
+
+    def restore(self, d):
+        for k, v in d.items():
+            if k in self.EXPORTED:
+                setattr(self, k, v)
+        return self
+
+    def train(self, show_progress, runs_done=(), resume=None):
+        """Train (from the start, or from ``resume``: the checkpoint's "current" entry)."""
+        args, comm, job = self.args, self.comm, self.job
         rank, nranks = comm.Get_rank(), comm.Get_size()
         model, data = models.build(args.model, args.width, args.seed, rank, nranks)
         opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
@@ -136,20 +257,30 @@ class Run:
         if args.max_steps:
             steps = min(steps, args.max_steps)
         self.numel, self.steps_per_epoch = numel, steps
-        acc0, loss0 = evaluate(model, data, comm)
-        self.initial = {"test_acc": acc0, "test_loss": loss0}
+        first_epoch, skip = 0, 0
+        if resume is None:
+            acc0, loss0 = evaluate(model, data, comm)
+            self.initial = {"test_acc": acc0, "test_loss": loss0}
+        else:
+            self.restore(resume)
+            model.load_state_dict(resume["model"])
+            opt.load_state_dict(resume["opt"])
+            first_epoch, skip = resume["epoch"], resume["in_epoch"]
         bar = None
         if show_progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=args.epochs * steps, desc=self.label, unit="step", dynamic_ncols=True,
-                       mininterval=0.5, file=sys.stderr)
+            bar = tqdm(total=args.epochs * steps, initial=len(self.steps), desc=self.label, unit="step",
+                       dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
         lossf = torch.nn.functional.cross_entropy
-        t_start = time.perf_counter()
-        for epoch in range(args.epochs):
+        t_start = time.perf_counter() - self.elapsed
+        for epoch in range(first_epoch, args.epochs):
             model.train()
-            first = len(self.steps)
-            for x, y in data.batches(epoch, args.batch_size, steps, args.seed, rank):
+            first = len(self.steps) - (skip if epoch == first_epoch else 0)
+            for s, (x, y) in enumerate(data.batches(epoch, args.batch_size, steps, args.seed, rank)):
+                if epoch == first_epoch and s < skip:
+                    continue   # resumed: this batch was trained on before the checkpoint
+                fault_drill(args.fail_at, rank, job.step)
                 t0 = time.perf_counter()
                 opt.zero_grad()
                 loss = lossf(model(x), y)
@@ -160,7 +291,7 @@ class Run:
                 sec = st.seconds or {}
                 select = sec.get("select", 0.0)
                 local = np.array([loss.item(), st.bytes_sent, st.bytes_received, t1 - t0, select,
-                                  sec.get("total", 0.0) - select])
+                                  sec.get("total", 0.0) - select, float(job.stop.requested)])
                 mean = np.empty_like(local)
                 comm.Allreduce(local, mean, op=MPI.SUM)
                 mean /= nranks
@@ -171,9 +302,23 @@ class Run:
                        "t_exchange": mean[5]}
                 self.steps.append(rec)
                 self.log(rec)
+                job.step += 1
                 if bar is not None:
                     bar.set_postfix(loss=f"{mean[0]:.3f}", density=f"{st.density:.4f}", refresh=False)
                     bar.update(1)
+                stop = mean[6] > 0   # a SIGUSR1 on any rank: every rank checkpoints here, then leaves
+                every = args.checkpoint_every
+                if stop or (every and job.step % every == 0):
+                    self.elapsed = time.perf_counter() - t_start
+                    job.save(runs_done, self, model, opt, epoch, s + 1)
+                if stop:
+                    if bar is not None:
+                        bar.close()
+                    if rank == 0:
+                        print(f"[{self.label}] SIGUSR1: checkpoint written at job step {job.step} "
+                              f"under {checkpoint.folder(args.out)}; exiting with {EX_REQUEUE} (requeue)",
+                              flush=True)
+                    raise SystemExit(EX_REQUEUE)
             model.eval()
             acc, tloss = evaluate(model, data, comm)
             ep = self._epoch_record(epoch, self.steps[first:], acc, tloss, time.perf_counter() - t_start)
@@ -309,30 +454,45 @@ def plan(args):
 def main(argv=None):
     args = parse_args(argv)
     comm = MPI.COMM_WORLD
+    abort_on_exception(comm)
     rank, nranks = comm.Get_rank(), comm.Get_size()
     threads = set_threads(comm, args.threads)
     todo = plan(args)
+    job = Job(args, comm, todo, None)
+    try:
+        ck = checkpoint.load_latest(comm, args.out, job.config) if args.resume else None
+    except checkpoint.CheckpointError as e:   # the same text on every rank: say it once, all exit 2
+        if rank == 0:
+            print(f"train.py: --resume refused on all {nranks} ranks: {e}", file=sys.stderr, flush=True)
+        return 2
+    if ck is not None:
+        job.records, job.step = list(ck["records"]), ck["job_step"]
+        torch.set_rng_state(ck["rng"]["torch"])
+        np.random.set_state(ck["rng"]["numpy"])
+        random.setstate(ck["rng"]["python"])
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)
-        log_file = open(os.path.join(args.out, "metrics.jsonl"), "w")
-
-        def log(rec):
-            log_file.write(json.dumps(rec, default=str) + "\n")
-
+        job.log_file = open(os.path.join(args.out, "metrics.jsonl"), "w")
+        for rec in job.records:   # resumed: the metrics so far, as the checkpoint holds them
+            job.log_file.write(json.dumps(rec, default=str) + "\n")
         print(f"exdyna_mpi train: model {args.model}, {nranks} ranks x {threads} torch threads, "
               f"runs: {', '.join(n if n == 'dense' else f'{n} d={d:g}' for n, d in todo)}", flush=True)
-    else:
-        log_file = None
-
-        def log(rec):
-            pass
+        if args.resume:
+            print(f"resumed from job step {job.step} ({checkpoint.folder(args.out)})" if ck is not None
+                  else f"--resume: no checkpoint in {checkpoint.folder(args.out)}, starting from the beginning",
+                  flush=True)
 
     runs = []
-    for name, density in todo:
-        runs.append(Run(name, density, args, comm, log).train(show_progress=rank == 0 and not args.no_progress))
+    if ck is not None:
+        runs = [Run(n, d, args, comm, job).restore(r) for (n, d), r in zip(todo, ck["runs_done"])]
+    for i in range(len(runs), len(todo)):
+        name, density = todo[i]
+        resume = ck["current"] if ck is not None and i == ck["run_index"] else None
+        run = Run(name, density, args, comm, job)
+        runs.append(run.train(show_progress=rank == 0 and not args.no_progress, runs_done=runs[:i], resume=resume))
     ok = all(r.identical for r in runs)
     if rank == 0:
-        log_file.close()
+        job.log_file.close()
         print("\n" + summary_table(runs), flush=True)
         if not args.no_plot:
             plot(runs, os.path.join(args.out, "train.png"))

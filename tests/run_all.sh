@@ -8,31 +8,21 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source jobs/env.sh || exit 1
+source tests/lanes.sh
 out=${EXDYNA_TEST_OUT:-out/tests}
 rm -rf "$out" && mkdir -p "$out"
-mpi_timeout=${EXDYNA_MPI_TIMEOUT:-900}
-status=0
 start=$SECONDS
-lane() {  # lane NAME CMD...
-    local name=$1; shift
-    echo "=== lane $name: $*"
-    local t0=$SECONDS
-    "$@"
-    local rc=$?
-    echo "=== lane $name: rc=$rc in $((SECONDS - t0)) s"
-    if [ $rc -ne 0 ] && [ $rc -ne 5 ]; then status=1; fi
-}
-py="python -m pytest -p no:cacheprovider --color=no -q"
-lane serial $py tests/unit tests/mpi --with-mpi --junitxml="$out/serial.xml" "$@"
-lane cudasim env NUMBA_ENABLE_CUDASIM=1 $py tests/cudasim --junitxml="$out/cudasim.xml" "$@"
+# shellcheck disable=SC2086
+lane serial python $PYTEST tests/unit tests/mpi --with-mpi --junitxml="$out/serial.xml" "$@"
+# shellcheck disable=SC2086
+lane cudasim env NUMBA_ENABLE_CUDASIM=1 python $PYTEST tests/cudasim --junitxml="$out/cudasim.xml" "$@"
 for np in 2 3 4; do
-    lane "mpi-$np" timeout -k 10 "$mpi_timeout" mpiexec -n $np $py tests/mpi --with-mpi \
-        --junitxml="$out/mpi$np.xml" "$@"
+    mpi_lane "mpi-$np" $np tests/mpi --junitxml="$out/mpi$np.xml" "$@"
 done
-if python -c "import sys, exdyna_mpi._ops as o; sys.exit(0 if o.gpu_available() else 1)" 2>/dev/null; then
-    lane gpu $py tests/gpu --junitxml="$out/gpu.xml" "$@"
-    lane gpu-mpi-2 timeout -k 10 "$mpi_timeout" mpiexec -n 2 $py tests/gpu --with-mpi \
-        --junitxml="$out/gpumpi2.xml" "$@"
+if gpu_visible; then
+    # shellcheck disable=SC2086
+    lane gpu python $PYTEST tests/gpu --with-mpi --junitxml="$out/gpu.xml" "$@"
+    mpi_lane gpu-mpi-2 2 tests/gpu --junitxml="$out/gpumpi2.xml" "$@"
 else
     echo "=== lane gpu: skipped, no CUDA device visible to CuPy"
 fi

@@ -16,6 +16,8 @@ How it works (no copies on the hot path):
 Construction broadcasts rank 0's parameters (and buffers) so every rank starts identical. All of it
 is collective over ``comm``. torch is imported lazily, so ``import exdyna_mpi`` never imports it.
 """
+import copy
+
 import exdyna_mpi
 from exdyna_mpi import _transport
 
@@ -105,6 +107,37 @@ class FlatGrad:
         self.attach()
 
 
+_SPARSIFIER_KEY = "exdyna_sparsifier"
+
+
+def _to_torch(obj):
+    """NumPy arrays and scalars inside ``obj`` as torch tensors and Python numbers (``weights_only`` safe)."""
+    import numpy as np
+
+    torch = _torch()
+    if isinstance(obj, dict):
+        return {k: _to_torch(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_torch(v) for v in obj)
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(np.array(obj, copy=True))
+    if isinstance(obj, np.generic):
+        return obj.item()
+    return obj
+
+
+def _from_torch(obj):
+    """Inverse of ``_to_torch``: tensors back to NumPy arrays (host copies)."""
+    torch = _torch()
+    if isinstance(obj, dict):
+        return {k: _from_torch(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_from_torch(v) for v in obj)
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().numpy().copy()
+    return obj
+
+
 class _DistributedMixin:
     """Methods put in front of the wrapped optimizer's class (see ``DistributedOptimizer``)."""
 
@@ -127,6 +160,39 @@ class _DistributedMixin:
     def zero_grad(self, set_to_none=False):
         """Zero the flat gradient buffer; ``.grad`` stays a view into it (``set_to_none`` is ignored)."""
         self._exdyna_grads.zero()
+
+    def state_dict(self):
+        """The wrapped optimizer's state plus this rank's sparsifier state (residual, controller,
+        layout, iteration) under ``"exdyna_sparsifier"``, as tensors and plain Python values, so
+        ``torch.save(opt.state_dict(), f"ckpt.{rank}")`` and ``torch.load`` (``weights_only=True``
+        included) round-trip it. Every rank saves its own: the residuals differ between ranks.
+        """
+        d = super().state_dict()
+        d[_SPARSIFIER_KEY] = _to_torch(self.sparsifier.state_dict())
+        return d
+
+    def load_state_dict(self, state_dict):
+        """Restore ``state_dict()`` output; resumes bit-exactly. Collective over the sparsifier's
+        communicator: every rank loads its own rank's dict, and a mismatch (other P, sparsifier,
+        density or rank) raises the same ``ValueError`` on every rank before anything changes.
+        """
+        state_dict = dict(state_dict)
+        sp_state = state_dict.pop(_SPARSIFIER_KEY, None)
+        if sp_state is None:
+            raise ValueError("DistributedOptimizer.load_state_dict: no sparsifier state in this dict "
+                             f"(key {_SPARSIFIER_KEY!r}); it was not saved by DistributedOptimizer.state_dict()")
+        sp_state = _from_torch(sp_state)
+        before = copy.deepcopy(super().state_dict())
+        try:
+            super().load_state_dict(state_dict)
+        except (KeyError, ValueError, TypeError, RuntimeError) as e:
+            # a local refusal must still reach the collective check, so every rank raises together
+            sp_state = dict(sp_state, name=f"<optimizer state refused on this rank: {e}>")
+        try:
+            self.sparsifier.load_state_dict(sp_state)
+        except Exception:
+            super().load_state_dict(before)   # leave this rank exactly as it was
+            raise
 
     @property
     def stats(self):

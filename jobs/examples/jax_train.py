@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Data-parallel JAX training with ExDyna, no adapter needed: ravel the gradient, step, unravel.
 
-    mpiexec -n 4 python jobs/examples/jax_train.py
+    mpiexec -n 4 python -m mpi4py jobs/examples/jax_train.py
 
 A small MLP regression on synthetic data (each rank its own shard). ``sp.step`` takes the JAX array
 through DLPack without a copy and returns a JAX array (the averaged sparse gradient).

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Data-parallel TensorFlow training with ExDyna: concatenate the gradients, step, split them back.
 
-    mpiexec -n 4 python jobs/examples/tf_train.py
+    mpiexec -n 4 python -m mpi4py jobs/examples/tf_train.py
 
 ``sp.step`` reads the TensorFlow tensor through DLPack without a copy and returns a TensorFlow
 tensor (host results are handed over zero-copy when 64-byte aligned, else copied once).

@@ -142,3 +142,80 @@ def test_training_digits_lowers_loss_and_ends_identical(wcomm):
     mpi_assert(end < start - 0.05, f"loss did not go down: {start:.4f} -> {end:.4f}", wcomm)
     final = allgather_array(_flat_params(model), wcomm)
     mpi_assert(all(f.tobytes() == final[0].tobytes() for f in final), "parameters differ between ranks", wcomm)
+
+
+
+def _batches(rank, steps):
+    gen = torch.Generator().manual_seed(1000 + rank)
+    for s in range(steps):
+        x = torch.randn(16, 32, generator=gen) * (1 + s % 3)   # varying scale: the controller moves
+        yield s, x, torch.randint(0, 5, (16,), generator=gen)
+
+
+def _train(model, opt, rank, steps, start=0, on_step=None):
+    for s, x, y in _batches(rank, steps):
+        if s < start:
+            continue
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        if on_step is not None:
+            on_step(s)
+
+
+@pytest.mark.parametrize("name", ["exdyna", "topk", "oktopk"])
+def test_state_dict_round_trip_through_torch_save_resumes_bit_exactly(name, wcomm, tmp_path_factory):
+    """torch.save(opt.state_dict()) after 4 steps, torch.load (weights_only) into a fresh optimizer on a
+    fresh model: the next 4 steps give the same parameters, to the bit, as running 8 steps straight."""
+    rank = wcomm.Get_rank()
+    path = os.path.join(str(tmp_path_factory.mktemp("ckpt")), f"ckpt.{rank}")
+
+    def fresh():
+        model = _model(seed=7)
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model,
+                                   sparsifier=name, density=0.05, comm=wcomm)
+        return model, opt
+
+    model, opt = fresh()
+
+    def save(s):
+        if s == 3:
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
+
+    _train(model, opt, rank, 8, on_step=save)
+    straight = _flat_params(model)
+
+    model2, opt2 = fresh()
+    ck = torch.load(path)   # weights_only=True by default: the state must be plain tensors and values
+    model2.load_state_dict(ck["model"])
+    opt2.load_state_dict(ck["opt"])
+    mpi_assert(opt2.sparsifier.iteration == 4, f"iteration {opt2.sparsifier.iteration}", wcomm)
+    _train(model2, opt2, rank, 8, start=4)
+    resumed = _flat_params(model2)
+    mpi_assert(resumed.tobytes() == straight.tobytes(),
+               f"{name}: resumed parameters differ (max {np.abs(resumed - straight).max():.3g})", wcomm)
+    mpi_assert(np.any(opt2.sparsifier.residual != 0), "residual is all zero: nothing was resumed", wcomm)
+
+
+def test_load_state_dict_mismatch_is_the_same_error_on_every_rank(wcomm):
+    rank = wcomm.Get_rank()
+    model = _model(seed=7)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model,
+                               sparsifier="exdyna", density=0.05, comm=wcomm)
+    _train(model, opt, rank, 2)
+    good = opt.state_dict()
+    other = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model,
+                                 sparsifier="exdyna", density=0.1, comm=wcomm)
+    # only the last rank brings a state saved at another density
+    bad = other.state_dict() if rank == wcomm.Get_size() - 1 else good
+    before = opt.sparsifier.residual.copy(), opt.sparsifier.iteration
+    msg = ""
+    try:
+        opt.load_state_dict(bad)
+    except ValueError as e:
+        msg = str(e)
+    msgs = wcomm.allgather(msg)
+    mpi_assert(msgs[0] and all(m == msgs[0] for m in msgs), f"errors differ or missing: {msgs}", wcomm)
+    mpi_assert(f"rank {wcomm.Get_size() - 1}" in msgs[0] and "density" in msgs[0], msgs[0], wcomm)
+    mpi_assert(np.array_equal(opt.sparsifier.residual, before[0]) and opt.sparsifier.iteration == before[1],
+               "state changed by a refused load", wcomm)

@@ -1,13 +1,17 @@
-"""jobs/train.py end to end: a tiny 2-rank run under mpiexec writes its metrics and its plot.
+"""jobs/train.py end to end under mpiexec: metrics and plot; a failing rank ends the job; a killed
+job resumes from its checkpoint to the same bits as an uninterrupted one.
 
 The job runs in a subprocess (its own mpiexec), with PMI variables of any enclosing launch removed so
 the child starts its own MPI world.
 """
+import glob
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -19,19 +23,33 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
 
 
-def _run(tmp_path, *args):
-    if MPIEXEC is None:
-        pytest.skip("no mpiexec on PATH")
+def _env():
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPI_LOCAL"))}
     env.setdefault("MPIR_CVAR_CH4_PROGRESS_THROTTLE", "1")
     env.setdefault("MPIR_CVAR_CH4_PROGRESS_THROTTLE_NO_PROGRESS_COUNT", "16")
+    return env
+
+
+def _launch(out, *args, n=2, expect=0):
+    """``mpiexec -n N python -m mpi4py jobs/train.py --out OUT ...``; returns the completed process."""
+    if MPIEXEC is None:
+        pytest.skip("no mpiexec on PATH")
+    cmd = ["timeout", "-k", "5", "300", MPIEXEC, "-n", str(n), sys.executable, "-m", "mpi4py",
+           os.path.join(ROOT, "jobs", "train.py"), "--out", str(out), "--no-progress", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=320)
+    if expect is not None:
+        assert proc.returncode == expect, f"rc {proc.returncode}\n" + proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def _records(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _run(tmp_path, *args):
     out = tmp_path / "out"
-    cmd = ["timeout", "300", MPIEXEC, "-n", "2", sys.executable, os.path.join(ROOT, "jobs", "train.py"),
-           "--out", str(out), "--no-progress", *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=320)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return proc.stdout, out, recs
+    proc = _launch(out, *args)
+    return proc.stdout, out, _records(out)
 
 
 def test_compare_dense_exdyna_writes_metrics_and_plot(tmp_path):
@@ -61,3 +79,74 @@ def test_big_model_path_runs(tmp_path):
     run = next(r for r in recs if r["kind"] == "run")
     assert run["sparsifier"] == "micro" and run["steps"] == 2 and run["params_identical"]
     assert not (out / "train.png").exists()
+
+
+TINY = ("--width", "4", "--epochs", "2", "--max-steps", "5", "--compare", "dense,exdyna", "--density", "0.05")
+
+
+def test_a_failing_rank_ends_the_job_through_the_launcher(tmp_path):
+    """The README's launcher, 3 ranks, rank 1 raises at step 2: the job ends non-zero, fast, and the
+    output carries that rank's traceback (without the abort the others would wait in a collective)."""
+    env = _env()
+    env.update(NP="3", TRAIN_TIMEOUT="120")
+    t0 = time.monotonic()
+    proc = subprocess.run(["bash", os.path.join(ROOT, "jobs", "run_train.sh"), "--out", str(tmp_path / "out"),
+                           "--no-progress", "--fail-at", "1:2", *TINY], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=200)
+    took = time.monotonic() - t0
+    text = proc.stdout + proc.stderr
+    assert proc.returncode not in (0, 124, 137), f"rc {proc.returncode}\n{text[-3000:]}"
+    assert took < 30, f"the job took {took:.1f} s to end after one rank failed"
+    assert "Traceback" in text and "fault drill (--fail-at): rank 1 fails at step 2" in text, text[-3000:]
+
+
+def _final_hashes(out):
+    return {r["run"]: r["params_sha256"] for r in _records(out) if r["kind"] == "run"}
+
+
+@pytest.mark.parametrize("n,how", [(2, "signal"), (3, "kill")])
+def test_interrupted_job_resumes_to_the_same_bits(tmp_path, n, how):
+    """Checkpoint every 4 steps; at job step 13 (the exdyna run, mid-epoch) one rank is killed with
+    SIGKILL, or gets SIGUSR1 (checkpoint now, exit 75). --resume then ends with the parameters
+    (sha256) and the per-step metrics of an uninterrupted run with the same flags."""
+    straight, broken = tmp_path / "straight", tmp_path / "broken"
+    _launch(straight, *TINY, n=n)
+    rank = n - 1
+    proc = _launch(broken, *TINY, "--checkpoint-every", "4", "--fail-at", f"{rank}:13:{how}", n=n,
+                   expect=75 if how == "signal" else None)
+    assert proc.returncode != 0
+    marker = json.loads((broken / "checkpoints" / "COMPLETE").read_text())
+    assert marker["step"] == (14 if how == "signal" else 12) and marker["nranks"] == n
+    assert sorted(os.path.basename(p) for p in glob.glob(str(broken / "checkpoints" / "*.pt"))) == marker["files"]
+    assert not (broken / "train.png").exists()
+    proc = _launch(broken, *TINY, "--checkpoint-every", "4", "--resume", n=n)
+    assert f"resumed from job step {marker['step']}" in proc.stdout
+    want, got = _final_hashes(straight), _final_hashes(broken)
+    assert list(want) == ["dense", "exdyna d=0.05"] and got == want
+    steps = lambda out: [(r["run"], r["step"], r["density"], r["loss"]) for r in _records(out)
+                         if r["kind"] == "step"]
+    assert steps(broken) == steps(straight)
+    assert (broken / "train.png").exists()
+
+
+def test_resume_with_other_settings_is_refused_on_every_rank(tmp_path):
+    out = tmp_path / "out"
+    _launch(out, *TINY, "--fail-at", "0:3:signal", n=2, expect=75)
+    proc = _launch(out, *TINY[:-1], "0.1", "--resume", n=2, expect=None)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert re.search(r"--resume refused on all 2 ranks: .*runs=.*'exdyna', 0.05.*now.*'exdyna', 0.1", proc.stderr), \
+        proc.stderr[-2000:]
+
+
+def test_every_launcher_runs_ranks_under_mpi4py():
+    """Launch lines in jobs/ and the docs start python ranks with `-m mpi4py` (abort on exception)."""
+    files = glob.glob(os.path.join(ROOT, "jobs", "*.sh")) + glob.glob(os.path.join(ROOT, "jobs", "*.sbatch")) \
+        + glob.glob(os.path.join(ROOT, "docs", "*.md")) + [os.path.join(ROOT, "README.md")] \
+        + glob.glob(os.path.join(ROOT, "jobs", "**", "*.py"), recursive=True)
+    bad = []
+    for path in files:
+        for i, line in enumerate(open(path), 1):
+            m = re.search(r"\b(mpiexec|srun)\b.*?\bpython3?\s+(\S+)", line)
+            if m and m.group(2) != "-m" and m.group(2).endswith(".py"):
+                bad.append(f"{os.path.relpath(path, ROOT)}:{i}: {line.strip()}")
+    assert not bad, "launched without -m mpi4py:\n" + "\n".join(bad)
