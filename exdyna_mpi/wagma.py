@@ -266,9 +266,13 @@ class GroupAverager:
             self.tx.global_sum(buf)
             wait = time.perf_counter() - tw
             np.divide(buf, self._dtype.type(self.nranks), out=out_arr)
-        elif not bits:
+        elif not bits:  # a group of one: the identity
             if err is not None:
-                raise StepError("GroupAverager: " + refusal([(self.rank, *err)], self.numel, DTYPE_NAMES))
+                if self.mode == "sync":
+                    self.iteration = t + 1  # used up, as on a larger group: schedules stay in step
+                raise StepError(f"GroupAverager: group step {t} refused on rank {self.rank} (a group of "
+                                "one), vector unchanged: "
+                                + refusal([(self.rank, *err)], self.numel, DTYPE_NAMES).split(": ", 1)[1])
             out_arr[...] = a
         elif self.mode == "sync":
             tw = time.perf_counter()
