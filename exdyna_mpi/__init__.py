@@ -6,6 +6,7 @@ Public surface: ``ExDyna`` (and ``MiCRO``), ``make``/``available`` for every spa
 from ._errors import StepError
 from ._factory import available, make, register
 from .exdyna import ExDyna, MiCRO
+from .wagma import GroupAverager
 
-__all__ = ["ExDyna", "MiCRO", "StepError", "available", "make", "register"]
+__all__ = ["ExDyna", "GroupAverager", "MiCRO", "StepError", "available", "make", "register"]
 __version__ = "0.1.0"

@@ -5,6 +5,7 @@
     mpiexec -n 4 python -m mpi4py jobs/train.py --compare dense,exdyna   # same seed, one plot
     mpiexec -n 4 python -m mpi4py jobs/train.py --model big --epochs 1   # >= 10M parameters, synthetic
     mpiexec -n 4 python -m mpi4py jobs/train.py --checkpoint-every 50 --resume   # restartable
+    mpiexec -n 4 python -m mpi4py jobs/train.py --compare dense,wagma,local --group-size 2 --sync-every 10
 
 ``python -m mpi4py`` (and the hook this script installs) turns an uncaught exception on one rank
 into an abort of the whole job, with that rank's traceback, instead of a hang in the next collective.
@@ -40,9 +41,11 @@ import models  # noqa: E402  (jobs/models.py, beside this script)
 
 import checkpoint  # noqa: E402  (jobs/checkpoint.py)
 from exdyna_mpi import available as sparsifier_names  # noqa: E402
-from exdyna_mpi.adapters.torch import DistributedOptimizer  # noqa: E402
+from exdyna_mpi.adapters.torch import DistributedOptimizer, GroupAveragingOptimizer  # noqa: E402
 
 EX_REQUEUE = 75   # exit status after a checkpoint on SIGUSR1: the job wants to be requeued
+# Runs that average models instead of sparsifying gradients (--method, or names in --compare).
+MODEL_AVERAGING = ("wagma", "local")
 
 
 def parse_args(argv=None):
@@ -68,6 +71,13 @@ def parse_args(argv=None):
     ap.add_argument("--out", default="out/train", help="folder for metrics.jsonl and train.png")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--method", choices=("sparse",) + MODEL_AVERAGING, default="sparse",
+                    help="sparse: gradient exchange with --sparsifier; wagma: WAGMA-SGD group model "
+                         "averaging; local: local SGD (global model average every --sync-every steps). "
+                         "--compare also takes wagma and local as names")
+    ap.add_argument("--group-size", type=int, default=2, help="wagma: ranks per group (power of two)")
+    ap.add_argument("--sync-every", type=int, default=10, help="wagma/local: global average every T steps")
+    ap.add_argument("--wagma-mode", choices=("sync", "wait_avoiding"), default="wait_avoiding")
     ap.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
                     help="write a checkpoint every N steps under <out>/checkpoints (0: only on SIGUSR1)")
     ap.add_argument("--resume", action="store_true",
@@ -78,6 +88,19 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     args.fail_at = parse_fail_at(ap, args.fail_at)
     return args
+
+
+def build_optimizer(name, density, args, model, comm):
+    """The distributed optimizer of one run: a sparsifier's DistributedOptimizer, or model averaging."""
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
+                          weight_decay=args.weight_decay)
+    if name == "wagma":
+        return GroupAveragingOptimizer(opt, model, group_size=args.group_size, sync_every=args.sync_every,
+                                       mode=args.wagma_mode, comm=comm)
+    if name == "local":
+        return GroupAveragingOptimizer(opt, model, group_size=1, sync_every=args.sync_every, mode="sync", comm=comm)
+    return DistributedOptimizer(opt, model, sparsifier=name, density=density, comm=comm,
+                                **(parse_options(args.opt) if name != "dense" else {}))
 
 
 def parse_fail_at(ap, text):
@@ -194,8 +217,9 @@ class Job:
         self.step = 0              # steps completed in the whole job
         self.stop = StopRequest()
         self.config = {"ranks": comm.Get_size(), "runs": [list(r) for r in todo],
-                       **{k: getattr(args, k) for k in ("model", "width", "epochs", "batch_size", "max_steps",
-                                                        "lr", "momentum", "weight_decay", "seed", "opt")}}
+                       **{k: getattr(args, k) for k in (
+                           "model", "width", "epochs", "batch_size", "max_steps", "lr", "momentum",
+                           "weight_decay", "seed", "opt", "group_size", "sync_every", "wagma_mode")}}
 
     def log(self, rec):
         self.records.append(rec)
@@ -225,6 +249,9 @@ class Run:
         self.name, self.density, self.args, self.comm, self.job = name, density, args, comm, job
         self.log = job.log
         self.label = name if name == "dense" else f"{name} d={density:g}"
+        if name in MODEL_AVERAGING:
+            self.label = (f"wagma S={args.group_size} T={args.sync_every} {args.wagma_mode}" if name == "wagma"
+                          else f"local T={args.sync_every}")
         self.steps, self.epochs = [], []
         self.elapsed = 0.0
 
@@ -242,13 +269,11 @@ class Run:
         args, comm, job = self.args, self.comm, self.job
         rank, nranks = comm.Get_rank(), comm.Get_size()
         model, data = models.build(args.model, args.width, args.seed, rank, nranks)
-        opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
-                              weight_decay=args.weight_decay)
-        opt = DistributedOptimizer(opt, model, sparsifier=self.name, density=self.density, comm=comm,
-                                   **(parse_options(args.opt) if self.name != "dense" else {}))
-        numel = opt.flat_grad.numel()
-        self.options = dict(getattr(opt.sparsifier, "options", {}) or {})
-        itemsize = opt.flat_grad.element_size()
+        opt = build_optimizer(self.name, self.density, args, model, comm)
+        flat = opt.flat_params if self.name in MODEL_AVERAGING else opt.flat_grad
+        numel = flat.numel()
+        self.options = dict(getattr(getattr(opt, "sparsifier", None), "options", {}) or {})
+        itemsize = flat.element_size()
         # Ring allreduce of the whole gradient: what dense sends per rank and step (same model as
         # exdyna_mpi's byte accounting).
         self.dense_bytes = 2 * (nranks - 1) * numel * itemsize // nranks
@@ -320,6 +345,8 @@ class Run:
                               flush=True)
                     raise SystemExit(EX_REQUEUE)
             model.eval()
+            if self.name in MODEL_AVERAGING:
+                opt.synchronize_model()  # evaluate (and end with) one model: the global average
             acc, tloss = evaluate(model, data, comm)
             ep = self._epoch_record(epoch, self.steps[first:], acc, tloss, time.perf_counter() - t_start)
             self.epochs.append(ep)
@@ -331,6 +358,8 @@ class Run:
                 print(line, flush=True)
         if bar is not None:
             bar.close()
+        if self.name in MODEL_AVERAGING:
+            opt.close()
         self.wall = time.perf_counter() - t_start
         digest = params_hash(model)
         hashes = comm.allgather(digest)
@@ -418,7 +447,7 @@ def plot(runs, path):
                       [100 * r.initial["test_acc"]] + [100 * e["test_acc"] for e in r.epochs],
                       "o-", color=c, ms=3, label=r.label)
         ax[1, 0].plot(steps, [s["density"] for s in r.steps], color=c, label=f"{r.label} achieved")
-        if r.name != "dense":
+        if r.name != "dense" and r.name not in MODEL_AVERAGING:
             ax[1, 0].axhline(r.density, color=c, ls="--", lw=1, label=f"{r.label} target")
         if r.dense_bytes:
             ax[1, 1].plot(steps, [s["bytes_sent"] / r.dense_bytes for s in r.steps], color=c, label=r.label)
@@ -438,15 +467,16 @@ def plot(runs, path):
 
 
 def plan(args):
-    names = [n.strip() for n in args.compare.split(",") if n.strip()] or [args.sparsifier]
+    names = [n.strip() for n in args.compare.split(",") if n.strip()] or [
+        args.sparsifier if args.method == "sparse" else args.method]
     dens = [float(d) for d in args.densities.split(",") if d.strip()] or [args.density]
-    known = sparsifier_names()
+    known = list(sparsifier_names()) + list(MODEL_AVERAGING)
     bad = [n for n in names if n not in known]
     if bad:
         raise SystemExit(f"unknown sparsifier(s) {bad}; available: {', '.join(known)}")
     runs = []
     for n in names:
-        for d in ([1.0] if n == "dense" else dens):
+        for d in ([1.0] if n == "dense" or n in MODEL_AVERAGING else dens):
             runs.append((n, d))
     return runs
 
@@ -476,7 +506,8 @@ def main(argv=None):
         for rec in job.records:   # resumed: the metrics so far, as the checkpoint holds them
             job.log_file.write(json.dumps(rec, default=str) + "\n")
         print(f"exdyna_mpi train: model {args.model}, {nranks} ranks x {threads} torch threads, "
-              f"runs: {', '.join(n if n == 'dense' else f'{n} d={d:g}' for n, d in todo)}", flush=True)
+              f"runs: {', '.join(n if n == 'dense' or n in MODEL_AVERAGING else f'{n} d={d:g}' for n, d in todo)}",
+              flush=True)
         if args.resume:
             print(f"resumed from job step {job.step} ({checkpoint.folder(args.out)})" if ck is not None
                   else f"--resume: no checkpoint in {checkpoint.folder(args.out)}, starting from the beginning",

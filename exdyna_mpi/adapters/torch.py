@@ -243,3 +243,5 @@ def DistributedOptimizer(optimizer, model=None, *, sparsifier="exdyna", density=
     wrapped._exdyna_grads = grads
     wrapped.sparsifier = sp
     return wrapped
+
+from .torch_wagma import FlatParams, GroupAveragingOptimizer  # noqa: E402,F401  (WAGMA-SGD wrapper)

@@ -1,0 +1,116 @@
+"""PyTorch adapter for WAGMA-SGD group model averaging: local step, then average the model.
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = GroupAveragingOptimizer(opt, model, group_size=2, sync_every=10, mode="wait_avoiding")
+    for x, y in batches:
+        opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
+    opt.synchronize_model()   # a global average, e.g. before evaluating
+    opt.close()               # collective: ends the progress thread
+
+Every parameter's ``.data`` becomes a view into one flat buffer (``FlatParams``), so
+``GroupAverager.step(flat, out=flat)`` averages the model in place with no copies. ``step()`` runs
+the wrapped optimizer (momentum, weight decay act on the local gradient), then averages. Group size
+1 is local SGD with period ``sync_every``. Construction broadcasts rank 0's parameters and buffers.
+``state_dict()`` holds the wrapped optimizer's state plus the averager's (``"group_averager"``).
+"""
+import exdyna_mpi
+from exdyna_mpi import _transport
+
+from .torch import _torch, _unique_params, broadcast_parameters
+
+__all__ = ["GroupAveragingOptimizer", "FlatParams"]
+
+
+class FlatParams:
+    """One contiguous parameter buffer; each parameter's ``.data`` is a view into it."""
+
+    def __init__(self, params):
+        torch = _torch()
+        self.params = _unique_params(params)
+        if not self.params:
+            raise ValueError("FlatParams: no parameters that require grad")
+        dtypes = {p.dtype for p in self.params}
+        devices = {p.device for p in self.params}
+        if len(dtypes) != 1 or len(devices) != 1:
+            raise ValueError(f"FlatParams: parameters must share one dtype and device, got {dtypes}, {devices}")
+        self.numel = sum(p.numel() for p in self.params)
+        with torch.no_grad():
+            self.flat = torch.cat([p.detach().reshape(-1) for p in self.params]).contiguous()
+            off = 0
+            for p in self.params:
+                n = p.numel()
+                p.data = self.flat[off:off + n].view_as(p)
+                off += n
+
+
+class _GroupAveragingMixin:
+    def average(self):
+        """Average the model as the schedule says for this call (in place). Collective."""
+        with _torch().no_grad():
+            self.averager.step(self._wagma_params.flat, out=self._wagma_params.flat)
+        return self.averager.stats
+
+    def step(self, closure=None):
+        """The wrapped optimizer's local step, then the model average."""
+        if closure is not None:
+            raise ValueError("GroupAveragingOptimizer.step: closures are not supported")
+        out = super().step()
+        self.average()
+        return out
+
+    def synchronize_model(self):
+        """A global average of the model outside the schedule (e.g. before evaluating). Collective."""
+        with _torch().no_grad():
+            self.averager.average_all(self._wagma_params.flat, out=self._wagma_params.flat)
+
+    @property
+    def stats(self):
+        return self.averager.stats
+
+    @property
+    def flat_params(self):
+        return self._wagma_params.flat
+
+    def state_dict(self):
+        d = super().state_dict()
+        d["group_averager"] = self.averager.state_dict()
+        return d
+
+    def load_state_dict(self, state_dict):
+        d = dict(state_dict)
+        ga = d.pop("group_averager", None)
+        super().load_state_dict(d)
+        if ga is not None:
+            self.averager.load_state_dict(ga)
+
+    def close(self):
+        self.averager.close()
+
+
+def GroupAveragingOptimizer(optimizer, model=None, *, group_size=2, sync_every=10, mode="sync",
+                            comm=None, broadcast=True):
+    """Wrap a torch optimizer so ``step()`` is a local step followed by WAGMA model averaging.
+
+    The result is an instance of a subclass of the optimizer's class sharing its state; use it in
+    place of the original. ``opt.averager`` is the ``exdyna_mpi.GroupAverager``; ``opt.stats`` its
+    last stats. Collective over ``comm``.
+    """
+    comm = _transport.world() if comm is None else comm
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if model is not None:
+        in_model = {id(p) for p in model.parameters()}
+        missing = [p for p in params if id(p) not in in_model]
+        if missing:
+            raise ValueError(f"GroupAveragingOptimizer: {len(missing)} optimizer parameters are not in the model")
+    if broadcast:
+        tensors = list(model.parameters()) + list(model.buffers()) if model is not None else params
+        broadcast_parameters(tensors, comm)
+    flat = FlatParams(params)
+    ga = exdyna_mpi.GroupAverager(flat.numel, comm, group_size=group_size, sync_every=sync_every, mode=mode)
+    base = optimizer.__class__
+    cls = type(f"GroupAveraging{base.__name__}", (_GroupAveragingMixin, base), {})
+    wrapped = cls.__new__(cls)
+    wrapped.__dict__.update(optimizer.__dict__)
+    wrapped._wagma_params = flat
+    wrapped.averager = ga
+    return wrapped
