@@ -17,7 +17,7 @@ Construction broadcasts rank 0's parameters (and buffers) so every rank starts i
 is collective over ``comm``. torch is imported lazily, so ``import exdyna_mpi`` never imports it.
 """
 import exdyna_mpi
-from exdyna_mpi import _transport
+from exdyna_mpi import transport
 
 __all__ = ["DistributedOptimizer", "FlatGrad", "broadcast_parameters"]
 
@@ -43,7 +43,7 @@ def broadcast_parameters(tensors, comm=None, root=0):
     Packs everything of one dtype into one host buffer and broadcasts it once per dtype.
     """
     torch = _torch()
-    comm = _transport.world() if comm is None else comm
+    comm = transport.world() if comm is None else comm
     by_dtype = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
@@ -52,7 +52,7 @@ def broadcast_parameters(tensors, comm=None, root=0):
         with torch.no_grad():
             flat = torch.cat([t.detach().reshape(-1).cpu() for t in group]).contiguous()
             buf = flat.numpy()
-            comm.Bcast(buf, root=root)
+            transport.broadcast(buf, comm, root)
             off = 0
             for t in group:
                 n = t.numel()
@@ -158,7 +158,7 @@ def DistributedOptimizer(optimizer, model=None, *, sparsifier="exdyna", density=
         ...     opt.step()
         >>> opt.stats.density, opt.stats.bytes_sent
     """
-    comm = _transport.world() if comm is None else comm
+    comm = transport.world() if comm is None else comm
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if model is not None:
         in_model = {id(p) for p in model.parameters()}

@@ -4,8 +4,8 @@ import inspect
 import numpy as np
 import pytest
 
-from exdyna_mpi._cuda_ops import CudaOps
-from exdyna_mpi._ops import HostOps, ops_for
+from exdyna_mpi.arrays.cuda_ops import CudaOps
+from exdyna_mpi.arrays import HostOps, ops_for
 
 
 def _public(cls):

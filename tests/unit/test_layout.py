@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from exdyna_mpi._layout import BlockLayout, EqualLayout, block_size, initial_blocks, owners, partition_of
+from exdyna_mpi.algorithm.layout import BlockLayout, EqualLayout, block_size, initial_blocks, owners, partition_of
 from tests.reference import AuthorsExDyna
 
 
