@@ -1,9 +1,9 @@
 """The shared contract, for every sparsifier of ``exdyna_mpi.available()`` and every backend.
 
-Collected by tests/mpi/test_contract.py (the serial and mpiexec -n 2/3/4 lanes) and by
-tests/cudasim/test_contract_sim.py (the simulator lane); the ``backend`` fixture runs each test on
-the CPU and, where ``device="cuda"`` can run (a GPU, or the Numba CUDA simulator), on the CUDA
-path too, checked bit for bit against the CPU. Like mpi4py's tests looping over array backends
+The check bodies live here; tests/mpi/test_contract.py runs them for every sparsifier on every
+backend in the serial and mpiexec -n 2/3/4 lanes (``backend``: the CPU, and ``device="cuda"``
+where it can run: a GPU, or the Numba CUDA simulator), tests/cudasim/test_contract_sim.py on the
+simulated CUDA device at P=1, bit for bit against the CPU. Like mpi4py's tests looping over array backends
 (test/arrayimpl.py), the bodies do not know which backend they run on: buffers go in and out
 through the sparsifier's public ``ops`` (``from_host`` / ``to_host``).
 """
@@ -32,11 +32,10 @@ def _cuda_is_simulated():
     return BACKEND.simulated
 
 
-@pytest.fixture(params=["cpu", "cuda"])
-def backend(request):
-    if request.param == "cuda" and not cuda_available():
+def backend_or_skip(param):
+    if param == "cuda" and not cuda_available():
         pytest.skip("device='cuda' needs a GPU or NUMBA_ENABLE_CUDASIM=1 (the cudasim lane)")
-    return request.param
+    return param
 
 
 def _make(name, comm, device, **kw):
@@ -63,12 +62,12 @@ def _host(sp, x):
     return np.asarray(sp.ops.to_host(x))
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_same_output_on_all_ranks_and_as_cpu(wcomm, backend, name):
+def check_same_output(wcomm, backend, name, steps=STEPS):
+    """Every step: the same output on every rank; on a device, the CPU's bits, residual, counts, bytes."""
     _skip_unsupported(name, backend)
     sp = _make(name, wcomm, backend)
     ref = _make(name, wcomm, "cpu") if backend != "cpu" else None
-    for t, g in enumerate(_grads(wcomm.Get_rank())):
+    for t, g in enumerate(_grads(wcomm.Get_rank(), steps)):
         out = _host(sp, sp.step(sp.ops.from_host(g.copy())))
         outs = allgather_array(out, wcomm)
         mpi_assert(all(o.tobytes() == out.tobytes() for o in outs), f"{name}: outputs differ between ranks", wcomm)
@@ -83,8 +82,7 @@ def test_same_output_on_all_ranks_and_as_cpu(wcomm, backend, name):
             mpi_assert(same, f"{name}: {backend} differs from the CPU at step {t}", wcomm)
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_state_round_trip(wcomm, backend, name):
+def check_round_trip(wcomm, backend, name):
     """state_dict after a step, pickled, loaded into a fresh sparsifier: the same next steps."""
     _skip_unsupported(name, backend)
     gs = _grads(wcomm.Get_rank(), steps=3)
@@ -103,9 +101,7 @@ def test_state_round_trip(wcomm, backend, name):
     mpi_assert(same, f"{name}: a resumed sparsifier diverged", wcomm)
 
 
-@pytest.mark.parametrize("kind", ["length", "nan-skip"])
-@pytest.mark.parametrize("name", NAMES)
-def test_bad_input_on_one_rank(wcomm, backend, name, kind):
+def check_bad_input(wcomm, backend, name, kind):
     """The last rank passes bad input: every rank refuses (or skips) together, state untouched."""
     _skip_unsupported(name, backend)
     P, rank = wcomm.Get_size(), wcomm.Get_rank()

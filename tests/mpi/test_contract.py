@@ -1,8 +1,27 @@
-"""The shared contract over every sparsifier and backend (bodies in tests/contract.py)."""
+"""The shared contract over every sparsifier and backend, at every P (bodies in tests/contract.py)."""
 import pytest
 
-from tests.contract import (test_bad_input_on_one_rank, test_same_output_on_all_ranks_and_as_cpu,  # noqa: F401
-                            test_state_round_trip)
-from tests.contract import backend  # noqa: F401  (the fixture)
+from tests.contract import NAMES, backend_or_skip, check_bad_input, check_round_trip, check_same_output
 
 pytestmark = pytest.mark.mpi
+
+
+@pytest.fixture(params=["cpu", "cuda"])
+def backend(request):
+    return backend_or_skip(request.param)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_same_output_on_all_ranks_and_as_cpu(wcomm, backend, name):
+    check_same_output(wcomm, backend, name)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_state_round_trip(wcomm, backend, name):
+    check_round_trip(wcomm, backend, name)
+
+
+@pytest.mark.parametrize("kind", ["length", "nan-skip"])
+@pytest.mark.parametrize("name", NAMES)
+def test_bad_input_on_one_rank(wcomm, backend, name, kind):
+    check_bad_input(wcomm, backend, name, kind)
