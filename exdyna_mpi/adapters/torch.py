@@ -9,7 +9,7 @@ How it works (no copies on the hot path):
 - ``opt.step()`` first calls ``sparsifier.step(flat, out=flat)``: the buffer is replaced, in place,
   by the averaged sparse gradient (error feedback on the raw gradient inside the sparsifier), then
   the wrapped optimizer runs, so its momentum and weight decay act on the aggregated gradient, as in
-  the authors' training scripts (specs/exdyna.md §2.1);
+  the authors' training scripts (kljp/exdyna);
 - ``opt.zero_grad()`` zeroes the flat buffer (it never sets ``.grad`` to None, which would make the
   next ``backward()`` allocate fresh tensors outside the buffer).
 

@@ -92,7 +92,7 @@ class Controller:
 
 
 class FaithfulController(Controller):
-    """The authors' rule (specs/exdyna.md §4): thr0 = 1/(2 sqrt k), then x1.005 / x1.00125 / x0.995."""
+    """The authors' rule (kljp/exdyna, cnn-lstm/gradient_reducers.py): thr0 = 1/(2 sqrt k), then x1.005 / x1.00125 / x0.995."""
 
     name = "faithful"
     up, creep, down = 1.005, 1.00125, 0.995

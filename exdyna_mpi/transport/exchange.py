@@ -34,7 +34,7 @@ class Exchange:
     """The MPI side of one sparsifier: one communicator, counters of bytes moved.
 
     Host (NumPy) buffers only; the CUDA transport stages or passes device buffers (see
-    ``_device_transport``) and calls the same methods.
+    ``transport.device``) and calls the same methods.
     """
 
     def __init__(self, comm):

@@ -1,4 +1,4 @@
-"""The layers of DESIGN.md in the package layout: imports point down only, MPI only in transport.
+"""The layers of docs/architecture.md in the package layout: imports point down only, MPI only in transport.
 
 Static checks over the source (ast), so they cost nothing at run time and fail on the offending line:
 an upward import, ``mpi4py`` imported outside ``transport/``, or an MPI call anywhere else.
@@ -104,3 +104,30 @@ def test_jobs_import_no_private_module():
             if target[0] == "exdyna_mpi" and any(p.startswith("_") and p != "__init__" for p in target[1:]):
                 bad.append(f"{path.name}:{line}: {raw}")
     assert not bad, bad
+
+
+def ops_signature_problems(impl):
+    """Methods of the ``Ops`` protocol that ``impl`` lacks or declares with other parameters."""
+    import inspect
+
+    from exdyna_mpi.arrays import Ops
+
+    bad = []
+    for name, proto in vars(Ops).items():
+        if name.startswith("_") or not callable(proto):
+            continue
+        fn = getattr(impl, name, None)
+        if fn is None:
+            bad.append(f"{name}: missing")
+            continue
+        want = list(inspect.signature(proto).parameters.values())[1:]   # drop self
+        if list(inspect.signature(fn).parameters.values()) != want:
+            bad.append(f"{name}: {inspect.signature(fn)} != {want}")
+    return bad
+
+
+def test_host_ops_implements_the_ops_protocol():
+    from exdyna_mpi.arrays import HostOps, Ops
+
+    assert isinstance(HostOps, Ops) and HostOps.device == "cpu"
+    assert not ops_signature_problems(HostOps), ops_signature_problems(HostOps)

@@ -1,4 +1,4 @@
-"""Frequency-domain sparsification with range-based low-bit floats (specs/seed_systems.md §C).
+"""Frequency-domain sparsification with range-based low-bit floats (FFT-based gradient compression with range-based low-bit floats).
 
 One step on rank r (B = ``block``, k = density * numel real coefficients per rank):
 

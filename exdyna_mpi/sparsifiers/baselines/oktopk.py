@@ -1,4 +1,4 @@
-"""Ok-Topk's sparse allreduce (Li & Hoefler, PPoPP'22; specs/seed_systems.md §A), over mpi4py.
+"""Ok-Topk's sparse allreduce (Li & Hoefler, PPoPP'22; the authors' Shigangli/Ok-Topk allreducer.py), over mpi4py.
 
 One step on rank r (t = step counter, k = density * numel):
 
