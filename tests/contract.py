@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 import exdyna_mpi
-from exdyna_mpi.arrays import cuda_available
 from tests.conftest import allgather_array, mpi_assert
 
 NAMES = exdyna_mpi.available()
@@ -30,12 +29,6 @@ def _cuda_is_simulated():
     from exdyna_mpi.arrays.device import BACKEND
 
     return BACKEND.simulated
-
-
-def backend_or_skip(param):
-    if param == "cuda" and not cuda_available():
-        pytest.skip("device='cuda' needs a GPU or NUMBA_ENABLE_CUDASIM=1 (the cudasim lane)")
-    return param
 
 
 def _make(name, comm, device, **kw):
