@@ -1,12 +1,14 @@
 """exdyna_mpi: sparse gradient exchange over MPI for data-parallel training.
 
-Public surface: ``ExDyna`` (and ``MiCRO``), ``make``/``available`` for every sparsifier by name,
-``StepError``. Everything else lives in private modules.
+Public surface: ``ExDyna`` (and ``MiCRO``), ``make``/``available``/``register`` for every
+sparsifier by name, ``StepError``, and ``GroupAverager`` (WAGMA-SGD model averaging). The layers
+are subpackages, imports pointing down only (docs/architecture.md): ``kernels`` < ``arrays`` <
+``transport`` < ``algorithm`` < ``sparsifiers``, ``averaging`` < ``adapters``.
 """
 from ._errors import StepError
-from ._factory import available, make, register
-from .exdyna import ExDyna, MiCRO
-from .wagma import GroupAverager
+from .averaging import GroupAverager
+from .sparsifiers import ExDyna, MiCRO, Sparsifier, Stats, available, make, register
 
-__all__ = ["ExDyna", "GroupAverager", "MiCRO", "StepError", "available", "make", "register"]
+__all__ = ["ExDyna", "GroupAverager", "MiCRO", "Sparsifier", "StepError", "Stats", "available", "make",
+           "register"]
 __version__ = "0.1.0"

@@ -25,33 +25,25 @@ and a skewed distribution, the regime where partitions are imbalanced. ``--grads
 ``--accuracy-from metrics.json`` adds an accuracy column from a training run's metrics.
 Writes ``OUT/bench.json`` and ``OUT/bench.png``.
 """
-import argparse
 import json
 import os
-import sys
 import time
 
 import numpy as np
 from mpi4py import MPI
 
 import exdyna_mpi
+from common import command, log, mpi_library, parser, world, write_json
 
 SPARSIFY = ("select", "gather", "scatter", "decode")
 EXCHANGE = ("counts", "indices", "reduce", "split_reduce", "allgatherv", "exchange")
 
 
 def parse():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="out/bench")
-    ap.add_argument("--numel", type=int, default=1 << 20)
-    ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--density", type=float, default=0.01)
+    ap = parser(__doc__, out="out/bench", numel=1 << 20, steps=60, warmup=10, density=0.01, seed=0, dtype="float32")
     ap.add_argument("--names", default="", help="comma-separated subset (default: all, + exdyna[faithful])")
     ap.add_argument("--grads", default=None, help=".npy of shape (steps, numel): recorded gradients")
     ap.add_argument("--accuracy-from", default=None, help="metrics JSON from jobs/train.py")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     return ap.parse_args()
 
 
@@ -218,8 +210,7 @@ def plot(path, results, summary, args):
 
 def main():
     args = parse()
-    comm = MPI.COMM_WORLD
-    rank, P = comm.Get_rank(), comm.Get_size()
+    comm, rank, P = world(args)
     dtype = np.dtype(args.dtype)
     if args.grads:
         stream = RecordedStream(args.grads, rank, P, dtype)
@@ -242,21 +233,19 @@ def main():
             dense_bytes = 2 * (P - 1) / P * stream.numel * dtype.itemsize
         summary.append(summarise(label, rows, args, dense_bytes, accuracy))
         if rank == 0:
-            print(f"[bench] {label}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+            log("bench", f"{label}: {time.perf_counter() - t0:.1f} s")
     if rank == 0:
-        os.makedirs(args.out, exist_ok=True)
         meta = dict(nranks=P, numel=stream.numel, steps=args.steps, warmup=args.warmup,
-                    density=args.density, dtype=args.dtype, source=args.source, command=" ".join(sys.argv),
-                    mpi=MPI.Get_library_version().splitlines()[0], seconds=time.perf_counter() - t_all)
-        with open(os.path.join(args.out, "bench.json"), "w") as f:
-            json.dump(dict(meta=meta, summary=summary, steps=results), f, indent=1)
+                    density=args.density, dtype=args.dtype, source=args.source, command=command(),
+                    mpi=mpi_library(), seconds=time.perf_counter() - t_all)
+        write_json(os.path.join(args.out, "bench.json"), dict(meta=meta, summary=summary, steps=results))
         print(f"P={P} numel={stream.numel} steps={args.steps} (summary over steps >= {args.warmup}) "
               f"density={args.density} dtype={args.dtype} source: {args.source}")
         print(table(summary, accuracy is not None))
         try:
             plot(os.path.join(args.out, "bench.png"), results, summary, args)
         except ImportError as e:
-            print(f"[bench] no PNG: {e}", file=sys.stderr)
+            log("bench", f"no PNG: {e}")
     comm.Barrier()
 
 

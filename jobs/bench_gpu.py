@@ -14,21 +14,19 @@ torch is installed.
     python jobs/bench_gpu.py --numel 1e7 --reps 50 --json out/bench_gpu.json
     python jobs/bench_gpu.py --check                   # no GPU: exercise the table/JSON code only
 """
-import argparse
-import json
-import math
 import platform
 import sys
 import time
 
+from common import command, parser, write_json
+
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__, json_path="out/bench_gpu.json", threads=False)
     p.add_argument("--numel", default="1e7,1e8,4e8", help="comma-separated element counts")
     p.add_argument("--density", default="0.01,0.001", help="comma-separated densities")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--no-topk", action="store_true", help="skip the top-k baselines")
-    p.add_argument("--json", default="out/bench_gpu.json")
     p.add_argument("--check", action="store_true", help="format fake rows; needs no GPU")
     return p.parse_args(argv)
 
@@ -99,7 +97,9 @@ def measure(numel, density, reps, topk=True):
     import cupy as cp
     import numpy as np
 
-    from exdyna_mpi._cuda_ops import CudaOps
+    from exdyna_mpi.arrays import ops_for
+
+    CudaOps = ops_for("cuda")
 
     n = int(numel)
     rng = cp.random.default_rng(0)
@@ -118,17 +118,17 @@ def measure(numel, density, reps, topk=True):
 
     select_ms = _time_ms(cp, select, reps)
 
-    from exdyna_mpi._controllers import HistogramController
-    from exdyna_mpi._cuda_ops import accumulate_select_hist
+    from exdyna_mpi.algorithm.controllers import HistogramController
 
     ctl = HistogramController(n, density)
     ctl.threshold = float(thr)
-    spec, fspec = ctl.hist_spec(np.float32, 1), ctl.fine_spec(np.float32, 1)
+    plan = ctl.plan(1, np.float32)      # what the controller asks of a step's pass
+    spec, fspec = plan.hist, plan.fine
     hist, fine = np.zeros(spec[0], np.int64), np.zeros(fspec[0], np.int64)
 
     def select_hist():
-        accumulate_select_hist(res, grad, acc, 0, n, thr, idx, spec[1], spec[2], hist, True,
-                               (fspec[1], fspec[2], fine), (0, n), ctl.COARSE_STRIDE)
+        CudaOps.accumulate_select_hist(res, grad, acc, 0, n, thr, idx, spec[1], spec[2], hist, plan.predict,
+                                       (fspec[1], fspec[2], fine), (0, n), plan.stride)
 
     hist_ms = _time_ms(cp, select_hist, reps)
     k = max(1, int(n * density))
@@ -156,7 +156,7 @@ def main(argv=None):
     else:
         import cupy as cp
 
-        from exdyna_mpi._ops import gpu_available
+        from exdyna_mpi.arrays import gpu_available
 
         if not gpu_available():
             sys.exit("bench_gpu: no CUDA device visible to CuPy (use --check to test the script)")
@@ -174,14 +174,9 @@ def main(argv=None):
                 print(table(rows[-1:], device, peak).splitlines()[-1], flush=True)
     print(table(rows, device, peak))
     doc = {"device": device, "peak_GBs": peak, "host": platform.node(), "time": time.time(),
-           "reps": a.reps, "bytes_per_element_floor": 12, "rows": rows, "command": " ".join(sys.argv)}
+           "reps": a.reps, "bytes_per_element_floor": 12, "rows": rows, "command": command()}
     if a.json:
-        import os
-
-        os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
-        with open(a.json, "w") as fh:
-            json.dump(doc, fh, indent=1)
-        print(f"wrote {a.json}")
+        print(f"wrote {write_json(a.json, doc)}")
     return doc
 
 

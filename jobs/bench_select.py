@@ -8,15 +8,13 @@ Top-k: ``acc = residual + grad``; ``np.argpartition(|acc|, N-k)`` (no full sort)
 int32 indices; the union (``np.unique``); Allreduce of each rank's ``acc`` at the union; residual
 zeroed there. ExDyna: ``sp.step`` (default controller) with its own phase timers.
 """
-import argparse
-import json
-import os
 import time
 
 import numpy as np
 from mpi4py import MPI
 
 import exdyna_mpi
+from common import append_json_line, parser, world
 
 
 class ExactTopK:
@@ -59,15 +57,9 @@ def grad_stream(rank, step, n):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--numel", type=int, default=10_000_000)
-    ap.add_argument("--density", type=float, default=0.001)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--json", default=None, help="append a JSON line with the results")
+    ap = parser(__doc__, numel=10_000_000, density=0.001, steps=10, warmup=3, json_path=None)
     a = ap.parse_args()
-    comm = MPI.COMM_WORLD
-    rank, P = comm.Get_rank(), comm.Get_size()
+    comm, rank, P = world(a)
     # The default controller holds the density from step 0, so both select about k per step.
     ex = exdyna_mpi.ExDyna(a.numel, a.density, comm)
     tk = ExactTopK(a.numel, a.density, comm)
@@ -103,10 +95,8 @@ def main():
         ratio = res["topk"]["total"] / res["exdyna"]["total"]
         res["speedup_total"] = ratio
         print(f"exact top-k / ExDyna, per-step time: {ratio:.1f}x")
-        if a.json:
-            os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
-            with open(a.json, "a") as f:
-                f.write(json.dumps(res) + "\n")
+        if a.json:   # one JSON line per run
+            append_json_line(a.json, res)
 
 
 if __name__ == "__main__":

@@ -23,17 +23,14 @@ part is slowed by time sharing, so quote the ratios of one run, not absolute tim
 import argparse
 import json
 import os
-import sys
 import time
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import models  # noqa: E402
-
-from exdyna_mpi.adapters.torch import DistributedOptimizer, GroupAveragingOptimizer  # noqa: E402
+import models  # jobs/models.py, beside this script
+from exdyna_mpi.adapters.torch import DistributedOptimizer, GroupAveragingOptimizer
 
 METHODS = ("allreduce", "local", "wagma-sync", "wagma-wa")
 

@@ -11,15 +11,14 @@ last steps. Writes JSON and a PNG of density over steps.
 
     timeout 900 mpiexec -n 4 python -m mpi4py jobs/density_bench.py --numel 1048576 --steps 400 --out out/density
 """
-import argparse
 import json
 import os
 import time
 
 import numpy as np
-from mpi4py import MPI
 
 import exdyna_mpi
+from common import parser, world
 
 CONFIGS = (("faithful", {"controller": "faithful", "balance": True}),
            ("histogram", {"controller": "histogram", "balance": True}),
@@ -70,16 +69,10 @@ def summarise(d, imb, steps, stream_name):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--numel", type=int, default=1 << 20)
-    ap.add_argument("--density", type=float, default=0.001)
-    ap.add_argument("--steps", type=int, default=400)
-    ap.add_argument("--seed", type=int, default=0)
+    ap = parser(__doc__, numel=1 << 20, density=0.001, steps=400, seed=0, out="out/density", raw=True)
     ap.add_argument("--streams", default="stationary,scale,skewed")
-    ap.add_argument("--out", default="out/density")
     a = ap.parse_args()
-    comm = MPI.COMM_WORLD
-    rank = comm.Get_rank()
+    comm, rank, _ = world(a)
     results, curves = {}, {}
     t0 = time.perf_counter()
     for s in a.streams.split(","):

@@ -30,36 +30,28 @@ Cost model (alpha-beta; alpha = 2 us, beta = 8 / bandwidth; 4-byte values, int32
 - dense allreduce: the same with U = numel; Ok-Topk: its paper's bound
   ``(2P + 2 log2 P) alpha + 6k (P-1)/P 4 beta`` (not simulated, for reference).
 """
-import argparse
-import json
 import math
 import os
-import sys
 import time
 
 import numpy as np
 
-from exdyna_mpi._controllers import make_controller, target_count
-from exdyna_mpi._layout import BlockLayout, EqualLayout, partition_of
-from exdyna_mpi.baselines._common import kth_largest_magnitude
-from exdyna_mpi.exdyna import ExDyna
+from common import command, log, parser, write_json
+from exdyna_mpi import ExDyna
+from exdyna_mpi.algorithm import BlockLayout, EqualLayout, make_controller, partition_of, target_count
+from exdyna_mpi.sparsifiers.baselines.topk import kth_largest_magnitude
 
 ALPHA = 2e-6
 RD_LIMIT = 512 * 1024
 
 
 def parse():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="out/simulate")
-    ap.add_argument("--numel", type=int, default=1 << 22)
-    ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--warmup", type=int, default=20)
-    ap.add_argument("--density", type=float, default=0.01)
+    ap = parser(__doc__, out="out/simulate", numel=1 << 22, steps=100, warmup=20, density=0.01, seed=0,
+                threads=False)
     ap.add_argument("--ranks", default="8,16,32,64,128,256,512,1024")
     ap.add_argument("--bandwidths", default="25,200", help="Gb/s")
     ap.add_argument("--topk-sample", type=int, default=1 << 15)
     ap.add_argument("--topk-steps", type=int, default=20)
-    ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args()
 
 
@@ -201,18 +193,16 @@ def main():
                            payload_max_bytes=4 * k)
         model = {f"{bw:g}": costs(P, args, res, bw) for bw in bws}
         results.append(dict(P=P, methods=res, model_seconds=model))
-        print(f"[simulate] P={P}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+        log("simulate", f"P={P}: {time.perf_counter() - t0:.1f} s")
     meta = dict(numel=args.numel, steps=args.steps, warmup=args.warmup, density=args.density,
                 topk_sample=args.topk_sample, topk_steps=args.topk_steps, alpha=ALPHA, bandwidths_gbps=bws,
                 exdyna_default_controller=default_ctl, seconds=time.perf_counter() - t_all,
-                command=" ".join(sys.argv))
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "simulate.json"), "w") as f:
-        json.dump(dict(meta=meta, results=results), f, indent=1)
+                command=command())
+    write_json(os.path.join(args.out, "simulate.json"), dict(meta=meta, results=results))
     print(f"numel={args.numel} density={args.density} steps={args.steps} (mean over steps >= {args.warmup}); "
           f"alpha={ALPHA * 1e6:g} us; ExDyna default controller: {default_ctl}")
     print(render(results, [f"{b:g}" for b in bws]))
-    print(f"[simulate] total {time.perf_counter() - t_all:.1f} s", file=sys.stderr)
+    log("simulate", f"total {time.perf_counter() - t_all:.1f} s")
 
 
 def render(results, bws):

@@ -30,18 +30,16 @@ import random
 import signal
 import sys
 import time
-import traceback
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import models  # noqa: E402  (jobs/models.py, beside this script)
-
-import checkpoint  # noqa: E402  (jobs/checkpoint.py)
-from exdyna_mpi import available as sparsifier_names  # noqa: E402
-from exdyna_mpi.adapters.torch import DistributedOptimizer, GroupAveragingOptimizer  # noqa: E402
+import checkpoint  # jobs/checkpoint.py, jobs/common.py, jobs/models.py: beside this script
+import models
+from common import abort_on_exception
+from exdyna_mpi import available as sparsifier_names
+from exdyna_mpi.adapters.torch import DistributedOptimizer, GroupAveragingOptimizer
 
 EX_REQUEUE = 75   # exit status after a checkpoint on SIGUSR1: the job wants to be requeued
 # Runs that average models instead of sparsifying gradients (--method, or names in --compare).
@@ -141,17 +139,6 @@ class StopRequest:
 
     def _handler(self, signum, frame):
         self.requested = True
-
-
-def abort_on_exception(comm):
-    """An uncaught exception on any rank aborts every rank (as ``python -m mpi4py`` does)."""
-    def hook(kind, value, tb):
-        traceback.print_exception(kind, value, tb)
-        sys.stderr.flush()
-        sys.stdout.flush()
-        comm.Abort(1)
-
-    sys.excepthook = hook
 
 
 def parse_options(items):

@@ -5,7 +5,7 @@ Same semantics as the CPU kernels: ``acc = residual + grad`` (``residual`` and `
 counted over the whole vector with the same ``x - x != 0`` test, ``out[i] = sums[j] / p`` in out's
 dtype. No fastmath anywhere, so every compare, add and divide is IEEE round-to-nearest as on the CPU.
 
-The ordered selection is three launches (pattern A of specs/anchors.md §3.4):
+The ordered selection is three launches (count, scan, compact: the stream-compaction pattern of Billeter et al. 2009):
 
 1. ``_acc_count``: the fused accumulate. Block ``b`` owns the contiguous chunk
    ``[lo + b*cs, lo + (b+1)*cs) ∩ [lo, hi)`` of the selection range (threads stride through it in

@@ -28,5 +28,5 @@ mpi_lane() {
 }
 
 gpu_visible() {
-    python -c "import sys, exdyna_mpi._ops as o; sys.exit(0 if o.gpu_available() else 1)" 2>/dev/null
+    python -c "import sys, exdyna_mpi.arrays as a; sys.exit(0 if a.gpu_available() else 1)" 2>/dev/null
 }

@@ -1,4 +1,4 @@
-"""Independent re-implementation of the authors' ExDyna bookkeeping (specs/exdyna.md §1, §3, §4, §11).
+"""Independent re-implementation of the authors' ExDyna bookkeeping (kljp/exdyna, cnn-lstm/gradient_reducers.py).
 
 Written as a literal transcription of the spec's pseudo-code, with blk_pos kept explicitly as the
 authors do, and sharing no code with exdyna_mpi: tests compare the library against it step by step.

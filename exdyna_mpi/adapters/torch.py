@@ -9,7 +9,7 @@ How it works (no copies on the hot path):
 - ``opt.step()`` first calls ``sparsifier.step(flat, out=flat)``: the buffer is replaced, in place,
   by the averaged sparse gradient (error feedback on the raw gradient inside the sparsifier), then
   the wrapped optimizer runs, so its momentum and weight decay act on the aggregated gradient, as in
-  the authors' training scripts (specs/exdyna.md §2.1);
+  the authors' training scripts (kljp/exdyna);
 - ``opt.zero_grad()`` zeroes the flat buffer (it never sets ``.grad`` to None, which would make the
   next ``backward()`` allocate fresh tensors outside the buffer).
 
@@ -19,9 +19,9 @@ is collective over ``comm``. torch is imported lazily, so ``import exdyna_mpi`` 
 import copy
 
 import exdyna_mpi
-from exdyna_mpi import _transport
+from exdyna_mpi import transport
 
-__all__ = ["DistributedOptimizer", "FlatGrad", "broadcast_parameters"]
+__all__ = ["DistributedOptimizer", "FlatGrad", "FlatParams", "GroupAveragingOptimizer", "broadcast_parameters"]
 
 
 def _torch():
@@ -45,7 +45,7 @@ def broadcast_parameters(tensors, comm=None, root=0):
     Packs everything of one dtype into one host buffer and broadcasts it once per dtype.
     """
     torch = _torch()
-    comm = _transport.world() if comm is None else comm
+    comm = transport.world() if comm is None else comm
     by_dtype = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
@@ -54,7 +54,7 @@ def broadcast_parameters(tensors, comm=None, root=0):
         with torch.no_grad():
             flat = torch.cat([t.detach().reshape(-1).cpu() for t in group]).contiguous()
             buf = flat.numpy()
-            comm.Bcast(buf, root=root)
+            transport.broadcast(buf, comm, root)
             off = 0
             for t in group:
                 n = t.numel()
@@ -224,7 +224,7 @@ def DistributedOptimizer(optimizer, model=None, *, sparsifier="exdyna", density=
         ...     opt.step()
         >>> opt.stats.density, opt.stats.bytes_sent
     """
-    comm = _transport.world() if comm is None else comm
+    comm = transport.world() if comm is None else comm
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if model is not None:
         in_model = {id(p) for p in model.parameters()}
@@ -243,5 +243,6 @@ def DistributedOptimizer(optimizer, model=None, *, sparsifier="exdyna", density=
     wrapped._exdyna_grads = grads
     wrapped.sparsifier = sp
     return wrapped
+
 
 from .torch_wagma import FlatParams, GroupAveragingOptimizer  # noqa: E402,F401  (WAGMA-SGD wrapper)

@@ -14,7 +14,7 @@ the wrapped optimizer (momentum, weight decay act on the local gradient), then a
 ``state_dict()`` holds the wrapped optimizer's state plus the averager's (``"group_averager"``).
 """
 import exdyna_mpi
-from exdyna_mpi import _transport
+from exdyna_mpi import transport
 
 from .torch import _torch, _unique_params, broadcast_parameters
 
@@ -95,7 +95,7 @@ def GroupAveragingOptimizer(optimizer, model=None, *, group_size=2, sync_every=1
     place of the original. ``opt.averager`` is the ``exdyna_mpi.GroupAverager``; ``opt.stats`` its
     last stats. Collective over ``comm``.
     """
-    comm = _transport.world() if comm is None else comm
+    comm = transport.world() if comm is None else comm
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if model is not None:
         in_model = {id(p) for p in model.parameters()}

@@ -13,16 +13,15 @@ import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 import exdyna_mpi  # noqa: E402
-from simdevice import on_simulated_device  # noqa: E402
+from simdevice import simulated  # noqa: E402
 
 
 def run(comm, steps=4, n=1500, seed=11):
     """Max |difference| flags per (mode): True when the device path matched the CPU bit for bit."""
     rank, p = comm.Get_rank(), comm.Get_size()
-    kw = dict(n_blocks=16, block_align=32, device="cpu")
-    ref = exdyna_mpi.ExDyna(n, 0.02, comm, **kw)
-    devs = {aware: on_simulated_device(exdyna_mpi.ExDyna(n, 0.02, comm, **kw), cuda_aware=aware)
-            for aware in (False, True)}
+    kw = dict(n_blocks=16, block_align=32)
+    ref = exdyna_mpi.ExDyna(n, 0.02, comm, device="cpu", **kw)
+    devs = {aware: simulated(exdyna_mpi.ExDyna, n, 0.02, comm, cuda_aware=aware, **kw) for aware in (False, True)}
     rng = np.random.default_rng(seed + rank)
     ok = True
     for _ in range(steps):

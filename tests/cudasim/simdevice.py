@@ -1,16 +1,21 @@
-"""Test helper: run a sparsifier's device path on simulator buffers."""
+"""Test helper: a sparsifier on the simulated CUDA device, through the public ``device="cuda"``."""
+import os
 
 
-def on_simulated_device(sp, cuda_aware=False):
-    """Route a CPU-bound sparsifier through ``CudaOps`` + ``DeviceExchange`` (simulator buffers).
+def simulated(cls, *args, cuda_aware=False, **kw):
+    """``cls(*args, device="cuda", **kw)`` under the simulator, its exchange direct
+    (``cuda_aware=True``) or staged through host buffers (False), as ``EXDYNA_CUDA_AWARE`` says.
 
-    Under the simulator device buffers are NumPy arrays, so the sparsifier keeps accepting NumPy
-    gradients while every per-element op runs the CUDA kernels and every exchange goes through
-    the device transport (``cuda_aware=False``: staged through host buffers; True: direct).
+    Under the simulator device buffers are NumPy arrays, so the sparsifier takes NumPy gradients
+    while every per-element op runs the CUDA kernels and every exchange goes through the device
+    transport.
     """
-    from exdyna_mpi._cuda_ops import CudaOps
-    from exdyna_mpi._device_transport import DeviceExchange
-
-    sp._ops = CudaOps
-    sp.xch = DeviceExchange(sp.xch, cuda_aware=cuda_aware)
-    return sp
+    old = os.environ.get("EXDYNA_CUDA_AWARE")
+    os.environ["EXDYNA_CUDA_AWARE"] = "1" if cuda_aware else "0"
+    try:
+        return cls(*args, device="cuda", **kw)
+    finally:
+        if old is None:
+            del os.environ["EXDYNA_CUDA_AWARE"]
+        else:
+            os.environ["EXDYNA_CUDA_AWARE"] = old

@@ -9,13 +9,12 @@ import pytest
 from mpi4py import MPI
 
 import exdyna_mpi
-from exdyna_mpi import _controller_ops
-from exdyna_mpi._cuda_ops import CudaOps
-from exdyna_mpi._ops import HostOps
+from exdyna_mpi.arrays.cuda_ops import CudaOps
+from exdyna_mpi.arrays import HostOps
 from exdyna_mpi.kernels import cpu_controller as cpu
 from exdyna_mpi.kernels import cuda as kc
 
-from .simdevice import on_simulated_device
+from .simdevice import simulated
 
 HERE = os.path.dirname(__file__)
 
@@ -207,17 +206,18 @@ def test_hist_range_matches_cpu(dtype, lo, hi, where):
 
 
 def test_cuda_ops_dispatch_matches_cpu():
-    """``_controller_ops`` on CudaOps runs the CUDA kernels and reads back one block of words."""
+    """The histogram ops of the ``Ops`` protocol on CudaOps run the CUDA kernels and read back one
+    block of words, bit-identical to HostOps."""
     r, g = _inputs(256, np.float64, seed=11, thr=1.0)
     win, fwin = _windows(np.float64, 1.0, True)
     res = []
     for ops in (HostOps, CudaOps):
         acc, idx = np.empty(256, np.float64), np.full(200, -1, np.int64)
         h, hf = np.zeros(64, np.int64), np.zeros(64, np.int64)
-        c = _controller_ops.accumulate_select_hist(ops, r, g, acc, 20, 220, np.float64(1.0), idx, win[0], win[1], h,
-                                                   True, (fwin[0], fwin[1], hf), (0, 256))
+        c = ops.accumulate_select_hist(r, g, acc, 20, 220, np.float64(1.0), idx, win[0], win[1], h,
+                                       True, (fwin[0], fwin[1], hf), (0, 256))
         h2 = np.zeros(64, np.int64)
-        _controller_ops.hist_range(ops, acc, 3, 250, win[0], win[1], h2)
+        ops.hist_range(acc, 3, 250, win[0], win[1], h2)
         res.append((c, _bits(acc).tobytes(), idx[:c[0]].tolist(), h.tolist(), hf.tolist(), h2.tolist()))
     assert res[0] == res[1]
     assert res[0][0][0] > 0
@@ -238,8 +238,7 @@ def test_exdyna_default_controller_matches_cpu(monkeypatch, dtype):
     monkeypatch.setattr(kc, "accumulate_select_hist_async", lambda *a, **k: launches.append(1) or real(*a, **k))
     n = 1500
     ref = exdyna_mpi.ExDyna(n, 0.02, MPI.COMM_SELF, device="cpu", n_blocks=16, block_align=32)
-    dev = on_simulated_device(exdyna_mpi.ExDyna(n, 0.02, MPI.COMM_SELF, device="cpu", n_blocks=16,
-                                                block_align=32))
+    dev = simulated(exdyna_mpi.ExDyna, n, 0.02, MPI.COMM_SELF, n_blocks=16, block_align=32)
     assert ref.options["controller"] == "histogram"
     rng = np.random.default_rng(5)
     for step in range(5):

@@ -4,8 +4,8 @@ import inspect
 import numpy as np
 import pytest
 
-from exdyna_mpi._cuda_ops import CudaOps
-from exdyna_mpi._ops import HostOps, ops_for
+from exdyna_mpi.arrays.cuda_ops import CudaOps
+from exdyna_mpi.arrays import HostOps, ops_for
 
 
 def _public(cls):
@@ -21,6 +21,9 @@ def test_same_interface_as_hostops():
             assert isinstance(dev[name], staticmethod), name
             assert inspect.signature(fn.__func__) == inspect.signature(dev[name].__func__), name
     assert CudaOps.device == "cuda" and CudaOps.xp is np  # simulator: device buffers are NumPy
+    from tests.unit.test_layers import ops_signature_problems
+
+    assert not ops_signature_problems(CudaOps), ops_signature_problems(CudaOps)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

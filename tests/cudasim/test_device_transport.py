@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from exdyna_mpi import _device_transport as dt
-from exdyna_mpi._transport import Exchange
+from exdyna_mpi.transport import device as dt
+from exdyna_mpi.transport import Exchange
 
 _GPU_QUERY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int))
 _CUDA_QUERY = ctypes.CFUNCTYPE(ctypes.c_int)

@@ -9,14 +9,15 @@ import pytest
 from mpi4py import MPI
 
 import exdyna_mpi
-from .simdevice import on_simulated_device
+from .simdevice import simulated
 
 HERE = os.path.dirname(__file__)
 
 
 def _pair(cls, n, density, aware, **kw):
     ref = cls(n, density, MPI.COMM_SELF, device="cpu", **kw)
-    dev = on_simulated_device(cls(n, density, MPI.COMM_SELF, device="cpu", **kw), cuda_aware=aware)
+    dev = simulated(cls, n, density, MPI.COMM_SELF, cuda_aware=aware, **kw)
+    assert dev.device == "cuda" and dev.exchange.cuda_aware is aware
     return ref, dev
 
 
@@ -58,7 +59,8 @@ def test_micro_and_out_buffer_match_cpu():
 def test_nonfinite_refused_state_untouched(policy):
     n = 800
     ref, dev = _pair(exdyna_mpi.ExDyna, n, 0.05, False, n_blocks=8, block_align=32)
-    ref.nonfinite = dev.nonfinite = policy
+    ref = exdyna_mpi.ExDyna(n, 0.05, MPI.COMM_SELF, device="cpu", nonfinite=policy, n_blocks=8, block_align=32)
+    dev = simulated(exdyna_mpi.ExDyna, n, 0.05, MPI.COMM_SELF, nonfinite=policy, n_blocks=8, block_align=32)
     rng = np.random.default_rng(2)
     g = (rng.standard_normal(n) * 0.05).astype(np.float32)
     ref.step(g.copy())

@@ -1,6 +1,6 @@
 """GPU lane: CuPy buffers, real kernels (both variants), staged and direct transport.
 
-Runs only where CuPy can allocate on a CUDA device (``exdyna_mpi._ops.gpu_available()``); the lane
+Runs only where CuPy can allocate on a CUDA device (``exdyna_mpi.arrays.gpu_available()``); the lane
 runs it serially and under ``mpiexec -n 2 ... --with-mpi``. Never runs under the simulator.
 """
 import numpy as np
@@ -8,7 +8,7 @@ import pytest
 from mpi4py import MPI
 
 import exdyna_mpi
-from exdyna_mpi._ops import gpu_available
+from exdyna_mpi.arrays import gpu_available
 from tests.conftest import allgather_array, mpi_assert
 
 pytestmark = [
@@ -52,7 +52,7 @@ def test_kernels_match_cpu(cp, variant, dtype, n, lo, hi):
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("aware", ["0", "1"], ids=["staged", "direct"])
 def test_exdyna_on_cupy_matches_cpu(cp, monkeypatch, aware):
-    from exdyna_mpi import _device_transport as dt
+    from exdyna_mpi.transport import device as dt
 
     if aware == "1" and MPI.COMM_WORLD.Get_size() > 1 and not dt.probe_cuda_aware()[0]:
         pytest.skip("this MPI is not CUDA-aware: direct device buffers would crash it")
@@ -61,7 +61,7 @@ def test_exdyna_on_cupy_matches_cpu(cp, monkeypatch, aware):
     n = 200_003
     ref = exdyna_mpi.ExDyna(n, 0.01, comm, device="cpu")
     dev = exdyna_mpi.ExDyna(n, 0.01, comm, device="cuda")
-    assert dev.xch.cuda_aware is (aware == "1")
+    assert dev.exchange.cuda_aware is (aware == "1")
     rng = np.random.default_rng(comm.Get_rank())
     ok = True
     for _ in range(5):
@@ -83,7 +83,8 @@ def test_no_full_length_copy_to_host(cp, monkeypatch):
     Counted at every device->host route the library has (CuPy forbids implicit ``np.asarray`` of a
     device array, so any other copy would raise): the staging helper, the totals read, asnumpy.
     """
-    from exdyna_mpi import _cuda_ops, _device_transport as dt
+    from exdyna_mpi.arrays import cuda_ops as _cuda_ops
+    from exdyna_mpi.transport import device as dt
 
     monkeypatch.setenv(dt.ENV, "0")
     moved = []

@@ -9,7 +9,7 @@ import pytest
 from mpi4py import MPI
 
 import exdyna_mpi
-from exdyna_mpi._layout import BlockLayout
+from exdyna_mpi.algorithm.layout import BlockLayout
 from tests.conftest import allgather_array, mpi_assert
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import exdyna_mpi
-from exdyna_mpi.baselines import rangefloat
+from exdyna_mpi.sparsifiers.baselines import rangefloat
 from tests.conftest import allgather_array, mpi_assert
 
 pytestmark = pytest.mark.mpi

@@ -23,7 +23,7 @@ from tests.conftest import allgather_array, mpi_assert  # noqa: E402
 
 pytestmark = pytest.mark.mpi
 
-# Sparsifiers whose step is DESIGN.md's "mean of every rank's acc at the union I, residual = acc with I
+# Sparsifiers whose step is the contract's "mean of every rank's acc at the union I, residual = acc with I
 # zeroed". Ok-Topk (reduce, then re-select) and FFT (lossy transform) deliver something else; for
 # them, and any sparsifier added later, the test checks the adapter-level properties only.
 UNION_MEAN = {"dense", "exdyna", "micro", "topk", "cltk", "threshold", "gaussiank", "dgc"}

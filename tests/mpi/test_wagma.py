@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-import exdyna_mpi
-from exdyna_mpi import GroupAverager, StepError, wagma
+from exdyna_mpi import GroupAverager, StepError
+from exdyna_mpi.averaging import wagma
 from tests.conftest import allgather_array, mpi_assert
 
 pytestmark = pytest.mark.mpi

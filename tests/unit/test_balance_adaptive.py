@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from exdyna_mpi._layout import BlockLayout, partition_of
+from exdyna_mpi.algorithm.layout import BlockLayout, partition_of
 
 
 def _loads(layout, rate):

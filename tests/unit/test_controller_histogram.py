@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from exdyna_mpi._controllers import FaithfulController, HistogramController, make_controller
+from exdyna_mpi.algorithm.controllers import FaithfulController, HistogramController, PassPlan, make_controller
 from exdyna_mpi.kernels import cpu_controller as kc
 
 
@@ -32,7 +32,7 @@ def _run(c, draw, steps):
         spec = c.hist_spec(x.dtype, t + 1)
         n = int(np.sum(np.abs(x) >= np.float32(c.threshold)))
         ratios.append(n / c.k)
-        c.update([n], _sampled(x, spec, c)[None], x.dtype, spec)
+        c.update([n], _sampled(x, spec, c)[None], PassPlan(t + 1, x.dtype, c.threshold, spec))
     return np.array(ratios)
 
 
@@ -92,7 +92,8 @@ def test_zero_counts_lower_the_threshold_and_stay_finite():
     for t in range(1, 6):
         spec = c.hist_spec(x.dtype, t)
         before = c.threshold
-        c.update([0, 0], np.stack([_sampled(x, spec, c), np.zeros(spec[0], np.int64)]), x.dtype, spec)
+        c.update([0, 0], np.stack([_sampled(x, spec, c), np.zeros(spec[0], np.int64)]),
+                 PassPlan(t, x.dtype, c.threshold, spec))
         assert math.isfinite(c.threshold) and 0 < c.threshold < before
     c.update([0])                                   # the counts-only fallback too
     assert math.isfinite(c.threshold) and c.threshold > 0

@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from exdyna_mpi._controllers import FaithfulController, SymmetricController, make_controller, target_count
+from exdyna_mpi.algorithm.controllers import FaithfulController, SymmetricController, make_controller, target_count
 
 
 def test_initial_threshold_is_one_over_two_root_k():

@@ -8,7 +8,7 @@ import pytest
 from mpi4py import MPI
 
 import exdyna_mpi
-from exdyna_mpi._arrays import _aligned_host, as_input
+from exdyna_mpi.arrays.dlpack import _aligned_host, as_input
 
 N = 40_000
 DENSITY = 0.01

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from exdyna_mpi.baselines import rangefloat
+from exdyna_mpi.sparsifiers.baselines import rangefloat
 
 
 @pytest.mark.parametrize("bits", [8, 16])

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from exdyna_mpi._arrays import threshold_for
+from exdyna_mpi.arrays.dlpack import threshold_for
 from exdyna_mpi.kernels import cpu
 
 

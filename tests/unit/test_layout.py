@@ -2,12 +2,12 @@
 import numpy as np
 import pytest
 
-from exdyna_mpi._layout import BlockLayout, EqualLayout, block_size, initial_blocks, owners, partition_of
+from exdyna_mpi.algorithm.layout import BlockLayout, EqualLayout, block_size, initial_blocks, owners, partition_of
 from tests.reference import AuthorsExDyna
 
 
 @pytest.mark.parametrize("numel,sz,rem", [
-    (11_173_962, 10_912, 74),      # ResNet18-CIFAR10 (specs/exdyna.md §1)
+    (11_173_962, 10_912, 74),      # ResNet18-CIFAR10 (the ExDyna paper, arXiv 2402.13781)
     (28_949_319, 28_256, 15_175),  # LSTM-WikiText2
     (6_166_250, 6_016, 5_866),     # GoogLeNet-CIFAR10
     (32_768, 32, 0),

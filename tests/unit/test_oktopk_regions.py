@@ -1,7 +1,7 @@
 """Ok-Topk's balanced region repartition on hand-worked cases."""
 import numpy as np
 
-from exdyna_mpi.baselines.oktopk import equal_bounds, proposed_cuts, region_bounds
+from exdyna_mpi.sparsifiers.baselines.oktopk import equal_bounds, proposed_cuts, region_bounds
 
 
 def test_proposed_cuts_are_quantiles_of_own_selection():

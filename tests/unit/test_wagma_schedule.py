@@ -3,7 +3,7 @@ import itertools
 
 import pytest
 
-from exdyna_mpi import wagma
+from exdyna_mpi.averaging import wagma
 
 
 @pytest.mark.parametrize("P,S,R", [(1, 1, 1), (2, 1, 1), (2, 2, 1), (4, 2, 2), (4, 4, 1), (8, 2, 3),
@@ -70,7 +70,7 @@ def test_is_pow2():
 
 
 def test_member_index_is_a_bijection_on_each_group():
-    from exdyna_mpi._group_transport import member_index
+    from exdyna_mpi.transport.group import member_index
 
     P, S, T = 16, 4, 100
     for t, r in itertools.product(range(2), range(P)):

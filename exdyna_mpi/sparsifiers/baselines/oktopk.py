@@ -1,4 +1,4 @@
-"""Ok-Topk's sparse allreduce (Li & Hoefler, PPoPP'22; specs/seed_systems.md §A), over mpi4py.
+"""Ok-Topk's sparse allreduce (Li & Hoefler, PPoPP'22; the authors' Shigangli/Ok-Topk allreducer.py), over mpi4py.
 
 One step on rank r (t = step counter, k = density * numel):
 
@@ -26,18 +26,17 @@ copied by ``Allgatherv``. The balancing step of the paper's second phase (commen
 authors' code) is not done: owners ``Allgatherv`` their own selections, as the released code does.
 
 Byte accounting: the count exchange, Alltoall, point-to-point and Allgatherv bytes that cross this
-rank's link, the same model as ``Exchange``.
+rank's link, the same model for every call; all of it, and every MPI call, in ``transport.Exchange``.
 """
 import time
 
 import numpy as np
-from mpi4py import MPI
 
-from .._arrays import threshold_for
-from .._base import Sparsifier, Stats
-from .._errors import InputCode
-from ._common import (accumulate, float_to_word, imbalance, kth_largest_magnitude, nonneg_int,
-                      positive_floor, positive_int, target_count, word_to_float)
+from ...arrays import threshold_for
+from ..base import Selection, Sparsifier
+from ..roles import StepWords
+from ._common import (float_to_word, kth_largest_magnitude, nonneg_int, positive_floor, positive_int,
+                      target_count, word_to_float)
 
 _TAG_IDX, _TAG_VAL = 0x4F6B, 0x4F6C
 _BUCKET = 4
@@ -115,16 +114,12 @@ class OkTopk(Sparsifier):
             return threshold_for(float(kth_largest_magnitude(acc, self.k)), dt)
         thr = max(self.local_thr, float(positive_floor(dt)))
         for _ in range(self.local_tries):
-            if self._ops.count_range(acc, 0, self.numel, threshold_for(thr, dt)) <= 4 * self.k / 3:
+            if self.ops.count_range(acc, 0, self.numel, threshold_for(thr, dt)) <= 4 * self.k / 3:
                 break
             thr *= self.local_raise
         return threshold_for(thr, dt)
 
     # ------------------------------------------------------------------ communication
-    def _count_bytes(self, sent, received):
-        self.xch.bytes_sent += int(sent)
-        self.xch.bytes_received += int(received)
-
     def _split_reduce(self, sel, vals, bounds):
         """Send each region's part of (sel, vals) to its owner; return this rank's reduced region."""
         p, r = self.nranks, self.rank
@@ -140,28 +135,16 @@ class OkTopk(Sparsifier):
         touched[local[a:b]] = True
         if p == 1:
             return region, touched
-        recv_counts = np.empty(p, dtype=np.int64)
-        self.comm.Alltoall(send_counts, recv_counts)
-        self._count_bytes((p - 1) * 8, (p - 1) * 8)
-        isz, vsz = self._index_dtype.itemsize, self._dtype.itemsize
-        for first in range(1, p, _BUCKET):
-            reqs, got = [], []
-            for s in range(first, min(first + _BUCKET, p)):
-                dst, src = (r + s) % p, (r - s) % p
-                n_in = int(recv_counts[src])
-                ri = np.empty(n_in, dtype=self._index_dtype)
-                rv = np.empty(n_in, dtype=self._dtype)
-                reqs.append(self.comm.Irecv(ri, source=src, tag=_TAG_IDX))
-                reqs.append(self.comm.Irecv(rv, source=src, tag=_TAG_VAL))
-                a, b = cut[dst], cut[dst + 1]
-                reqs.append(self.comm.Isend(local[a:b], dest=dst, tag=_TAG_IDX))
-                reqs.append(self.comm.Isend(vals[a:b], dest=dst, tag=_TAG_VAL))
-                self._count_bytes((b - a) * (isz + vsz), n_in * (isz + vsz))
-                got.append((ri, rv))
-            MPI.Request.Waitall(reqs)
-            for ri, rv in got:  # one sender's offsets are distinct, so += is a scatter-add
-                region[ri] += rv
-                touched[ri] = True
+        recv_counts = self.exchange.alltoall_counts(send_counts)
+
+        def parts(dst):
+            return local[cut[dst]:cut[dst + 1]], vals[cut[dst]:cut[dst + 1]]
+
+        rounds = self.exchange.rotating_rounds(parts, recv_counts, (self._index_dtype, self._dtype),
+                                               (_TAG_IDX, _TAG_VAL), bucket=_BUCKET)
+        for ri, rv in rounds:  # in rotation order; one sender's offsets are distinct, so += is a scatter-add
+            region[ri] += rv
+            touched[ri] = True
         return region, touched
 
     def _global_select(self, region, touched, lo, exact, dense):
@@ -173,9 +156,9 @@ class OkTopk(Sparsifier):
             keep = np.abs(cvals) >= threshold_for(gthr, self._dtype)
             cand, cvals = cand[keep], cvals[keep]
         mine = (cand + lo).astype(self._index_dtype)
-        counts = self.xch.agree([mine.shape[0]])[:, 0].copy()
-        gi = self.xch.allgatherv(mine, counts)
-        gv = self.xch.allgatherv(cvals, counts)
+        counts = self.exchange.agree([mine.shape[0]])[:, 0].copy()
+        gi = self.exchange.allgatherv(mine, counts)
+        gv = self.exchange.allgatherv(cvals, counts)
         if dense:
             return gi, gv, 0.0, counts
         if exact:
@@ -193,54 +176,53 @@ class OkTopk(Sparsifier):
         return gi, gv, gthr, counts
 
     # ------------------------------------------------------------------ the step
-    def _step(self, inp, err, out):
-        sec = {}
-        t = self.iteration
+    def _modes(self, t):
+        """(dense, repartition, exact) of step ``t``."""
         dense = t < self.options["warmup"] or self.density >= 1.0
         repartition = not dense and t % self.options["region_period"] == 0
         exact = t % self.options["global_period"] == 0 or self.global_thr is None
-        count, acc, thr = 0, None, 0.0
-        cuts = np.zeros(self.nranks - 1, dtype=np.int64)
-        if err is None:
-            self._bind(inp)
-            t0 = time.perf_counter()
-            acc, bad = accumulate(self, inp.array)
-            if bad:
-                err = (InputCode.NONFINITE, bad)
-            else:
-                if self._idx is None:
-                    self._idx = self._ops.empty(self.numel, self._index_dtype)
-                thr = self._local_threshold(acc, t, dense)
-                count = self._ops.select_range(acc, 0, self.numel, thr, self._idx)
-                if repartition:
-                    cuts = proposed_cuts(self._idx[:count], self.numel, self.nranks)
-            sec["select"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        base = self._words(count if err is None else 0, err)
-        extra = [float_to_word(thr)] + (cuts.tolist() if repartition else [])
-        words = self.xch.agree(base + extra)
-        sec["counts"] = time.perf_counter() - t0
-        if self._verdict(words, err, acc):
-            return self._skip(inp, out)
+        return dense, repartition, exact
 
-        nb = len(base)
+    def report_size(self, step):
+        """The local threshold, and the P-1 proposed cuts on a repartitioning step."""
+        return 1 + (self.nranks - 1 if self._modes(step.t)[1] else 0)
+
+    def select(self, step, grad, acc):
+        dense, repartition, _ = self._modes(step.t)
+        count, thr = 0, 0.0
+        cuts = np.zeros(self.nranks - 1, dtype=np.int64)
+        bad = self.accumulate(grad, acc)
+        if not bad:
+            if self._idx is None:
+                self._idx = self.ops.empty(self.numel, self._index_dtype)
+            thr = self._local_threshold(acc, step.t, dense)
+            count = self.ops.select_range(acc, 0, self.numel, thr, self._idx)
+            if repartition:
+                cuts = proposed_cuts(self._idx[:count], self.numel, self.nranks)
+        words = [float_to_word(thr)] + (cuts.tolist() if repartition else [])
+        return Selection(acc, count, words, bad, thr=thr)
+
+    def combine(self, step, sel, words):
+        t, sec, acc, thr, count = step.t, step.sec, sel.acc, sel.thr, sel.count
+        dense, repartition, exact = self._modes(t)
+        nb = StepWords.N
         counts = words[:, 0].copy()
         bounds = region_bounds(words[:, nb + 1:], self.numel) if repartition else self.bounds
-        sel = self._idx[:count]
+        sel_idx = self._idx[:count]
         t0 = time.perf_counter()
-        vals = self._ops.empty(count, self._dtype)
-        self._ops.gather(acc, sel, vals)
-        region, touched = self._split_reduce(sel, vals, bounds)
+        vals = self.ops.empty(count, self._dtype)
+        self.ops.gather(acc, sel_idx, vals)
+        region, touched = self._split_reduce(sel_idx, vals, bounds)
         sec["split_reduce"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         lo = int(bounds[self.rank])
         gi, gv, gthr, owner_counts = self._global_select(region, touched, lo, exact, dense)
         sec["allgatherv"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        res = self._settle(acc, out)
-        self._ops.scatter(res, gi, gv / self._dtype.type(self.nranks))
-        both = np.intersect1d(sel, gi, assume_unique=True)
-        self._ops.zero_at(self._residual, both)
+        res = self.memory.commit(acc, step.out)
+        self.ops.scatter(res, gi, gv / self._dtype.type(self.nranks))
+        both = np.intersect1d(sel_idx, gi, assume_unique=True)
+        self.ops.zero_at(self.memory.residual, both)
         sec["scatter"] = time.perf_counter() - t0
 
         # state for the next step (committed only now: a refused step changed nothing)
@@ -260,15 +242,11 @@ class OkTopk(Sparsifier):
                 self.global_thr = gthr * self.global_adjust
         self.bounds = bounds
         selected = int(gi.shape[0])
-        self.stats = Stats(
-            iteration=t, counts=counts, selected=selected, density=selected / self.numel,
-            threshold=float(thr), bounds=bounds.copy(), owned=np.arange(self.nranks),
-            bytes_sent=self.xch.bytes_sent, bytes_received=self.xch.bytes_received,
-            seconds=sec, skipped=False, imbalance=imbalance(owner_counts),
+        return res, dict(
+            counts=counts, selected=selected, density=selected / self.numel, threshold=float(thr),
+            bounds=bounds.copy(), owned=np.arange(self.nranks), loads=owner_counts,
             thresholds=word_to_float(words[:, nb]).copy(), global_threshold=float(gthr),
             owner_counts=owner_counts, exact_global=bool(exact or dense), repartitioned=repartition)
-        self.iteration = t + 1
-        return inp.wrap(res)
 
     # ------------------------------------------------------------------ state
     def _extra_state(self):

@@ -4,10 +4,10 @@ Pure host logic on NumPy arrays (vectorised; the per-element passes go through `
 """
 import numpy as np
 
-from .._controllers import target_count
+from ...algorithm.controllers import target_count
 
-__all__ = ["target_count", "positive_int", "nonneg_int", "float_to_word", "word_to_float", "imbalance",
-           "kth_largest_magnitude", "positive_floor", "accumulate"]
+__all__ = ["target_count", "positive_int", "nonneg_int", "float_to_word", "word_to_float",
+           "kth_largest_magnitude", "positive_floor"]
 
 
 def positive_int(v):
@@ -31,14 +31,6 @@ def word_to_float(w):
     return np.asarray(w, dtype=np.int64).view(np.float64)
 
 
-def imbalance(counts):
-    """max count x P / total - 1: 0 when every rank sends the same number (ExDyna's ``load_inc``)."""
-    total = int(np.sum(counts))
-    if total == 0:
-        return 0.0
-    return float(np.max(counts)) * len(counts) / total - 1.0
-
-
 def positive_floor(dtype):
     """The smallest positive value of ``dtype``: a threshold that selects every nonzero."""
     return np.nextafter(dtype.type(0), dtype.type(1))
@@ -57,11 +49,3 @@ def kth_largest_magnitude(x, k):
     mag.partition(n - k)
     kth = mag[n - k]
     return kth if kth > 0 else positive_floor(x.dtype)
-
-
-def accumulate(sp, grad):
-    """``acc = residual + grad`` into a fresh buffer; returns (acc, number of non-finite values)."""
-    acc = sp._acc_buffer()
-    no_idx = np.empty(1, dtype=np.int32)
-    _, bad = sp._ops.accumulate_select(sp._residual, grad, acc, 0, 0, sp._dtype.type(np.inf), no_idx)
-    return acc, bad

@@ -1,4 +1,4 @@
-"""Range-based low-bit floats (specs/seed_systems.md §C.3): codes relative to the message maximum.
+"""Range-based low-bit floats: codes relative to the message maximum.
 
 Bit layout of one ``b``-bit code (``b`` in {8, 16}; codes are byte-aligned uint8 / uint16):
 

@@ -2,7 +2,7 @@
 
 Pure host logic on small integer lists. Every rank runs it on the same inputs (the gathered
 counts), so every rank computes the same bounds with no communication. Faithful to the authors'
-code (specs/exdyna.md §1, §3) except where their code crashes (P = 1, a zero mean count).
+code (kljp/exdyna, cnn-lstm/gradient_reducers.py) except where their code crashes (P = 1, a zero mean count).
 """
 import numpy as np
 

@@ -1,9 +1,24 @@
-"""Algorithm layer: threshold controllers.
+"""Algorithm layer: threshold controllers, behind one protocol.
 
-A controller owns the global threshold. It sees only what every rank sees (the gathered counts),
-so every rank computes the same threshold sequence.
+A controller owns the global threshold. It sees only what every rank sees (the gathered words of
+the step's first collective), so every rank computes the same threshold sequence. The protocol
+(``Controller``), one signature for every controller:
+
+- ``plan(t, dtype) -> PassPlan``: what it needs from step ``t``'s fused pass (the threshold the pass
+  selects with, and the histograms, if any, the same pass should fill);
+- ``PassPlan.n_words``: the words it adds to the first collective (those histograms);
+- ``resolve(plan, words, fused) -> (plan, words)``: after the first collective; a controller may
+  need more before the step can select (the histogram controller at step 0: a refined histogram,
+  one extra collective, then a second pass, all through ``fused``, the ``FusedPass`` the sparsifier
+  lends it). The returned plan and words are those of the pass that made the step's selection;
+- ``update(counts, words=None, plan=None)``: set the next threshold from the gathered counts
+  ``(P,)`` and its words ``(P, plan.n_words)``;
+- ``state()`` / ``load_state(d)``; ``balance_rule``: the partner rule ``balance=True`` means.
+
+Pure host logic: per-element work happens only inside the ``FusedPass`` (the sparsifier's ops).
 """
 import math
+import time
 
 import numpy as np
 
@@ -13,8 +28,71 @@ def target_count(density, numel):
     return max(1, int(density * numel))
 
 
-class FaithfulController:
-    """The authors' rule (specs/exdyna.md §4): thr0 = 1/(2 sqrt k), then x1.005 / x1.00125 / x0.995."""
+class PassPlan:
+    """What a controller asks of step ``t``'s fused pass (accumulate + select in the owned range).
+
+    ``threshold``: the level the pass selects with (``inf``: select nothing); ``hist``/``fine``:
+    ``(n_buckets, shift, key0)`` of the coarse and fine histograms to fill, or None; ``predict``:
+    histogram the forecast ``|p|`` instead of ``|acc|``; ``forecast_step``: histogram the range this
+    rank owns at that step (None: the range it selects in); ``stride``: coarse histogram stride.
+    """
+
+    __slots__ = ("t", "dtype", "threshold", "hist", "fine", "predict", "forecast_step", "stride")
+
+    def __init__(self, t, dtype, threshold, hist=None, fine=None, predict=False, forecast_step=None, stride=1):
+        self.t, self.dtype, self.threshold = t, np.dtype(dtype), threshold
+        self.hist, self.fine, self.predict = hist, fine, predict
+        self.forecast_step, self.stride = forecast_step, stride
+
+    @property
+    def n_words(self):
+        """Words the pass adds to the first collective: the coarse then the fine histogram."""
+        return (self.hist[0] if self.hist else 0) + (self.fine[0] if self.fine else 0)
+
+    def split(self, words):
+        """``words`` (P, n_words) as (coarse, fine) histograms (None where not asked for)."""
+        if self.hist is None:
+            return None, None
+        nb = self.hist[0]
+        return words[:, :nb], (words[:, nb:] if self.fine else None)
+
+
+class FusedPass:
+    """What a sparsifier lends its controller for one step (documentation of the interface).
+
+    ``run(plan) -> (count, nonfinite, words)`` the pass; ``rerun(plan) -> words``: the pass again on
+    the same ``acc`` and a second exchange of the new count and words (``counts`` then holds the
+    gathered counts); ``histogram(spec) -> host int64 array`` of ``|acc|`` over the owned range;
+    ``agree(words) -> (P, n)``: one extra small collective; ``sec``: phase timings.
+    """
+
+
+class Controller:
+    """The controller protocol (see the module docstring). Subclasses set ``threshold`` and
+    implement ``update``; the defaults suit controllers that need only the counts."""
+
+    name = "base"
+    balance_rule = "faithful"    # what balance=True means with this controller
+    threshold = 0.0
+
+    def plan(self, t, dtype):
+        return PassPlan(t, dtype, self.threshold)
+
+    def resolve(self, plan, words, fused):
+        return plan, words
+
+    def update(self, counts_prev, words=None, plan=None):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def state(self):
+        return {"threshold": self.threshold}
+
+    def load_state(self, d):
+        self.threshold = float(d["threshold"])
+
+
+class FaithfulController(Controller):
+    """The authors' rule (kljp/exdyna, cnn-lstm/gradient_reducers.py): thr0 = 1/(2 sqrt k), then x1.005 / x1.00125 / x0.995."""
 
     name = "faithful"
     up, creep, down = 1.005, 1.00125, 0.995
@@ -24,7 +102,7 @@ class FaithfulController:
         self.k = target_count(density, numel)
         self.threshold = 1.0 / (2.0 * math.sqrt(self.k))
 
-    def update(self, counts_prev):
+    def update(self, counts_prev, words=None, plan=None):
         r = sum(int(c) for c in counts_prev) / self.k
         if r > self.band_hi:
             self.threshold *= self.up
@@ -33,19 +111,13 @@ class FaithfulController:
         else:
             self.threshold *= self.down
 
-    def state(self):
-        return {"threshold": self.threshold}
-
-    def load_state(self, d):
-        self.threshold = float(d["threshold"])
-
 
 class SymmetricController(FaithfulController):
     """The rule the authors' dead branch suggests: x1.00125 above target, x0.9987 below, inside the band."""
 
     name = "symmetric"
 
-    def update(self, counts_prev):
+    def update(self, counts_prev, words=None, plan=None):
         r = sum(int(c) for c in counts_prev) / self.k
         if r > self.band_hi:
             self.threshold *= self.up
@@ -57,7 +129,7 @@ class SymmetricController(FaithfulController):
             self.threshold *= self.down
 
 
-class DenseController:
+class DenseController(Controller):
     """density = 1: select everything (threshold 0), whatever the controller asked for."""
 
     name = "dense"
@@ -65,17 +137,11 @@ class DenseController:
     def __init__(self, numel, density):
         self.threshold = 0.0
 
-    def update(self, counts_prev):
+    def update(self, counts_prev, words=None, plan=None):
         pass
 
-    def state(self):
-        return {"threshold": self.threshold}
 
-    def load_state(self, d):
-        self.threshold = float(d["threshold"])
-
-
-class HistogramController:
+class HistogramController(Controller):
     """Holds the target density from the first step: a histogram quantile plus an integral trim.
 
     Every step each rank histograms ``|acc|`` over the partition it owns, in the same pass that
@@ -88,10 +154,10 @@ class HistogramController:
     threshold keeps growing, so next step's tail is heavier than this step's). A 10x change of
     gradient scale shows in the very next histogram, so the threshold follows it in one step.
 
-    Step 0 has no history: the sparsifier histograms the whole exponent range first
-    (``hist_spec(dtype, 0)``: one bucket per octave), refines around that estimate
-    (``refine_spec``, 16 buckets per octave, one extra small Allgather and one read of the owned
-    range, at step 0 only), then selects with ``first_threshold``.
+    Step 0 has no history (``resolve``): the first pass selects nothing and histograms the whole
+    exponent range (``hist_spec(dtype, 0)``: one bucket per octave); the controller refines around
+    that estimate (``refine_spec``, 16 buckets per octave, one extra small Allgather and one read of
+    the owned range, at step 0 only), sets ``first_threshold`` and has the pass run again.
 
     Without a histogram (``update(counts)`` alone, e.g. jobs/simulate.py) it falls back to a
     multiplicative step on ``log(selected / k)`` with an assumed tail slope.
@@ -99,12 +165,13 @@ class HistogramController:
     Example::
 
         >>> c = HistogramController(numel=1 << 20, density=0.001)
-        >>> nb, shift, key0 = c.hist_spec(np.float32, t)        # kernel arguments for this step
-        >>> c.update(counts, hists)                            # gathered (P,) and (P, nb)
+        >>> plan = c.plan(t, np.float32)                       # kernel arguments for this step
+        >>> c.update(counts, words, plan)                      # gathered (P,) and (P, plan.n_words)
         >>> c.threshold                                        # next step's, same on every rank
     """
 
     name = "histogram"
+    balance_rule = "adaptive"
     N_BUCKETS = 64
     SUB_BITS = 3            # 8 buckets per octave: the window spans 8 octaves around the threshold
     REFINE_BITS = 4         # step 0: 16 buckets per octave over 4 octaves
@@ -149,6 +216,32 @@ class HistogramController:
         bits = np.minimum(keys << shift, (cap >> shift) << shift).astype(ity)
         return bits.view(np.dtype(dtype)).astype(np.float64)
 
+    # ------------------------------------------------------------------ the protocol
+    def plan(self, t, dtype):
+        if t == 0:   # histogram the whole exponent range, select nothing yet
+            return PassPlan(0, dtype, math.inf, self.hist_spec(dtype, 0))
+        return self._forecasting_plan(t, dtype)
+
+    def _forecasting_plan(self, t, dtype):
+        """Select with the threshold; histogram the forecast of the range owned at step t + 1."""
+        return PassPlan(t, dtype, self.threshold, self.hist_spec(dtype, 1), self.fine_spec(dtype, 1),
+                        predict=True, forecast_step=t + 1, stride=self.COARSE_STRIDE)
+
+    def resolve(self, plan, words, fused):
+        """Step 0: refine the first threshold from the coarse histograms ``words``, then select."""
+        if plan.t != 0:
+            return plan, words
+        t0 = time.perf_counter()
+        spec = self.refine_spec(plan.dtype, words)
+        fine_all = fused.agree(fused.histogram(spec).tolist())
+        self.first_threshold(plan.dtype, spec, fine_all)
+        # acc = residual + grad again: the same bits, so acc is unchanged; this pass selects and forecasts.
+        plan = self._forecasting_plan(0, plan.dtype)
+        words = fused.rerun(plan)
+        fused.sec["first_threshold"] = time.perf_counter() - t0
+        return plan, words
+
+    # ------------------------------------------------------------------ bucket geometry (continued)
     def hist_spec(self, dtype, t):
         """``(n_buckets, shift, key0)`` for the kernel at step ``t`` (same on every rank)."""
         mb = self._mantissa_bits(dtype)
@@ -221,8 +314,8 @@ class HistogramController:
         return float(a_lo * frac)
 
     # ------------------------------------------------------------------ the loop
-    def update(self, counts_prev, hists=None, dtype=np.float32, spec=None, fine_hists=None, fine=None):
-        """Set the next threshold from the gathered counts and histograms (``spec``: this step's).
+    def update(self, counts_prev, words=None, plan=None):
+        """Set the next threshold from the gathered counts and histograms (``plan``: this step's).
 
         The histograms are of the next step's accumulator as this step foresees it
         (kernels/cpu_controller.py, ``predict``), summed over ranks: ``N(x)``, the count expected
@@ -235,6 +328,9 @@ class HistogramController:
         large transient such as a 10x drop of gradient scale; and because the forecast already
         holds the pile of residual mass under the threshold, the full step lands there too.
         """
+        hists, fine_hists = plan.split(words) if (plan is not None and words is not None) else (None, None)
+        dtype = plan.dtype if plan is not None else np.dtype(np.float32)
+        spec, fine = (plan.hist, plan.fine) if plan is not None else (None, None)
         n = float(sum(int(c) for c in counts_prev))
         err = math.log(max(n, 0.5) / self.k)
         if hists is None:

@@ -16,7 +16,7 @@ mode="sync": a blocking group average. Every member ends with the same bits (rec
 adds two partial sums that both partners hold bit-identically), equal to the group mean within
 rounding; the global average is bit-identical on every rank (Reduce_scatter + Allgatherv).
 
-mode="wait_avoiding": the group rounds run on a per-rank progress thread (``_group_transport.
+mode="wait_avoiding": the group rounds run on a per-rank progress thread (``transport/group.py``, ``
 AsyncRounds``; needs MPI_THREAD_MULTIPLE, mpi4py's default). The first member of a group to arrive
 activates the round; a member whose main thread is late (still computing) takes part from its
 thread with the last snapshot it published, so no rank waits for a straggler's computation, only
@@ -44,11 +44,11 @@ import zlib
 
 import numpy as np
 
-from . import _transport
-from ._arrays import DTYPE_CODES, DTYPE_NAMES, as_input, check_vector
-from ._base import Stats
-from ._errors import InputCode, StepError, refusal
-from ._group_transport import MAX_SYNC_EVERY, AsyncRounds, GroupTransport, Message, member_index
+from .. import transport
+from ..arrays.dlpack import DTYPE_CODES, DTYPE_NAMES, as_input, check_vector
+from ..sparsifiers.base import Stats
+from .._errors import InputCode, StepError, refusal
+from ..transport.group import MAX_SYNC_EVERY, AsyncRounds, GroupTransport, Message, member_index
 
 MODES = ("sync", "wait_avoiding")
 
@@ -129,7 +129,7 @@ class GroupAverager:
     name = "wagma"
 
     def __init__(self, numel, comm=None, *, group_size=2, sync_every=10, mode="sync"):
-        comm = _transport.world() if comm is None else comm
+        comm = transport.world() if comm is None else comm
         self.tx = GroupTransport(comm)
         self.comm = comm
         self.rank, self.nranks = self.tx.rank, self.tx.size

@@ -9,7 +9,7 @@ Three kinds of exchange, each with byte accounting (what crosses this rank's lin
   same bits on every member: step j adds two partial sums that the two partners hold with the
   same bits (lower rank's operand first; IEEE addition is commutative anyway).
 - ``global_sum``: the sum over all ranks, bit-identical everywhere (Reduce_scatter + Allgatherv,
-  ``_transport.Exchange.sum_identical``), and ``agree`` (Allgather of a few words).
+  ``Exchange.sum_identical``), and ``agree`` (Allgather of a few words).
 - ``AsyncRounds``: wait-avoiding group rounds run by a progress thread on a second private
   communicator. See its docstring.
 """
@@ -19,7 +19,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from . import _transport
+from .exchange import Exchange
 
 WORD = np.int64
 #: Versioned tags: round v, recursive-doubling step j -> tag (v mod TAG_WINDOW) * TAG_STEPS + j.
@@ -79,7 +79,7 @@ class GroupTransport:
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
-        self.xch = _transport.Exchange(comm)  # for the argument check, before any Dup
+        self.xch = Exchange(comm)  # for the argument check, before any Dup
         self.bytes_sent = 0
         self.bytes_received = 0
         self.private = None
@@ -101,7 +101,7 @@ class GroupTransport:
         """Private duplicates of the user's communicator (collective): one for the blocking
         exchanges, one for the progress thread's wait-avoiding rounds."""
         self.private = self.comm.Dup()
-        self.xch = _transport.Exchange(self.private)
+        self.xch = Exchange(self.private)
         if need_async:
             self.async_comm = self.comm.Dup()
 

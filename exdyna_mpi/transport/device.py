@@ -21,7 +21,8 @@ import os
 
 import numpy as np
 
-from . import _cuda_ops
+from ..arrays.cuda_ops import CudaOps
+from ..arrays.device import BACKEND
 
 log = logging.getLogger("exdyna_mpi")
 
@@ -163,7 +164,7 @@ def bind_local_device(comm=None, env=None):
     on a device, moving our buffers to another would break every launch. Returns the current
     device id (None under the simulator).
     """
-    if _cuda_ops.SIMULATOR:
+    if BACKEND.simulated:
         return None
     import sys
 
@@ -187,38 +188,19 @@ def bind_local_device(comm=None, env=None):
 
 
 # ---------------------------------------------------------------------------- host staging
-def _pinned_empty(n, dtype):
-    if _cuda_ops.SIMULATOR:
-        return np.empty(n, dtype=dtype)
-    import cupyx
-
-    return cupyx.empty_pinned(n, dtype=dtype)
-
-
+# Pinned buffers and asynchronous copies are the arrays layer's backend (simulator or CuPy).
 def _to_host_async(dev, host):
-    """Queue ``host[:] = dev`` on the current stream (host is pinned: truly asynchronous)."""
-    if _cuda_ops.SIMULATOR:
-        np.copyto(host, dev)
-    else:
-        import cupy
-
-        dev.get(out=host, stream=cupy.cuda.get_current_stream(), blocking=False)
+    BACKEND.to_host_async(dev, host)
 
 
 def _to_device_async(host, dev):
-    """Queue ``dev[:] = host`` on the current stream."""
-    if _cuda_ops.SIMULATOR:
-        np.copyto(dev, host)
-    else:
-        import cupy
-
-        dev.set(host, stream=cupy.cuda.get_current_stream())
+    BACKEND.to_device_async(host, dev)
 
 
 class DeviceExchange:
     """``Exchange`` for device buffers: direct when MPI is CUDA-aware, staged through pinned memory.
 
-    Same methods and attributes as ``_transport.Exchange``; host buffers (the count words) pass
+    Same methods and attributes as ``exchange.Exchange``; host buffers (the count words) pass
     straight through to it.
 
     Example::
@@ -276,14 +258,24 @@ class DeviceExchange:
         buf = self._pinned.get(key)
         if buf is None or buf.shape[0] < n:
             grown = max(n, 1) if buf is None else max(n, 2 * buf.shape[0])
-            buf = self._pinned[key] = _pinned_empty(grown, dtype)
+            buf = self._pinned[key] = BACKEND.pinned_empty(grown, dtype)
         return buf[:n]
+
+    def gather_objects(self, obj):
+        return self.host.gather_objects(obj)
+
+    def alltoall_counts(self, send_counts):
+        return self.host.alltoall_counts(send_counts)
+
+    def rotating_rounds(self, parts, recv_counts, dtypes, tags, bucket=4):
+        """Host buffers only (Ok-Topk runs its split-and-reduce on the host)."""
+        return self.host.rotating_rounds(parts, recv_counts, dtypes, tags, bucket)
 
     def allgatherv(self, send, counts, out=None):
         """Every rank's ``send[:counts[r]]`` concatenated in rank order, as a device array."""
         counts = np.asarray(counts, dtype=np.int64)
         total = int(counts.sum())
-        ops = _cuda_ops.CudaOps
+        ops = CudaOps
         if out is None:
             out = ops.empty(total, send.dtype)
         if self.size == 1:
@@ -306,7 +298,7 @@ class DeviceExchange:
         n = vals.shape[0]
         if self.size == 1 or n == 0:
             return vals
-        ops = _cuda_ops.CudaOps
+        ops = CudaOps
         if self.cuda_aware:
             ops.synchronize()
             return self._sum_direct(vals)
@@ -326,7 +318,7 @@ class DeviceExchange:
         counts[: n % p] += 1
         displs = np.zeros(p, dtype=np.int64)
         np.cumsum(counts[:-1], out=displs[1:])
-        mine = _cuda_ops.CudaOps.empty(int(counts[self.rank]), vals.dtype)
+        mine = CudaOps.empty(int(counts[self.rank]), vals.dtype)
         self.comm.Reduce_scatter(vals, mine, counts, op=MPI.SUM)
         self.comm.Allgatherv(mine, [vals, (counts, displs)])
         self.host._account_reduce(n, vals.itemsize)
@@ -336,7 +328,7 @@ class DeviceExchange:
         """Broadcast device ``buf`` in place from ``root``."""
         if self.size == 1:
             return buf
-        ops = _cuda_ops.CudaOps
+        ops = CudaOps
         if self.cuda_aware:
             ops.synchronize()
             return self.host.bcast_from(buf, root)

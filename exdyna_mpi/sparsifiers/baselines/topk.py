@@ -21,11 +21,9 @@ import time
 
 import numpy as np
 
-from .._arrays import threshold_for
-from .._base import Sparsifier, Stats
-from .._errors import InputCode
-from ._common import (accumulate, float_to_word, imbalance, kth_largest_magnitude, positive_floor,
-                      target_count, word_to_float)
+from ...arrays import threshold_for
+from ..base import Selection, Sparsifier
+from ._common import float_to_word, kth_largest_magnitude, positive_floor, target_count, word_to_float
 
 
 class UnionSparsifier(Sparsifier):
@@ -49,7 +47,7 @@ class UnionSparsifier(Sparsifier):
     # -- the step ------------------------------------------------------------------------------
     def _idx_buffer(self):
         if self._idx is None:
-            self._idx = self._ops.empty(self.numel, self._index_dtype)
+            self._idx = self.ops.empty(self.numel, self._index_dtype)
         return self._idx
 
     def _local_threshold(self, acc):
@@ -59,46 +57,32 @@ class UnionSparsifier(Sparsifier):
         return threshold_for(max(float(thr), float(positive_floor(self._dtype))), self._dtype)
 
     def _exchange_indices(self, counts, t):
-        return self.xch.allgatherv(self._idx[:counts[self.rank]], counts)
+        return self.exchange.allgatherv(self._idx[:counts[self.rank]], counts)
 
-    def _step(self, inp, err, out):
-        sec = {}
-        t = self.iteration
-        count, acc, thr = 0, None, 0.0
-        if err is None:
-            self._bind(inp)
-            t0 = time.perf_counter()
-            acc, bad = accumulate(self, inp.array)
-            if bad:
-                err = (InputCode.NONFINITE, bad)
-            elif self._selects(t):
-                thr = self._local_threshold(acc)
-                count = self._ops.select_range(acc, 0, self.numel, thr, self._idx_buffer())
-            sec["select"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        words = self.xch.agree(self._words(count if err is None else 0, err) + [float_to_word(thr)])
-        sec["counts"] = time.perf_counter() - t0
-        if self._verdict(words, err, acc):
-            return self._skip(inp, out)
+    def report_size(self, step):
+        return 1   # this rank's threshold, as a float64 bit pattern
 
+    def select(self, step, grad, acc):
+        count, thr = 0, 0.0
+        bad = self.accumulate(grad, acc)
+        if not bad and self._selects(step.t):
+            thr = self._local_threshold(acc)
+            count = self.ops.select_range(acc, 0, self.numel, thr, self._idx_buffer())
+        return Selection(acc, count, [float_to_word(thr)], bad, thr=thr)
+
+    def combine(self, step, sel, words):
         self._idx_buffer()
         counts = words[:, 0].copy()
         t0 = time.perf_counter()
-        gathered = self._exchange_indices(counts, t)
+        gathered = self._exchange_indices(counts, step.t)
         # each rank's indices are ascending, so one rank's (or disjoint) lists need no unique
         union = gathered if np.count_nonzero(counts) <= 1 else np.unique(gathered)
-        sec["indices"] = time.perf_counter() - t0
-        res = self._average_at(acc, union, out, sec)
-
+        step.sec["indices"] = time.perf_counter() - t0
+        res = self.average_at(sel.acc, union, step.out, step.sec)
         selected = int(union.shape[0])
-        self.stats = Stats(
-            iteration=t, counts=counts, selected=selected, density=selected / self.numel,
-            threshold=float(thr), bounds=None, owned=None,
-            bytes_sent=self.xch.bytes_sent, bytes_received=self.xch.bytes_received,
-            seconds=sec, skipped=False, imbalance=imbalance(counts),
-            thresholds=word_to_float(words[:, -1]).copy(), union=selected, build_up=selected / self.k)
-        self.iteration = t + 1
-        return inp.wrap(res)
+        return res, dict(counts=counts, selected=selected, density=selected / self.numel, threshold=float(sel.thr),
+                         bounds=None, owned=None, thresholds=word_to_float(words[:, -1]).copy(), union=selected,
+                         build_up=selected / self.k)
 
 
 class TopK(UnionSparsifier):
@@ -139,7 +123,7 @@ class CLTK(TopK):
     def _exchange_indices(self, counts, t):
         leader = t % self.nranks
         buf = self._idx[:counts[leader]]
-        return self.xch.bcast_from(buf, leader)
+        return self.exchange.bcast_from(buf, leader)
 
 
 def _positive_float_or_none(v):
@@ -195,7 +179,7 @@ class GaussianK(UnionSparsifier):
             return kth_largest_magnitude(acc, self.k)
         lo, hi = 0.75 * self.k, 1.25 * self.k
         for _ in range(self.tries):
-            c = self._ops.count_range(acc, 0, self.numel, threshold_for(thr, self._dtype))
+            c = self.ops.count_range(acc, 0, self.numel, threshold_for(thr, self._dtype))
             if c > hi:
                 thr *= self.factor
             elif c < lo:
@@ -230,10 +214,10 @@ class DGC(UnionSparsifier):
         thr = float(kth_largest_magnitude(sample, ks))
         for _ in range(self.rounds):
             t = threshold_for(thr, self._dtype)
-            c = self._ops.count_range(acc, 0, self.numel, t)
+            c = self.ops.count_range(acc, 0, self.numel, t)
             if c > self.upper * self.k:
-                sel = self._ops.empty(c, self._index_dtype)
-                self._ops.select_range(acc, 0, self.numel, t, sel)
+                sel = self.ops.empty(c, self._index_dtype)
+                self.ops.select_range(acc, 0, self.numel, t, sel)
                 return float(kth_largest_magnitude(acc[sel], self.k))
             if c < self.lower * self.k:
                 thr *= self.lower

@@ -1,4 +1,4 @@
-"""Frequency-domain sparsification with range-based low-bit floats (specs/seed_systems.md §C).
+"""Frequency-domain sparsification with range-based low-bit floats (FFT-based gradient compression with range-based low-bit floats).
 
 One step on rank r (B = ``block``, k = density * numel real coefficients per rank):
 
@@ -30,11 +30,10 @@ import time
 
 import numpy as np
 
-from .._base import Sparsifier, Stats
-from .._errors import InputCode
+from ..base import Selection, Sparsifier
+from ..roles import StepWords
 from . import rangefloat
-from ._common import (accumulate, float_to_word, imbalance, kth_largest_magnitude, positive_int,
-                      target_count, word_to_float)
+from ._common import float_to_word, kth_largest_magnitude, positive_int, target_count, word_to_float
 
 BITS = (8, 16, 32)
 
@@ -95,39 +94,32 @@ class FFTSparsifier(Sparsifier):
         return parts[0::2] + 1j * parts[1::2]
 
     # ------------------------------------------------------------------ the step
-    def _step(self, inp, err, out):
-        sec = {}
-        t = self.iteration
-        count, acc, tau, e_max, e_bits = 0, None, 0.0, 0, 0
-        if err is None:
-            self._bind(inp)
-            t0 = time.perf_counter()
-            acc, bad = accumulate(self, inp.array)
-            if bad:
-                err = (InputCode.NONFINITE, bad)
-            else:
-                spec = self._spectrum(acc)
-                mag = np.abs(spec)
-                tau = kth_largest_magnitude(mag, self.k_bins) if self.k_bins < self.nbins else mag.dtype.type(0)
-                kept = np.flatnonzero(mag >= tau).astype(self._pos_dtype)
-                count = kept.shape[0]
-                parts = np.empty(2 * count, dtype=mag.dtype)
-                parts[0::2] = spec.real[kept]
-                parts[1::2] = spec.imag[kept]
-                codes, e_max, e_bits = self._code(parts, tau)
-            sec["select"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        base = self._words(count if err is None else 0, err)
-        words = self.xch.agree(base + [float_to_word(float(tau)), e_max, e_bits])
-        sec["counts"] = time.perf_counter() - t0
-        if self._verdict(words, err, acc):
-            return self._skip(inp, out)
+    def report_size(self, step):
+        return 3   # tau (float64 bits), e_max, e_bits: the format header of this rank's codes
 
-        nb = len(base)
+    def select(self, step, grad, acc):
+        bad = self.accumulate(grad, acc)
+        if bad:
+            return Selection(acc, 0, (), bad)
+        spec = self._spectrum(acc)
+        mag = np.abs(spec)
+        tau = kth_largest_magnitude(mag, self.k_bins) if self.k_bins < self.nbins else mag.dtype.type(0)
+        kept = np.flatnonzero(mag >= tau).astype(self._pos_dtype)
+        count = kept.shape[0]
+        parts = np.empty(2 * count, dtype=mag.dtype)
+        parts[0::2] = spec.real[kept]
+        parts[1::2] = spec.imag[kept]
+        codes, e_max, e_bits = self._code(parts, tau)
+        return Selection(acc, count, [float_to_word(float(tau)), e_max, e_bits], 0, spec=spec, tau=tau, kept=kept,
+                         codes=codes)
+
+    def combine(self, step, sel, words):
+        sec, acc, spec, kept = step.sec, sel.acc, sel.spec, sel.kept
+        nb = StepWords.N
         counts = words[:, 0].copy()
         t0 = time.perf_counter()
-        pos = self.xch.allgatherv(kept, counts)
-        all_codes = self.xch.allgatherv(codes, 2 * counts)
+        pos = self.exchange.allgatherv(kept, counts)
+        all_codes = self.exchange.allgatherv(sel.codes, 2 * counts)
         sec["exchange"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         total = np.zeros(self.nbins, dtype=spec.dtype)
@@ -146,17 +138,13 @@ class FFTSparsifier(Sparsifier):
         avg = self._signal(total).astype(self._dtype, copy=False)
         sec["decode"] = time.perf_counter() - t0
         norm = float(np.linalg.norm(acc))
-        res = self._settle(acc, out)
+        res = self.memory.commit(acc, step.out)
         np.divide(avg, self._dtype.type(self.nranks), out=res)
-        np.subtract(self._residual, contribution, out=self._residual)
-
-        self.stats = Stats(
-            iteration=t, counts=counts, selected=int(counts.sum()),
-            density=float(2 * counts.mean() / self.numel), threshold=float(tau), bounds=None, owned=None,
-            bytes_sent=self.xch.bytes_sent, bytes_received=self.xch.bytes_received,
-            seconds=sec, skipped=False, imbalance=imbalance(counts),
+        residual = self.memory.residual
+        np.subtract(residual, contribution, out=residual)
+        return res, dict(
+            counts=counts, selected=int(counts.sum()), density=float(2 * counts.mean() / self.numel),
+            threshold=float(sel.tau), bounds=None, owned=None,
             thresholds=word_to_float(words[:, nb]).copy(), e_max=words[:, nb + 1].copy(),
             e_bits=words[:, nb + 2].copy(), bits=self.options["bits"], block=self.block,
-            rel_error=float(np.linalg.norm(self._residual)) / norm if norm > 0 else 0.0)
-        self.iteration = t + 1
-        return inp.wrap(res)
+            rel_error=float(np.linalg.norm(residual)) / norm if norm > 0 else 0.0)

@@ -1,15 +1,13 @@
 """ExDyna and MiCRO: exclusive partitions, one owner per partition per step, a global threshold."""
-import math
 import time
 
 import numpy as np
 
-from ._arrays import threshold_for
-from . import _controller_ops as _ctl_ops
-from ._base import Sparsifier, Stats
-from ._controllers import CONTROLLERS, make_controller
-from ._errors import InputCode
-from ._layout import BlockLayout, EqualLayout, owners, partition_of
+from ..algorithm.controllers import CONTROLLERS, make_controller
+from ..algorithm.layout import BlockLayout, EqualLayout, owners, partition_of
+from ..arrays import threshold_for
+from .base import Selection, Sparsifier
+from .roles import StepWords
 
 
 def _positive_int(v):
@@ -73,86 +71,49 @@ class ExDyna(Sparsifier):
         """The threshold the next step will use."""
         return self.controller.threshold
 
-    def _forecast_range(self, t):
-        """The element range this rank will own at step ``t + 1`` (with today's bounds)."""
-        return self.layout.range_of(partition_of(self.rank, t + 1, self.nranks))
+    def _range_at(self, t):
+        """The element range this rank owns at step ``t`` (with today's bounds)."""
+        return self.layout.range_of(partition_of(self.rank, t, self.nranks))
 
     def _idx_buffer(self, n):
         if self._idx is None or self._idx.shape[0] < n:
-            self._idx = self._ops.empty(max(n, 1), self._index_dtype)
+            self._idx = self.ops.empty(max(n, 1), self._index_dtype)
         return self._idx
 
-    def _step(self, inp, err, out):
-        sec = {}
-        t = self.iteration
-        part = partition_of(self.rank, t, self.nranks)
-        lo, hi = self.layout.range_of(part)
-        thr = self.controller.threshold
-        count, acc = 0, None
-        spec = fspec = hist = None
-        if hasattr(self.controller, "hist_spec"):
-            dt = self._dtype if self._dtype is not None else (inp.array.dtype if err is None else np.float32)
-            spec = self.controller.hist_spec(dt, t)
-            fspec = self.controller.fine_spec(dt, t)
-            hist = np.zeros(spec[0] + (fspec[0] if fspec else 0), dtype=np.int64)
-        if err is None:
-            self._bind(inp)
-            ops = self._ops
-            acc = self._acc_buffer()
-            idx = self._idx_buffer(hi - lo)
-            t0 = time.perf_counter()
-            if spec is None:
-                count, bad = ops.accumulate_select(self._residual, inp.array, acc, lo, hi,
-                                                   threshold_for(thr, self._dtype), idx)
-            else:   # histogram controller: the same pass also histograms |acc| in [lo, hi)
-                count, bad = _ctl_ops.accumulate_select_hist(
-                    ops, self._residual, inp.array, acc, lo, hi,
-                    threshold_for(thr if t else math.inf, self._dtype), idx, spec[1], spec[2], hist[: spec[0]],
-                    predict=t > 0, fine=(fspec[1], fspec[2], hist[spec[0]:]) if fspec else None,
-                    forecast=self._forecast_range(t) if t > 0 else None,
-                    stride=self.controller.COARSE_STRIDE if t > 0 else 1)
-            sec["select"] = time.perf_counter() - t0
-            if bad:
-                err = (InputCode.NONFINITE, bad)
-        t0 = time.perf_counter()
-        words = self._words(count if err is None else 0, err)
-        if spec is not None:   # the histogram rides in the first collective (zeros on a refusing rank)
-            words = words + (hist.tolist() if err is None else [0] * hist.shape[0])
-        words = self.xch.agree(words)
-        sec["counts"] = time.perf_counter() - t0
-        if self._verdict(words, err, acc):
-            return self._skip(inp, out)
+    # ------------------------------------------------------------------ the selector
+    def report_size(self, step):
+        """The controller's words (its histograms, if any) ride in the first collective."""
+        return self.controller.plan(step.t, step.dtype).n_words
 
-        if spec is not None and t == 0:   # step 0: refine the first threshold, then select (§ docs/controller.md)
-            thr, count, spec, fspec, hist = _ctl_ops.first_step(self, inp.array, acc, lo, hi, words[:, 4:], sec)
-            words = self.xch.agree([count, 0, 0, 0] + hist.tolist())
-        counts = words[:, 0].copy()
-        t0 = time.perf_counter()
-        union = self.xch.allgatherv(self._idx[:count], counts)
-        sec["indices"] = time.perf_counter() - t0
-        res = self._average_at(acc, union, out, sec)
+    def select(self, step, grad, acc):
+        """acc = residual + grad; select ``|acc| >= threshold`` in the owned partition, in one pass
+        that also fills whatever the controller's plan asks for."""
+        lo, hi = self._range_at(step.t)
+        fused = _FusedPass(self, grad, acc, lo, hi, step.sec)
+        count, bad, words = fused.run(self.controller.plan(step.t, step.dtype))
+        return Selection(acc, count, words, bad, fused=fused)
 
+    def combine(self, step, sel, words):
+        t, fused = step.t, sel.fused
+        fused.counts = words[:, 0].copy()
+        plan, cwords = self.controller.resolve(fused.plan, words[:, StepWords.N:], fused)
+        counts = fused.counts
+        t0 = time.perf_counter()
+        union = self.exchange.allgatherv(self._idx[:fused.count], counts)
+        step.sec["indices"] = time.perf_counter() - t0
+        res = self.average_at(sel.acc, union, step.out, step.sec)
         selected = int(counts.sum())
-        self.stats = Stats(
-            iteration=t, counts=counts, selected=selected, density=selected / self.numel,
-            threshold=thr, bounds=self.layout.bounds(), owned=np.array(owners(t, self.nranks)),
-            bytes_sent=self.xch.bytes_sent, bytes_received=self.xch.bytes_received,
-            seconds=sec, skipped=False, imbalance=_imbalance(counts),
-        )
-        if spec is None:
-            self.controller.update(counts)
-        else:
-            nb = 4 + spec[0]
-            self.controller.update(counts, words[:, 4:nb], self._dtype, spec, words[:, nb:], fspec)
+        stats = dict(counts=counts, selected=selected, density=selected / self.numel, threshold=plan.threshold,
+                     bounds=self.layout.bounds(), owned=np.array(owners(t, self.nranks)))
+        self.controller.update(counts, cwords, plan)
         bal = self.options.get("balance", False)
         if bal is True:   # True: the controller's own partner rule; the authors' for theirs
-            bal = "adaptive" if spec is not None else "faithful"
+            bal = self.controller.balance_rule
         if bal == "faithful":
             self.layout.rebalance_faithful(counts, t + 1)
         elif bal == "adaptive":
             self.layout.rebalance_adaptive(counts, t + 1)
-        self.iteration = t + 1
-        return inp.wrap(res)
+        return res, stats
 
     def _extra_state(self):
         return {"controller_state": self.controller.state(), "layout": self.layout.state()}
@@ -162,12 +123,45 @@ class ExDyna(Sparsifier):
         self.layout.load_state(d["layout"])
 
 
-def _imbalance(counts):
-    """max count x P / total - 1: 0 when every rank selected the same number."""
-    total = int(np.sum(counts))
-    if total == 0:
-        return 0.0
-    return float(np.max(counts)) * len(counts) / total - 1.0
+class _FusedPass:
+    """The per-element pass of one ExDyna step over the owned range ``[lo, hi)``, lent to the
+    controller (``algorithm.controllers.FusedPass`` documents the interface)."""
+
+    def __init__(self, sp, grad, acc, lo, hi, sec):
+        self.sp, self.grad, self.acc, self.lo, self.hi, self.sec = sp, grad, acc, lo, hi, sec
+        self.plan, self.count, self.counts = None, 0, None
+
+    def run(self, plan):
+        sp, ops = self.sp, self.sp.ops
+        self.plan = plan
+        idx = sp._idx_buffer(self.hi - self.lo)
+        thr = threshold_for(plan.threshold, plan.dtype)
+        hist = np.zeros(plan.n_words, dtype=np.int64)
+        if plan.hist is None:
+            count, bad = ops.accumulate_select(sp.memory.residual, self.grad, self.acc, self.lo, self.hi, thr, idx)
+        else:   # the same pass also histograms |acc| (or the forecast) for the controller
+            nb = plan.hist[0]
+            fine = (plan.fine[1], plan.fine[2], hist[nb:]) if plan.fine else None
+            forecast = sp._range_at(plan.forecast_step) if plan.forecast_step is not None else None
+            count, bad = ops.accumulate_select_hist(sp.memory.residual, self.grad, self.acc, self.lo, self.hi, thr,
+                                                    idx, plan.hist[1], plan.hist[2], hist[:nb], predict=plan.predict,
+                                                    fine=fine, forecast=forecast, stride=plan.stride)
+        self.count = int(count)
+        return self.count, bad, hist.tolist()
+
+    def rerun(self, plan):
+        count, _, words = self.run(plan)
+        got = self.sp.exchange.agree(StepWords.make(count, None, 0) + words)
+        self.counts = got[:, 0].copy()
+        return got[:, StepWords.N:]
+
+    def histogram(self, spec):
+        hist = np.zeros(spec[0], dtype=np.int64)
+        self.sp.ops.hist_range(self.acc, self.lo, self.hi, spec[1], spec[2], hist)
+        return hist
+
+    def agree(self, words):
+        return self.sp.exchange.agree(words)
 
 
 class MiCRO(ExDyna):

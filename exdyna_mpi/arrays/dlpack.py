@@ -6,7 +6,7 @@ of object on the same device (NumPy in, NumPy out; torch in, torch out).
 """
 import numpy as np
 
-from ._errors import InputCode
+from .._errors import InputCode
 
 SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 DTYPE_CODES = {np.dtype(np.float32): 1, np.dtype(np.float64): 2}

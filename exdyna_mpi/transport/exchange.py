@@ -1,4 +1,11 @@
-"""Transport layer: every MPI call a sparsifier makes, with byte accounting.
+"""Transport layer: every MPI call of the package and its adapters, with byte accounting.
+
+``Exchange`` is the exchange role of a sparsifier (one communicator, the byte counters): the word
+agreement of the first collective (``agree``), the error texts behind a refusal
+(``gather_objects``), ``allgatherv``, bit-identical sums (``sum_identical``), broadcast
+(``bcast_from``) and the point-to-point calls of Ok-Topk's split-and-reduce (``alltoall_counts``,
+``rotating_rounds``; later WAGMA's group averaging and a deadline exchange go beside them).
+``broadcast`` is the seam the adapters use (rank 0's parameters at start-up).
 
 Vector collectives use exact counts (no padding; zero counts are legal). Sums that every rank must
 hold bit-identically are computed as Reduce_scatter + Allgatherv: each element is reduced on one
@@ -13,14 +20,21 @@ WORD = np.int64
 
 
 def world():
+    """``MPI.COMM_WORLD``: the communicator a sparsifier uses when none is given."""
     return MPI.COMM_WORLD
+
+
+def broadcast(buf, comm=None, root=0):
+    """Broadcast host buffer ``buf`` in place from ``root`` over ``comm`` (default COMM_WORLD)."""
+    (world() if comm is None else comm).Bcast(buf, root=root)
+    return buf
 
 
 class Exchange:
     """The MPI side of one sparsifier: one communicator, counters of bytes moved.
 
     Host (NumPy) buffers only; the CUDA transport stages or passes device buffers (see
-    ``_device_transport``) and calls the same methods.
+    ``transport.device``) and calls the same methods.
     """
 
     def __init__(self, comm):
@@ -57,6 +71,10 @@ class Exchange:
         self.comm.Allgather(send, recv)
         self._account_allgather(np.full(self.size, send.shape[0]), send.itemsize)
         return recv
+
+    def gather_objects(self, obj):
+        """Every rank's picklable ``obj`` as a list in rank order (error texts; not on the hot path)."""
+        return self.comm.allgather(obj)
 
     def allgatherv(self, send, counts, out=None):
         """Concatenate every rank's ``send[:counts[r]]`` in rank order into one array."""
@@ -100,3 +118,42 @@ class Exchange:
             else:
                 self.bytes_received += n
         return buf
+
+    # ------------------------------------------------------------------ point-to-point (Ok-Topk)
+    def alltoall_counts(self, send_counts):
+        """``recv[s]`` = what rank s sends this rank: an int64 ``Alltoall`` of one word per pair."""
+        send = np.ascontiguousarray(send_counts, dtype=np.int64)
+        recv = np.empty(self.size, dtype=np.int64)
+        self.comm.Alltoall(send, recv)
+        self.bytes_sent += (self.size - 1) * 8
+        self.bytes_received += (self.size - 1) * 8
+        return recv
+
+    def rotating_rounds(self, parts, recv_counts, dtypes, tags, bucket=4):
+        """P-1 rounds of point-to-point with destination rotation; yields what arrives, in round order.
+
+        Round s (1..P-1) sends ``parts(dst)`` (a tuple of arrays, one per ``dtypes``/``tags`` entry)
+        to ``dst = rank + s`` and receives ``recv_counts[src]`` elements of each from
+        ``src = rank - s``. Rounds are posted ``bucket`` at a time (Isend/Irecv, one Waitall per
+        bucket); after each bucket its rounds' received tuples are yielded in round order, so a
+        caller that adds them up gets the same order, and the same bits, for any ``bucket``.
+        """
+        p, r = self.size, self.rank
+        sizes = [np.dtype(d).itemsize for d in dtypes]
+        for first in range(1, p, bucket):
+            reqs, got = [], []
+            for s in range(first, min(first + bucket, p)):
+                dst, src = (r + s) % p, (r - s) % p
+                n_in = int(recv_counts[src])
+                bufs = tuple(np.empty(n_in, dtype=d) for d in dtypes)
+                for b, tag in zip(bufs, tags):
+                    reqs.append(self.comm.Irecv(b, source=src, tag=tag))
+                out = parts(dst)
+                for b, tag in zip(out, tags):
+                    reqs.append(self.comm.Isend(b, dest=dst, tag=tag))
+                n_out = out[0].shape[0] if out else 0
+                self.bytes_sent += int(n_out * sum(sizes))
+                self.bytes_received += int(n_in * sum(sizes))
+                got.append(bufs)
+            MPI.Request.Waitall(reqs)
+            yield from got

@@ -1,0 +1,14 @@
+"""Algorithm layer: pure host logic, deterministic and identical on every rank.
+
+- ``layout``: ExDyna's block partitions, their rotation (``partition_of``, ``owners``) and
+  rebalancing (``BlockLayout``, ``EqualLayout`` for MiCRO).
+- ``controllers``: the threshold-controller protocol (``Controller``, ``PassPlan``) and its
+  implementations (``faithful``, ``symmetric``, ``histogram``; ``DenseController`` at density 1).
+
+Touches no per-element data and makes no MPI call.
+"""
+from .controllers import CONTROLLERS, Controller, PassPlan, make_controller, target_count
+from .layout import BlockLayout, EqualLayout, owners, partition_of
+
+__all__ = ["CONTROLLERS", "BlockLayout", "Controller", "EqualLayout", "PassPlan", "make_controller", "owners",
+           "partition_of", "target_count"]

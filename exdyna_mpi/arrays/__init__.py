@@ -1,0 +1,11 @@
+"""Arrays layer: DLPack in and out, dtype rules, the ``Ops`` protocol and its host and CUDA
+implementations, and (``device.py``) the one switch between a real GPU and the CUDA simulator.
+
+Imports only ``kernels`` and ``_errors``; never MPI.
+"""
+from .dlpack import (DTYPE_CODES, DTYPE_NAMES, SUPPORTED_DTYPES, Input, as_input, check_vector,
+                     threshold_for)
+from .ops import HostOps, Ops, cuda_available, gpu_available, ops_for
+
+__all__ = ["DTYPE_CODES", "DTYPE_NAMES", "SUPPORTED_DTYPES", "HostOps", "Input", "Ops", "as_input",
+           "check_vector", "cuda_available", "gpu_available", "ops_for", "threshold_for"]

@@ -1,0 +1,130 @@
+"""Arrays layer, CUDA side: ``CudaOps``, the ``Ops`` protocol on CUDA buffers.
+
+Every per-element operation is a Numba CUDA kernel (``kernels/cuda.py``) launched on the backend's
+stream (CuPy's current stream on a GPU), so the kernels order correctly with whatever the user's
+framework queued there and the host never waits, except for the count words ``accumulate_select`` /
+``select_range`` / ``count_range`` return (one small device->host copy each), and for the histogram
+ops, the same words followed by the histograms (one copy of ``2 + buckets`` int64 words).
+
+Simulator or GPU is ``device.BACKEND``'s business: this module never branches on it.
+"""
+import numpy as np
+
+from ..kernels import cuda as _k
+from .device import BACKEND
+
+_scratch = {}  # device key -> kernels.cuda.Scratch, reused every step
+
+
+def _scratch_here():
+    key = BACKEND.device_key()
+    s = _scratch.get(key)
+    if s is None:
+        s = _scratch[key] = _k.Scratch(CudaOps.zeros(_k.Scratch.size(), np.int64))
+    return s
+
+
+def _totals(scratch):
+    """``[count, nonfinite]`` as host ints: the one device->host read of a selection."""
+    host = BACKEND.read_words(scratch.totals)
+    return int(host[0]), int(host[1])
+
+
+def _words(scratch, nw):
+    """``[count, nonfinite, hist[:nw]]`` as one host int64 array: a single device->host read."""
+    return BACKEND.read_words(scratch.totals_hist[: 2 + nw])
+
+
+class CudaOps:
+    """Per-element ops on CUDA buffers: the ``Ops`` protocol (``arrays/ops.py``).
+
+    Example::
+
+        >>> from exdyna_mpi.arrays import ops_for
+        >>> ops = ops_for("cuda")
+        >>> acc = ops.empty(n, np.float32)
+        >>> count, bad = ops.accumulate_select(residual, grad, acc, lo, hi, thr, idx)
+    """
+
+    device = "cuda"
+    xp = BACKEND.xp
+
+    @staticmethod
+    def empty(n, dtype):
+        return BACKEND.xp.empty(n, dtype=dtype)
+
+    @staticmethod
+    def zeros(n, dtype):
+        return BACKEND.xp.zeros(n, dtype=dtype)
+
+    @staticmethod
+    def fill_zero(x):
+        x.fill(0)  # CuPy: a kernel on the current stream
+
+    @staticmethod
+    def accumulate_select(residual, grad, acc, lo, hi, thr, idx):
+        s = _scratch_here()
+        _k.accumulate_select_async(residual, grad, acc, int(lo), int(hi), thr, idx, s, BACKEND.stream())
+        return _totals(s)
+
+    @staticmethod
+    def select_range(x, lo, hi, thr, idx):
+        s = _scratch_here()
+        _k.select_range_async(x, int(lo), int(hi), thr, idx, s, BACKEND.stream())
+        return _totals(s)[0]
+
+    @staticmethod
+    def count_range(x, lo, hi, thr):
+        s = _scratch_here()
+        _k.count_range_async(x, int(lo), int(hi), thr, s, BACKEND.stream())
+        return _totals(s)[0]
+
+    @staticmethod
+    def gather(src, idx, out):
+        _k.gather(src, idx, out, BACKEND.stream())
+
+    @staticmethod
+    def scatter(out, idx, vals):
+        _k.scatter(out, idx, vals, BACKEND.stream())
+
+    @staticmethod
+    def zero_at(x, idx):
+        _k.zero_at(x, idx, BACKEND.stream())
+
+    @staticmethod
+    def scatter_mean_zero(out, residual, idx, sums, p):
+        _k.scatter_mean_zero(out, residual, idx, sums, p, BACKEND.stream())
+
+    @staticmethod
+    def accumulate_select_hist(residual, grad, acc, lo, hi, thr, idx, shift, key0, hist, predict=False,
+                               fine=None, forecast=None, stride=1):
+        s = _scratch_here()
+        shift_f, key0_f, hist_f = fine if fine is not None else (0, 0, np.zeros(0, np.int64))
+        nh, nf = hist.shape[0], hist_f.shape[0]
+        _k.accumulate_select_hist_async(residual, grad, acc, int(lo), int(hi), thr, idx, shift, key0, nh, s,
+                                        BACKEND.stream(), None, predict, (shift_f, key0_f, nf), forecast, stride)
+        w = _words(s, nh + nf)
+        hist += w[2:2 + nh]
+        hist_f += w[2 + nh:2 + nh + nf]
+        return int(w[0]), int(w[1])
+
+    @staticmethod
+    def hist_range(x, lo, hi, shift, key0, hist):
+        s = _scratch_here()
+        nh = hist.shape[0]
+        _k.hist_range_async(x, int(lo), int(hi), shift, key0, nh, s, BACKEND.stream())
+        hist += _words(s, nh)[2:2 + nh]
+
+    @staticmethod
+    def to_host(x):
+        """A NumPy copy of ``x`` (user-facing reads such as ``residual``; never on the step path)."""
+        return BACKEND.to_host(x)
+
+    @staticmethod
+    def from_host(a):
+        return BACKEND.from_host(a)
+
+    @staticmethod
+    def synchronize():
+        """Wait for the current stream: call once before a device buffer goes to MPI."""
+        BACKEND.synchronize()

@@ -1,0 +1,172 @@
+"""Arrays layer: the ``Ops`` protocol, the per-element operations a sparsifier calls, and ``HostOps``.
+
+One protocol, two implementations: ``HostOps`` runs the ``@njit`` kernels (``kernels/cpu.py``,
+``kernels/cpu_controller.py``) on NumPy buffers; ``CudaOps`` (``cuda_ops.py``) runs the CUDA kernels
+(``kernels/cuda.py``) on CUDA buffers, bit-identical. Sparsifiers call these methods only, never a
+kernel directly, so one sparsifier body serves both devices. tests/unit/test_layers.py checks that
+both implement every method of ``Ops`` with the same signature.
+"""
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from ..kernels import cpu as _k
+from ..kernels import cpu_controller as _kc
+
+
+@runtime_checkable
+class Ops(Protocol):
+    """Per-element work on one device's buffers. Thresholds are in the buffers' dtype
+    (``dlpack.threshold_for``); counts come back as host ints, histograms as host int64 arrays."""
+
+    device: str   # "cpu" or "cuda"
+    xp: object    # the array namespace of the buffers (NumPy or CuPy)
+
+    def empty(self, n, dtype): ...
+
+    def zeros(self, n, dtype): ...
+
+    def fill_zero(self, x): ...
+
+    def accumulate_select(self, residual, grad, acc, lo, hi, thr, idx):
+        """``acc = residual + grad``; select ``|acc| >= thr`` in [lo, hi) into ``idx`` (ascending);
+        return ``(count, nonfinite)``."""
+
+    def select_range(self, x, lo, hi, thr, idx):
+        """Indices of ``|x| >= thr`` in [lo, hi) into ``idx``; return the count."""
+
+    def count_range(self, x, lo, hi, thr):
+        """The count of ``|x| >= thr`` in [lo, hi)."""
+
+    def gather(self, src, idx, out):
+        """``out = src[idx]``."""
+
+    def scatter(self, out, idx, vals):
+        """``out[idx] = vals``."""
+
+    def zero_at(self, x, idx):
+        """``x[idx] = 0``."""
+
+    def scatter_mean_zero(self, out, residual, idx, sums, p):
+        """``out[idx] = sums / p``; ``residual[idx] = 0``."""
+
+    def accumulate_select_hist(self, residual, grad, acc, lo, hi, thr, idx, shift, key0, hist, predict=False,
+                               fine=None, forecast=None, stride=1):
+        """``accumulate_select`` that also adds to host ``hist`` (and ``fine = (shift, key0, hist)``'s)
+        the histogram over ``forecast = (flo, fhi)`` (default ``(lo, hi)``) of ``|acc|``, or with
+        ``predict`` of the forecast ``|p|`` (kernels/cpu_controller.py gives the exact rule)."""
+
+    def hist_range(self, x, lo, hi, shift, key0, hist):
+        """``hist += histogram(|x[lo:hi]|)`` (read only; ``hist`` a host int64 array)."""
+
+    def to_host(self, x):
+        """A host (NumPy) view or copy of ``x``."""
+
+    def from_host(self, a):
+        """A device buffer holding host array ``a``."""
+
+    def synchronize(self):
+        """Wait for queued device work (a no-op on the host)."""
+
+
+class HostOps:
+    """``Ops`` on NumPy buffers, with the ``@njit`` kernels."""
+
+    device = "cpu"
+    xp = np
+
+    @staticmethod
+    def empty(n, dtype):
+        return np.empty(n, dtype=dtype)
+
+    @staticmethod
+    def zeros(n, dtype):
+        return np.zeros(n, dtype=dtype)
+
+    @staticmethod
+    def fill_zero(x):
+        x.fill(0)
+
+    @staticmethod
+    def accumulate_select(residual, grad, acc, lo, hi, thr, idx):
+        c, bad = _k.accumulate_select(residual, grad, acc, lo, hi, thr, idx)
+        return int(c), int(bad)
+
+    @staticmethod
+    def select_range(x, lo, hi, thr, idx):
+        return int(_k.select_range(x, lo, hi, thr, idx))
+
+    @staticmethod
+    def count_range(x, lo, hi, thr):
+        return int(_k.count_range(x, lo, hi, thr))
+
+    @staticmethod
+    def gather(src, idx, out):
+        _k.gather(src, idx, out)
+
+    @staticmethod
+    def scatter(out, idx, vals):
+        _k.scatter(out, idx, vals)
+
+    @staticmethod
+    def zero_at(x, idx):
+        _k.zero_at(x, idx)
+
+    @staticmethod
+    def scatter_mean_zero(out, residual, idx, sums, p):
+        _k.scatter_mean_zero(out, residual, idx, sums, p)
+
+    @staticmethod
+    def accumulate_select_hist(residual, grad, acc, lo, hi, thr, idx, shift, key0, hist, predict=False,
+                               fine=None, forecast=None, stride=1):
+        return _kc.host_accumulate_select_hist(residual, grad, acc, lo, hi, thr, idx, shift, key0, hist, predict,
+                                               fine, forecast, stride)
+
+    @staticmethod
+    def hist_range(x, lo, hi, shift, key0, hist):
+        _kc.host_hist_range(x, lo, hi, shift, key0, hist)
+
+    @staticmethod
+    def to_host(x):
+        return x
+
+    @staticmethod
+    def from_host(a):
+        return a
+
+    @staticmethod
+    def synchronize():
+        pass
+
+
+def ops_for(device):
+    """The ``Ops`` of ``device`` ("cpu" or "cuda"; "cuda" loads numba.cuda and the backend)."""
+    if device == "cpu":
+        return HostOps
+    from .cuda_ops import CudaOps
+
+    return CudaOps
+
+
+def gpu_available():
+    """True when CuPy can allocate on a CUDA device (a successful import is not enough)."""
+    try:
+        import cupy
+
+        return bool(cupy.cuda.is_available())
+    except Exception:
+        return False
+
+
+def cuda_available():
+    """True when ``device="cuda"`` can run: a CUDA device CuPy sees, or the Numba CUDA simulator
+    (``NUMBA_ENABLE_CUDASIM=1``; its device buffers are NumPy arrays)."""
+    if gpu_available():
+        return True
+    from numba.core import config
+
+    if not getattr(config, "ENABLE_CUDASIM", False):
+        return False
+    from .device import SIMULATOR
+
+    return SIMULATOR

@@ -1,0 +1,292 @@
+"""Sparsifier layer: ``Sparsifier``, the one step template every sparsifier runs, and ``Stats``.
+
+``Sparsifier.step`` is the template (the same sequence for every method):
+
+1. view the input (DLPack), check it locally, bind device and dtype on the first good step;
+2. ``select`` (the selector role, the subclass) fills ``acc = residual + grad`` from the memory
+   role and chooses what this rank sends;
+3. the first collective: ``StepWords`` (count, error word, dtype) plus the selector's
+   ``report_size`` words, through the exchange role; every rank raises the same ``StepError`` or
+   skips (``nonfinite="skip"``) together, with the state untouched;
+4. ``combine`` (the subclass) exchanges, commits, and returns the output and its stats;
+5. the template completes the stats (iteration, bytes, timings, imbalance) and the iteration count.
+
+The roles are in ``roles.py``; the controller protocol in ``algorithm/controllers.py``.
+"""
+import time
+
+import numpy as np
+
+from ..arrays import DTYPE_CODES, as_input, check_vector, ops_for
+from ..arrays.ops import cuda_available
+from .._errors import InputCode
+from ..transport import Exchange, device_exchange, world
+from .roles import ErrorFeedback, Selection, Selector, Step, StepWords, agree_arguments, imbalance
+
+NONFINITE_POLICIES = ("raise", "skip")
+DEVICES = ("auto", "cpu", "cuda")
+
+__all__ = ["DEVICES", "NONFINITE_POLICIES", "Selection", "Sparsifier", "Stats"]
+
+
+class Stats:
+    """What the last step did. Attributes, also readable as ``stats["name"]``."""
+
+    FIELDS = ("iteration", "counts", "selected", "density", "threshold", "bounds", "owned",
+              "bytes_sent", "bytes_received", "seconds", "skipped", "imbalance")
+
+    def __init__(self, **kw):
+        for f in self.FIELDS:
+            setattr(self, f, kw.pop(f, None))
+        for k, v in kw.items():
+            setattr(self, k, v)
+
+    def __getitem__(self, key):
+        try:
+            return getattr(self, key)
+        except AttributeError:
+            raise KeyError(key) from None
+
+    def keys(self):
+        return [k for k in vars(self)]
+
+    def as_dict(self):
+        return dict(vars(self))
+
+    def __repr__(self):
+        body = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if k != "seconds")
+        return f"Stats({body})"
+
+
+class Sparsifier(Selector):
+    """One rank's end of a sparse gradient exchange. Subclasses implement the selector protocol
+    (``report_size``, ``select``, ``combine``; see ``roles.Selector``).
+
+    Construction and every step are collective over ``comm``: all ranks must call them, and a bad
+    argument on any rank raises the same ``ValueError`` on every rank.
+
+    Public roles: ``memory`` (``ErrorFeedback``), ``exchange`` (``transport.Exchange`` or, on a CUDA
+    device, ``DeviceExchange``), ``ops`` (the ``arrays.Ops`` of the bound device, None until bound).
+    """
+
+    name = "base"
+    #: option name -> (default, validator returning an error text or None)
+    OPTIONS = {}
+
+    def __init__(self, numel, density, comm=None, *, device="auto", nonfinite="raise", **options):
+        self.comm = world() if comm is None else comm
+        self.exchange = Exchange(self.comm)
+        self.rank, self.nranks = self.exchange.rank, self.exchange.size
+        errors = []
+        if isinstance(numel, (bool, np.bool_)) or not isinstance(numel, (int, np.integer)) or numel <= 0:
+            errors.append(f"numel must be a positive integer, got {numel!r}")
+        try:
+            density = float(density)
+            if not 0.0 < density <= 1.0:
+                raise ValueError
+        except (TypeError, ValueError):
+            errors.append(f"density must be in (0, 1], got {density!r}")
+        if nonfinite not in NONFINITE_POLICIES:
+            errors.append(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
+        if device not in DEVICES:
+            errors.append(f"device must be one of {DEVICES}, got {device!r}")
+        elif device == "cuda" and not cuda_available():
+            errors.append("device='cuda' but no CUDA device is available to CuPy")
+        opts = {}
+        for key, (default, check) in self.OPTIONS.items():
+            val = options.pop(key, default)
+            problem = check(val)
+            if problem:
+                errors.append(f"{key} {problem}, got {val!r}")
+            opts[key] = val
+        for key in sorted(options):
+            errors.append(f"unknown option {key!r} for {self.name}")
+        config = f"{self.name} numel={numel!r} density={density!r} nonfinite={nonfinite!r} device={device!r} " + " ".join(
+            f"{k}={v!r}" for k, v in sorted(opts.items()))
+        agree_arguments(self.exchange, self.name, errors, config)
+        self.exchange.reset_counters()
+        self.numel = int(numel)
+        self.density = density
+        self.nonfinite = nonfinite
+        self.options = opts
+        self.memory = ErrorFeedback(self.numel)
+        self._device, self.ops, self._input_device = None, None, None
+        if device != "auto":
+            self._use_device(device)
+        self.iteration = 0
+        self.stats = None
+
+    # ------------------------------------------------------------------ device and buffers
+    @property
+    def device(self):
+        return self._device or "cpu"
+
+    @property
+    def dtype(self):
+        return self.memory.dtype or np.dtype(np.float32)
+
+    @property
+    def _dtype(self):
+        return self.memory.dtype
+
+    @property
+    def residual(self):
+        """A copy of the error-feedback buffer (zeros before the first step), on the host."""
+        return self.memory.host_copy(self.dtype)
+
+    def _use_device(self, device):
+        """Bind the per-element ops and the exchange to ``device`` ("cpu" or "cuda")."""
+        self._device = device
+        self.ops = ops_for(device)
+        # where the ops' buffers live: CUDA buffers are NumPy arrays under the simulator
+        self._input_device = "cpu" if self.ops.xp is np else device
+        if device == "cuda":
+            self.exchange = device_exchange(self.exchange)
+
+    def _bind(self, inp):
+        """Fix device and dtype from the first good gradient; allocate the residual there."""
+        if self.memory.bound:
+            return
+        if self._device is None:
+            self._use_device(inp.device)
+        self.memory.bind(self.ops, inp.array.dtype)
+
+    def _take(self, grad, out=None):
+        """View ``grad`` (and ``out``) as backend arrays; the local problem, if any, as (code, detail)."""
+        inp = as_input(grad)
+        err = check_vector(inp, self.numel, self._dtype, self._input_device)
+        if err is None and out is not None:
+            o = as_input(out)
+            err = check_vector(o, self.numel, np.dtype(inp.array.dtype), inp.device)
+            if err is not None:
+                err = (InputCode.BAD_OUT, 0)
+            out = o.array if err is None else None
+        return inp, err, out
+
+    # ------------------------------------------------------------------ the step template
+    def step(self, grad, out=None):
+        """Sparsify ``grad``, exchange, and return the averaged sparse gradient (dense, same kind).
+
+        ``out`` (optional): a buffer of the same kind, dtype and device to write the result into
+        (it may be ``grad`` itself). Collective over ``comm``.
+        """
+        t_start = time.perf_counter()
+        self.exchange.reset_counters()
+        inp, err, out = self._take(grad, out)
+        code = DTYPE_CODES.get(np.dtype(inp.array.dtype), 0) if err is None else 0
+        dtype = self._dtype if self._dtype is not None else (
+            np.dtype(inp.array.dtype) if err is None else np.dtype(np.float32))
+        step = Step(self.iteration, dtype, out)
+        sec = step.sec
+        sel = None
+        if err is None:
+            self._bind(inp)
+            t0 = time.perf_counter()
+            sel = self.select(step, inp.array, self.memory.take())
+            sec["select"] = time.perf_counter() - t0
+            if sel.nonfinite:
+                err = (InputCode.NONFINITE, sel.nonfinite)
+        t0 = time.perf_counter()
+        report = list(sel.words) if err is None else [0] * self.report_size(step)
+        words = self.exchange.agree(StepWords.make(sel.count if err is None else 0, err, code) + report)
+        sec["counts"] = time.perf_counter() - t0
+        acc = sel.acc if sel is not None else None
+        try:
+            skip = StepWords.check(words, self.name, self.numel, self.nonfinite)
+        except Exception:
+            self.memory.keep(acc)
+            raise
+        if skip:
+            self.memory.keep(acc)
+            return self._skip(inp, out)
+        res, st = self.combine(step, sel, words)
+        loads = st.pop("loads", st["counts"])
+        self.stats = Stats(iteration=step.t, bytes_sent=self.exchange.bytes_sent,
+                           bytes_received=self.exchange.bytes_received, seconds=sec, skipped=False,
+                           imbalance=imbalance(loads), **st)
+        self.iteration = step.t + 1
+        sec["total"] = time.perf_counter() - t_start
+        return inp.wrap(res)
+
+    def _skip(self, inp, out):
+        """A step skipped on every rank: zero update, nothing else changes."""
+        if self.ops is None:
+            res = np.zeros(self.numel, dtype=inp.array.dtype) if inp.array is not None else None
+        else:
+            res = out if out is not None else self.ops.zeros(self.numel, inp.array.dtype)
+            self.ops.fill_zero(res)
+        self.stats = Stats(iteration=self.iteration, counts=np.zeros(self.nranks, np.int64), selected=0,
+                           density=0.0, threshold=None, bounds=None, owned=None,
+                           bytes_sent=self.exchange.bytes_sent, bytes_received=self.exchange.bytes_received,
+                           seconds={}, skipped=True)
+        return inp.wrap(res)
+
+    # ------------------------------------------------------------------ shared by selectors
+    def accumulate(self, grad, acc):
+        """``acc = residual + grad`` with no selection; returns the number of non-finite values."""
+        no_idx = np.empty(1, dtype=np.int32)
+        _, bad = self.ops.accumulate_select(self.memory.residual, grad, acc, 0, 0, self._dtype.type(np.inf), no_idx)
+        return bad
+
+    def average_at(self, acc, union, out, sec):
+        """The end of a union step: sum every rank's ``acc[union]`` (bit-identical everywhere),
+        ``acc`` becomes the residual with ``union`` zeroed, and the returned buffer holds the sum / P
+        at ``union``, 0 elsewhere. Phase times go into ``sec``.
+        """
+        ops, dtype = self.ops, self._dtype
+        t0 = time.perf_counter()
+        vals = ops.empty(union.shape[0], dtype)
+        ops.gather(acc, union, vals)
+        sec["gather"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        self.exchange.sum_identical(vals)
+        sec["reduce"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        res = self.memory.commit(acc, out)
+        ops.scatter_mean_zero(res, self.memory.residual, union, vals, dtype.type(self.nranks))
+        sec["scatter"] = time.perf_counter() - t0
+        return res
+
+    # ------------------------------------------------------------------ state
+    def _extra_state(self):
+        return {}
+
+    def _load_extra_state(self, d):
+        pass
+
+    def state_dict(self):
+        """Everything needed to resume bit-exactly on this rank (host copies; safe to pickle)."""
+        return {
+            "name": self.name, "numel": self.numel, "density": self.density, "nranks": self.nranks,
+            "rank": self.rank, "options": dict(self.options), "iteration": self.iteration,
+            "dtype": None if self._dtype is None else self._dtype.str,
+            "residual": None if not self.memory.bound else self.residual,
+            **self._extra_state(),
+        }
+
+    def load_state_dict(self, d):
+        """Restore ``state_dict()`` output. Collective: every rank loads its own rank's dict."""
+        problem = None
+        try:
+            for key, mine in (("name", self.name), ("numel", self.numel), ("nranks", self.nranks),
+                              ("rank", self.rank), ("density", self.density)):
+                if d[key] != mine:
+                    problem = f"state_dict has {key}={d[key]!r}, this sparsifier has {mine!r}"
+                    break
+            it = int(d["iteration"])
+        except (KeyError, TypeError, ValueError) as e:
+            problem, it = f"state_dict is malformed ({e!r})", -1
+        got = self.exchange.agree([1 if problem else 0, it])
+        if got[:, 0].any():
+            msgs = self.exchange.gather_objects(problem)
+            parts = [f"rank {r}: {m}" for r, m in enumerate(msgs) if m]
+            raise ValueError(f"{self.name}: load_state_dict refused: " + "; ".join(parts))
+        if (got[:, 1] != got[0, 1]).any():
+            raise ValueError(f"{self.name}: load_state_dict refused: ranks hold different iterations "
+                             f"{got[:, 1].tolist()}")
+        self.exchange.reset_counters()
+        self.iteration = it
+        if d["residual"] is not None and self.ops is None:
+            self._use_device("cpu")
+        self.memory.load(self.ops, d["dtype"], d["residual"])
+        self._load_extra_state(d)

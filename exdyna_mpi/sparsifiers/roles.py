@@ -1,0 +1,186 @@
+"""Sparsifier layer: the small role objects the step template (``base.Sparsifier.step``) composes.
+
+A sparsifier is four roles around one template, after GRACE's compressor / memory / communicator
+split and the state object of PyTorch's PowerSGD hook:
+
+- **memory** (``ErrorFeedback``): the residual and one spare buffer. ``take()`` a buffer for
+  ``acc``; after a good step ``commit(acc, out)`` makes ``acc`` the residual and hands back the
+  output buffer; a refused or skipped step ``keep``s ``acc`` for reuse and changes nothing.
+- **selector** (the subclass; protocol ``Selector``): what a rank selects and what it reports.
+  ``report_size(step)`` words ride in the step's first collective after the four ``StepWords``;
+  ``select(step, grad, acc)`` fills ``acc = residual + grad`` and chooses (a ``Selection``);
+  ``combine(step, sel, words)`` runs the exchange and returns the output and the stats.
+- **exchange** (``transport.Exchange`` / ``DeviceExchange``): every MPI call and byte counter.
+- **controller** (``algorithm.controllers.Controller``, ExDyna and MiCRO): the threshold.
+
+``StepWords`` is the error-word protocol of the first collective; ``agree_arguments`` the
+collective check of constructor arguments.
+"""
+import zlib
+
+import numpy as np
+
+from .._errors import InputCode, StepError, refusal
+from ..arrays import DTYPE_NAMES
+
+
+class ErrorFeedback:
+    """The error-feedback memory of one rank: ``residual`` (length ``numel``) and a spare buffer.
+
+    Buffers live on the bound ``ops``' device; two of them rotate (``acc`` becomes the residual, the
+    old residual becomes the next output or spare), so a step allocates nothing.
+
+    Example::
+
+        >>> mem = ErrorFeedback(numel); mem.bind(HostOps, np.dtype(np.float32))
+        >>> acc = mem.take()                 # fill with residual + grad
+        >>> out = mem.commit(acc, None)      # acc is the residual now; out is zeroed
+    """
+
+    def __init__(self, numel):
+        self.numel = numel
+        self.ops = None
+        self.dtype = None
+        self.residual = None
+        self._spare = None
+
+    @property
+    def bound(self):
+        return self.residual is not None
+
+    def bind(self, ops, dtype):
+        """Allocate a zero residual of ``dtype`` with ``ops`` (the first good step)."""
+        self.ops, self.dtype = ops, np.dtype(dtype)
+        self.residual = ops.zeros(self.numel, self.dtype)
+
+    def take(self):
+        """A buffer for ``acc`` (the spare, or a fresh one)."""
+        acc, self._spare = self._spare, None
+        return acc if acc is not None else self.ops.empty(self.numel, self.dtype)
+
+    def keep(self, acc):
+        """Keep an unused ``acc`` for the next ``take`` (a refused or skipped step)."""
+        if acc is not None:
+            self._spare = acc
+
+    def commit(self, acc, out):
+        """After a good step: ``acc`` becomes the residual; return the zeroed output buffer
+        (``out`` when given, else the old residual)."""
+        old = self.residual
+        self.residual = acc
+        if out is None:
+            out = old
+        else:
+            self._spare = old
+        self.ops.fill_zero(out)
+        return out
+
+    def host_copy(self, default_dtype):
+        """The residual on the host (zeros before the first step)."""
+        if self.residual is None:
+            return np.zeros(self.numel, dtype=default_dtype)
+        return np.array(self.ops.to_host(self.residual), copy=True)
+
+    def load(self, ops, dtype, host):
+        """Restore from a state dict: ``host`` None means unbound (no step seen)."""
+        self._spare = None
+        if host is None:
+            self.dtype, self.residual = None, None
+            return
+        self.ops, self.dtype = ops, np.dtype(dtype)
+        self.residual = ops.from_host(np.array(host, dtype=self.dtype, copy=True))
+
+
+class Selection:
+    """What ``select`` chose on this rank: ``acc``, ``count`` (the first word), ``words`` (the
+    ``report_size`` words it adds to the first collective), ``nonfinite`` (a refusal when > 0), and
+    whatever else its ``combine`` needs (keyword attributes)."""
+
+    def __init__(self, acc, count=0, words=(), nonfinite=0, **more):
+        self.acc, self.count, self.words, self.nonfinite = acc, count, words, nonfinite
+        self.__dict__.update(more)
+
+
+class Step:
+    """One step's context: index ``t``, ``dtype`` (the residual's, or the input's on the first step),
+    the caller's ``out`` buffer (or None), and ``sec`` (phase timings)."""
+
+    __slots__ = ("t", "dtype", "out", "sec")
+
+    def __init__(self, t, dtype, out):
+        self.t, self.dtype, self.out, self.sec = t, dtype, out, {}
+
+
+class Selector:
+    """The selector protocol (implemented by every sparsifier class)."""
+
+    def report_size(self, step):
+        """Words this rank adds to the first collective (a refusing rank sends that many zeros)."""
+        return 0
+
+    def select(self, step, grad, acc):
+        """``acc = residual + grad`` (via ``ops``), and this rank's choice: a ``Selection``.
+        Must not change state: the step may still be refused."""
+        raise NotImplementedError
+
+    def combine(self, step, sel, words):
+        """After every rank agreed (``words``: the gathered (P, 4 + report_size) words): exchange,
+        commit the memory and the selector's own state, return ``(output buffer, stats dict)``; the
+        dict holds ``counts`` and the fields the template does not fill (``loads``: the per-rank
+        counts whose imbalance ``stats.imbalance`` reports, default ``counts``)."""
+        raise NotImplementedError
+
+
+class StepWords:
+    """The error-word protocol: ``[count, InputCode, detail, dtype code]`` opens every rank's words
+    in the first collective, so a problem on any rank is seen by all before anyone moves on."""
+
+    N = 4
+
+    @staticmethod
+    def make(count, err, dtype_code):
+        code, detail = err if err is not None else (InputCode.OK, 0)
+        return [count, int(code), int(detail), dtype_code]
+
+    @staticmethod
+    def check(words, name, numel, nonfinite):
+        """Raise the same StepError on every rank if any rank reported a problem; return True when
+        the step is skipped on every rank (only non-finite values, policy ``"skip"``)."""
+        if words[:, 1].any():
+            bad = [(r, int(words[r, 1]), int(words[r, 2])) for r in range(words.shape[0]) if words[r, 1]]
+            if nonfinite == "skip" and all(c == InputCode.NONFINITE for _, c, _ in bad):
+                return True
+            raise StepError(f"{name}: " + refusal(bad, numel, DTYPE_NAMES))
+        dts = words[:, 3]
+        if (dts != dts[0]).any():
+            names = ", ".join(f"rank {r}: {DTYPE_NAMES.get(int(d), '?')}" for r, d in enumerate(dts))
+            raise StepError(f"{name}: step refused on all ranks, state unchanged: "
+                            f"ranks pass different dtypes ({names})")
+        return False
+
+
+def _fingerprint(text):
+    return zlib.crc32(text.encode()) | (zlib.adler32(text.encode()) << 32)
+
+
+def agree_arguments(exchange, name, errors, config):
+    """Collective: raise the same ``ValueError`` on every rank when any rank has ``errors`` or the
+    ranks' ``config`` texts differ."""
+    got = exchange.agree([1 if errors else 0, _fingerprint(config) & 0x7FFFFFFFFFFFFFFF])
+    if got[:, 0].any():
+        msgs = exchange.gather_objects("; ".join(errors))
+        parts = [f"rank {r}: {m}" for r, m in enumerate(msgs) if m]
+        raise ValueError(f"{name}: bad arguments: " + "; ".join(parts))
+    if (got[:, 1] != got[0, 1]).any():
+        configs = exchange.gather_objects(config)
+        parts = [f"rank {r}: {c}" for r, c in enumerate(configs)]
+        raise ValueError(f"{name}: ranks disagree on the arguments: " + "; ".join(parts))
+
+
+def imbalance(counts):
+    """max count x P / total - 1: 0 when every rank selected the same number (ExDyna's ``load_inc``).
+    The one definition behind ``stats.imbalance``."""
+    total = int(np.sum(counts))
+    if total == 0:
+        return 0.0
+    return float(np.max(counts)) * len(counts) / total - 1.0

@@ -1,0 +1,20 @@
+"""Transport layer: every MPI call of the package and its adapters, with byte accounting.
+
+- ``Exchange`` (``exchange.py``): host buffers; the exchange role of every sparsifier.
+- ``DeviceExchange`` (``device.py``): the same methods on CUDA buffers, direct (CUDA-aware MPI) or
+  staged through pinned host memory; the CUDA-aware probe; node-local GPU binding.
+- ``broadcast``, ``world``: the seams the adapters use.
+
+Knows nothing of which sparsifier runs. Imports ``arrays`` (device buffers) and mpi4py only.
+"""
+from .exchange import WORD, Exchange, broadcast, world
+
+
+def device_exchange(host_exchange, cuda_aware=None):
+    """Wrap a host ``Exchange`` for CUDA buffers (loads numba.cuda, so only when a device is used)."""
+    from .device import DeviceExchange
+
+    return DeviceExchange(host_exchange, cuda_aware=cuda_aware)
+
+
+__all__ = ["WORD", "Exchange", "broadcast", "device_exchange", "world"]
