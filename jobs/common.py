@@ -133,12 +133,16 @@ class Timer:
         return False
 
 
-def abort_on_exception(comm):
-    """An uncaught exception on any rank aborts every rank (as ``python -m mpi4py`` does)."""
+def abort_on_exception(comm, grace=0.5):
+    """An uncaught exception on any rank aborts every rank (as ``python -m mpi4py`` does), after
+    printing its traceback in one write. ``grace`` seconds pass before the abort: MPI_Abort tears
+    the job down at once, and the launcher (hydra, srun) may drop output it has not forwarded yet.
+    The other ranks are waiting in a collective meanwhile, so the job still ends within a second."""
     def hook(kind, value, tb):
-        traceback.print_exception(kind, value, tb)
-        sys.stderr.flush()
         sys.stdout.flush()
+        sys.stderr.write("".join(traceback.format_exception(kind, value, tb)))
+        sys.stderr.flush()
+        time.sleep(grace)
         comm.Abort(1)
 
     sys.excepthook = hook

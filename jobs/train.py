@@ -124,7 +124,7 @@ def fault_drill(fail_at, rank, step):
     elif how == "signal":
         os.kill(os.getpid(), signal.SIGUSR1)
     else:
-        raise RuntimeError(f"fault drill (--fail-at): rank {rank} fails at step {step}")
+        raise RuntimeError(f"fault drill (--fail-at): rank {rank} fails at step {step} (time {time.time():.3f})")
 
 
 class StopRequest:
