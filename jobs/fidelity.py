@@ -50,6 +50,7 @@ def parse_args(argv=None):
                     help="adapter options of the exdyna+ runs, KEY=VALUE,...; warmup_steps below 1 is a "
                          "fraction of the step budget; '' or 'none': no exdyna+ runs")
     ap.add_argument("--recipe-for", default="exdyna", help="comma-separated sparsifiers that also get a '+' run")
+    ap.add_argument("--plus-only", action="store_true", help="only the '+' runs of the sparse grid (and dense)")
     ap.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
                     help="sparsifier option for every sparse run, e.g. --opt controller=faithful")
     ap.add_argument("--quick", action="store_true",
@@ -159,7 +160,7 @@ class CNNWork(Workload):
 class LSTMWork(Workload):
     name, quality, higher_is_better = "lstm", "val_loss", False
     batch, seq, lr, momentum, weight_decay = 16, 64, 1.0, 0.9, 0.0
-    steps, quick_steps, evals = 160, 12, 8
+    steps, quick_steps, evals = 100, 12, 5
     base_options = {"clip_norm": 0.25}
 
     def setup(self, seed, rank, nranks, quick):
@@ -235,7 +236,8 @@ def plan(args):
         if n == "dense":
             continue
         for d in dens:
-            runs.append((f"{n} d={d:g}", n, d, {}))
+            if not args.plus_only:
+                runs.append((f"{n} d={d:g}", n, d, {}))
             if recipe is not None and n in plus:
                 runs.append((f"{n}+ d={d:g}", n, d, recipe))
     return runs
@@ -250,6 +252,8 @@ def train_one(wl, label, name, density, recipe, args, comm, steps, evals, log):
     rank, P = comm.Get_rank(), comm.Get_size()
     options = dict(wl.base_options)
     options.update(recipe)
+    if "clip_norm" in wl.base_options and "clip_norm" in recipe:   # a recipe never loosens the base clip
+        options["clip_norm"] = min(wl.base_options["clip_norm"], recipe["clip_norm"])
     if isinstance(options.get("warmup_steps"), float) and options["warmup_steps"] < 1:
         options["warmup_steps"] = int(round(options["warmup_steps"] * steps))
     sp_opts = parse_kv(",".join(args.opt)) if name != "dense" else {}
