@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 GRID_SPARSIFIERS = "dense,exdyna,topk,cltk,gaussiank,dgc,oktopk,micro"
 GRID_DENSITIES = "0.01,0.003,0.001"
 # The recipe the benchmark chose for ExDyna (see docs/training.md, "Training fidelity").
-DEFAULT_RECIPE = "warmup_steps=0.1,momentum_correction=0.9"
+DEFAULT_RECIPE = "clip_norm=1.0,momentum_correction=0.9"
 
 
 def parse_args(argv=None):
