@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Training fidelity: final model quality against total bytes sent, every sparsifier, same seeds.
 
-    timeout 2400 mpiexec -n 4 python -m mpi4py jobs/fidelity.py                 # the full grid (~30 min, 2 cores)
-    timeout 300  mpiexec -n 4 python -m mpi4py jobs/fidelity.py --quick         # CI smoke (< 3 min)
+    timeout 2400 mpiexec -n 4 python -m mpi4py jobs/fidelity.py                 # the full grid (22 min, 2 cores)
+    timeout 300  mpiexec -n 4 python -m mpi4py jobs/fidelity.py --quick         # CI smoke (2 to 3 min)
     timeout 900  mpiexec -n 4 python -m mpi4py jobs/fidelity.py --sparsifiers exdyna --out out/fid_exdyna
     python jobs/fidelity.py --report out/fidelity/fidelity.jsonl,out/fid_exdyna/fidelity.jsonl   # merge, no MPI
 

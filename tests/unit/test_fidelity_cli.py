@@ -3,6 +3,7 @@
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -12,9 +13,17 @@ pytest.importorskip("torch", reason="PyTorch is not installed")
 pytest.importorskip("sklearn", reason="scikit-learn is not installed")
 pytest.importorskip("matplotlib", reason="matplotlib is not installed")
 
-from tests.unit.test_train_cli import MPIEXEC, ROOT, _env  # noqa: E402
-
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
 JOB = os.path.join(ROOT, "jobs", "fidelity.py")
+
+
+def _env():
+    """The child starts its own MPI world: no PMI variables of an enclosing launch."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPI_LOCAL"))}
+    env.setdefault("MPIR_CVAR_CH4_PROGRESS_THROTTLE", "1")
+    env.setdefault("MPIR_CVAR_CH4_PROGRESS_THROTTLE_NO_PROGRESS_COUNT", "16")
+    return env
 
 
 @pytest.fixture(scope="module")
