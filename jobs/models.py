@@ -1,8 +1,13 @@
-"""Models and data for jobs/train.py: a small CNN on scikit-learn's digits, a big MLP on synthetic data.
+"""Models and data for jobs/train.py and jobs/fidelity.py: a small CNN on scikit-learn's digits, a big
+MLP on synthetic data, and a character-level LSTM on the Python standard library's own source files.
 
 Nothing here downloads anything. Every rank builds the same split from the same seed and keeps its
 own shard of the training set (rank r takes every P-th example of a seeded permutation).
 """
+import os
+import sysconfig
+import zlib
+
 import numpy as np
 import torch
 from torch import nn
@@ -79,6 +84,85 @@ def synthetic(seed, rank, nranks, n=8192, inputs=1024, classes=10):
     teacher = rng.standard_normal((inputs, classes), dtype=np.float32)
     y = np.argmax(x @ teacher, axis=1).astype(np.int64)
     return _shard(x, y, n // 8, seed, rank, nranks)
+
+
+class CharLSTM(nn.Module):
+    """Byte-level language model: embedding -> 2-layer LSTM -> linear decoder over 256 bytes.
+
+    Defaults (embed 96, hidden 384, 2 layers): 2,038,624 parameters, the analogue of the ExDyna
+    authors' 2-layer LSTM on WikiText-2 at a size a CPU trains.
+    """
+
+    def __init__(self, vocab=256, embed=96, hidden=384, layers=2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, embed)
+        self.lstm = nn.LSTM(embed, hidden, num_layers=layers, batch_first=True)
+        self.decoder = nn.Linear(hidden, vocab)
+
+    def forward(self, x):
+        """``x``: (batch, time) int64 bytes -> (batch, time, 256) logits."""
+        h, _ = self.lstm(self.embed(x))
+        return self.decoder(h)
+
+
+def stdlib_files(root=None):
+    """Relative paths of the standard library's ``*.py`` files, sorted (no site-/dist-packages)."""
+    root = root or sysconfig.get_paths()["stdlib"]
+    out = []
+    for d, dirs, files in os.walk(root):
+        dirs[:] = sorted(x for x in dirs if x not in ("site-packages", "dist-packages", "__pycache__"))
+        out += [os.path.relpath(os.path.join(d, f), root) for f in files if f.endswith(".py")]
+    return root, sorted(out)
+
+
+def stdlib_corpus(train_bytes=2_000_000, val_bytes=200_000, val_every=10, root=None):
+    """(train, val) uint8 arrays: the stdlib's source, split by file, deterministically.
+
+    A file goes to validation when ``crc32(relative path) % val_every == 0``, else to training.
+    Files are taken in crc32 order (a fixed shuffle of the whole library, not alphabetical runs of
+    one package) until each side reaches its cap; each file is separated by a NUL byte. The same
+    Python version gives the same bytes on every rank and machine; ``corpus_id`` fingerprints them.
+    """
+    root, files = stdlib_files(root)
+    keyed = sorted((zlib.crc32(f.encode()), f) for f in files)
+    parts = {"train": [], "val": []}
+    size = {"train": 0, "val": 0}
+    cap = {"train": train_bytes, "val": val_bytes}
+    for crc, f in keyed:
+        side = "val" if crc % val_every == 0 else "train"
+        if size[side] >= cap[side]:
+            continue
+        with open(os.path.join(root, f), "rb") as fh:
+            data = fh.read() + b"\0"
+        data = data[:cap[side] - size[side]]
+        parts[side].append(data)
+        size[side] += len(data)
+    return tuple(np.frombuffer(b"".join(parts[k]), dtype=np.uint8).copy() for k in ("train", "val"))
+
+
+def corpus_id(train, val):
+    return f"{zlib.crc32(train.tobytes()):08x}-{zlib.crc32(val.tobytes()):08x}"
+
+
+class TextData:
+    """Random windows of the training text (a seeded draw per rank and step), fixed validation windows.
+
+    Rank r draws its own windows: the shard is the random stream, not a slice of the text. The
+    validation set is ``val_windows`` evenly spaced windows of ``seq + 1`` bytes; rank r evaluates
+    every P-th of them.
+    """
+
+    def __init__(self, train, val, seq=32, val_windows=32, val_seq=128):
+        self.train, self.val, self.seq = torch.from_numpy(train.astype(np.int64)), val, seq
+        starts = np.linspace(0, len(val) - val_seq - 2, val_windows).astype(np.int64)
+        w = np.stack([val[s:s + val_seq + 1] for s in starts]).astype(np.int64)
+        self.val_x, self.val_y = torch.from_numpy(w[:, :-1]), torch.from_numpy(w[:, 1:])
+
+    def batch(self, step, batch, seed, rank):
+        g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank * 7919 + 17)
+        starts = torch.randint(0, self.train.numel() - self.seq - 1, (batch,), generator=g)
+        w = torch.stack([self.train[s:s + self.seq + 1] for s in starts.tolist()])
+        return w[:, :-1], w[:, 1:]
 
 
 MODELS = {

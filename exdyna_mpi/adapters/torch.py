@@ -21,6 +21,8 @@ import copy
 import exdyna_mpi
 from exdyna_mpi import transport
 
+from ._torch_options import OPTIONS_KEY, TrainingOptions
+
 __all__ = ["DistributedOptimizer", "FlatGrad", "FlatParams", "GroupAveragingOptimizer", "broadcast_parameters"]
 
 
@@ -138,6 +140,14 @@ def _from_torch(obj):
     return obj
 
 
+def _from_torch_keep_tensors(d):
+    """The recipe options' state: the velocity stays a tensor, the dense sparsifier's state goes to NumPy."""
+    d = dict(d)
+    if "dense" in d:
+        d["dense"] = _from_torch(d["dense"])
+    return d
+
+
 class _DistributedMixin:
     """Methods put in front of the wrapped optimizer's class (see ``DistributedOptimizer``)."""
 
@@ -145,9 +155,17 @@ class _DistributedMixin:
         """Replace the flat gradient by the averaged sparse gradient, in place. Collective."""
         torch = _torch()
         self._exdyna_grads.attach()
+        flat, opts = self._exdyna_grads.flat, self._exdyna_options
         with torch.no_grad():
-            self.sparsifier.step(self._exdyna_grads.flat, out=self._exdyna_grads.flat)
-        return self.sparsifier.stats
+            if not opts.active:
+                self.sparsifier.step(flat, out=flat)
+                return self.sparsifier.stats
+            sp = opts.sparsifier(self.sparsifier)   # recipe options: _torch_options.py
+            opts.before(flat)
+            sp.step(flat, out=flat)
+            opts.after(flat, dense_step=sp is not self.sparsifier)
+            self._exdyna_last = sp
+        return sp.stats
 
     def step(self, closure=None):
         """``synchronize()`` then the wrapped optimizer's step (momentum, weight decay, ...)."""
@@ -169,6 +187,8 @@ class _DistributedMixin:
         """
         d = super().state_dict()
         d[_SPARSIFIER_KEY] = _to_torch(self.sparsifier.state_dict())
+        if self._exdyna_options.active:
+            d[OPTIONS_KEY] = _to_torch(self._exdyna_options.state_dict())
         return d
 
     def load_state_dict(self, state_dict):
@@ -178,6 +198,10 @@ class _DistributedMixin:
         """
         state_dict = dict(state_dict)
         sp_state = state_dict.pop(_SPARSIFIER_KEY, None)
+        opt_state = state_dict.pop(OPTIONS_KEY, None)
+        if self._exdyna_options.active and opt_state is None:   # same config on every rank: all raise
+            raise ValueError("DistributedOptimizer.load_state_dict: this optimizer uses recipe options "
+                             f"(clip_norm/warmup_steps/momentum_correction) but the dict has no {OPTIONS_KEY!r}")
         if sp_state is None:
             raise ValueError("DistributedOptimizer.load_state_dict: no sparsifier state in this dict "
                              f"(key {_SPARSIFIER_KEY!r}); it was not saved by DistributedOptimizer.state_dict()")
@@ -193,11 +217,13 @@ class _DistributedMixin:
         except Exception:
             super().load_state_dict(before)   # leave this rank exactly as it was
             raise
+        if self._exdyna_options.active:
+            self._exdyna_options.load_state_dict(_from_torch_keep_tensors(opt_state))
 
     @property
     def stats(self):
         """The sparsifier's stats for the last step (``counts``, ``density``, ``bytes_sent``, ...)."""
-        return self.sparsifier.stats
+        return getattr(self, "_exdyna_last", self.sparsifier).stats
 
     @property
     def flat_grad(self):
@@ -205,7 +231,8 @@ class _DistributedMixin:
 
 
 def DistributedOptimizer(optimizer, model=None, *, sparsifier="exdyna", density=0.01, comm=None,
-                         broadcast=True, **options):
+                         broadcast=True, clip_norm=None, warmup_steps=0, momentum_correction=0.0,
+                         momentum_masking=True, **options):
     """Wrap a torch optimizer so ``step()`` exchanges a sparse gradient first. Collective.
 
     ``model`` (optional): a ``torch.nn.Module`` whose parameters and buffers are broadcast from rank
@@ -213,6 +240,12 @@ def DistributedOptimizer(optimizer, model=None, *, sparsifier="exdyna", density=
     ``exdyna_mpi.available()`` (``"dense"`` is the allreduce baseline); ``options`` go to it. The result is an instance of a
     subclass of the optimizer's class (so LR schedulers accept it) sharing its state; use it in place
     of the original. ``opt.sparsifier`` and ``opt.stats`` give the sparsifier and its last stats.
+
+    Training-recipe options (all off by default; off, the step is bit-identical to having none; see
+    ``_torch_options.py``): ``clip_norm`` (clip this rank's gradient before accumulation),
+    ``warmup_steps`` (dense exchange for the first steps), ``momentum_correction=m`` with
+    ``momentum_masking`` (DGC's momentum correction and momentum-factor masking; wrap an optimizer
+    with ``momentum=0``).
 
     Example::
 
@@ -232,6 +265,9 @@ def DistributedOptimizer(optimizer, model=None, *, sparsifier="exdyna", density=
         if missing:
             raise ValueError(f"DistributedOptimizer: {len(missing)} optimizer parameters are not in the model")
     grads = FlatGrad(params)
+    recipe = TrainingOptions(grads.params, grads.numel, comm, clip_norm=clip_norm, warmup_steps=warmup_steps,
+                             momentum_correction=momentum_correction, momentum_masking=momentum_masking)
+    recipe.check_optimizer(optimizer)
     if broadcast:
         tensors = list(model.parameters()) + list(model.buffers()) if model is not None else grads.params
         broadcast_parameters(tensors, comm)
@@ -242,6 +278,7 @@ def DistributedOptimizer(optimizer, model=None, *, sparsifier="exdyna", density=
     wrapped.__dict__.update(optimizer.__dict__)
     wrapped._exdyna_grads = grads
     wrapped.sparsifier = sp
+    wrapped._exdyna_options = recipe
     return wrapped
 
 

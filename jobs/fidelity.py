@@ -1,0 +1,525 @@
+#!/usr/bin/env python
+"""Training fidelity: final model quality against total bytes sent, every sparsifier, same seeds.
+
+    timeout 2400 mpiexec -n 4 python -m mpi4py jobs/fidelity.py                 # the full grid (22 min, 2 cores)
+    timeout 300  mpiexec -n 4 python -m mpi4py jobs/fidelity.py --quick         # CI smoke (2 to 3 min)
+    timeout 900  mpiexec -n 4 python -m mpi4py jobs/fidelity.py --sparsifiers exdyna --out out/fid_exdyna
+    python jobs/fidelity.py --report out/fidelity/fidelity.jsonl,out/fid_exdyna/fidelity.jsonl   # merge, no MPI
+
+Workloads (offline, CPU, no downloads):
+- ``lstm``: a byte-level 2-layer LSTM (2.05M parameters, jobs/models.py ``CharLSTM``) on the Python
+  standard library's own source files, split by file (crc32 of the path) into train and validation;
+  metric: validation loss (nats per byte) and perplexity. The analogue of the ExDyna authors' LSTM.
+- ``cnn``: the digits CNN at width 48 (141k parameters); metric: test accuracy.
+
+Grid: dense once, then every sparsifier of ``--sparsifiers`` at every density of ``--densities``, plus
+``exdyna+`` (ExDyna with the training recipe of ``--recipe``: adapter options of
+``DistributedOptimizer``) at every density. Same seed, same initial model, same batches and a fixed
+step budget for every run. Rank 0 writes ``<out>/fidelity.jsonl`` (one record per step, per
+evaluation and per run), ``<out>/fidelity.md`` (one table per workload, Pareto front marked),
+``<out>/pareto.png`` (quality against total bytes sent) and ``<out>/quality_vs_step.png``.
+``--report FILES`` rebuilds table and plots from JSON lines (later files override earlier runs of the
+same label), so after a library change only the affected rows need re-running.
+"""
+import argparse
+import ast
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+
+import numpy as np
+
+
+GRID_SPARSIFIERS = "dense,exdyna,topk,cltk,gaussiank,dgc,oktopk,micro"
+GRID_DENSITIES = "0.01,0.003,0.001"
+# The recipe the benchmark chose for ExDyna (see docs/training.md, "Training fidelity").
+DEFAULT_RECIPE = "clip_norm=1.0,momentum_correction=0.9"
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--workloads", default="lstm,cnn", help="comma-separated: lstm, cnn")
+    ap.add_argument("--sparsifiers", default=GRID_SPARSIFIERS)
+    ap.add_argument("--densities", default=GRID_DENSITIES)
+    ap.add_argument("--recipe", default=DEFAULT_RECIPE,
+                    help="adapter options of the exdyna+ runs, KEY=VALUE,...; warmup_steps below 1 is a "
+                         "fraction of the step budget; '' or 'none': no exdyna+ runs")
+    ap.add_argument("--recipe-for", default="exdyna", help="comma-separated sparsifiers that also get a '+' run")
+    ap.add_argument("--plus-only", action="store_true", help="only the '+' runs of the sparse grid (and dense)")
+    ap.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
+                    help="sparsifier option for every sparse run, e.g. --opt controller=faithful")
+    ap.add_argument("--quick", action="store_true",
+                    help="CI smoke: short step budgets, density 0.01 only, small validation set")
+    ap.add_argument("--lstm-steps", type=int, default=0, help="step budget of the LSTM (0: workload default)")
+    ap.add_argument("--cnn-steps", type=int, default=0, help="step budget of the CNN (0: workload default)")
+    ap.add_argument("--evals", type=int, default=0, help="evaluations per run (0: workload default)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cores / ranks on this node)")
+    ap.add_argument("--out", default="out/fidelity")
+    ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--report", default="", metavar="JSONL[,JSONL...]",
+                    help="no training: rebuild table and plots from these files into --out (no MPI needed)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        if args.densities == GRID_DENSITIES:
+            args.densities = "0.01"
+    return args
+
+
+def parse_kv(text):
+    out = {}
+    for item in [t for t in text.replace(" ", ",").split(",") if t.strip()]:
+        if item == "none":
+            continue
+        key, _, val = item.partition("=")
+        try:
+            out[key] = ast.literal_eval(val)
+        except (ValueError, SyntaxError):
+            out[key] = val
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Workloads
+
+
+class Workload:
+    name = ""
+    quality = ""          # the metric's key in evaluation records
+    higher_is_better = True
+    steps = 0
+    quick_steps = 0
+    evals = 0
+    batch = 0
+    lr = momentum = weight_decay = 0.0
+    base_options = {}     # adapter options every run of this workload gets (e.g. clipping)
+
+    def schedule(self, steps, evals):
+        """Evaluation points: step 0 and ``evals`` evenly spaced steps ending at the last."""
+        pts = sorted({int(round(steps * (i + 1) / evals)) for i in range(evals)} | {0})
+        return [p for p in pts if p <= steps]
+
+
+class CNNWork(Workload):
+    name, quality, higher_is_better = "cnn", "test_acc", True
+    width, batch, lr, momentum, weight_decay = 48, 32, 0.1, 0.9, 1e-4
+    epochs, quick_epochs, evals = 15, 3, 15
+
+    def setup(self, seed, rank, nranks, quick):
+        import models
+        from mpi4py import MPI
+
+        self.seed, self.rank = seed, rank
+        self.data = models.digits(seed, rank, nranks)
+        shard = MPI.COMM_WORLD.allreduce(self.data.x_train.shape[0], op=MPI.MIN) if nranks > 1 else \
+            self.data.x_train.shape[0]
+        self.per_epoch = max(1, shard // self.batch)
+        self.steps = self.per_epoch * self.epochs
+        self.quick_steps = self.per_epoch * self.quick_epochs
+        self._epoch, self._it = -1, None
+        self.info = {"model": f"DigitsCNN width {self.width}", "data": "sklearn digits, 20 % test",
+                     "batch_per_rank": self.batch, "steps_per_epoch": self.per_epoch}
+
+    def model(self):
+        import models
+
+        return models.DigitsCNN(width=self.width)
+
+    def batch_at(self, step):
+        epoch = step // self.per_epoch
+        if epoch != self._epoch:
+            self._epoch = epoch
+            self._it = self.data.batches(epoch, self.batch, self.per_epoch, self.seed, self.rank)
+        return next(self._it)
+
+    def loss(self, model, x, y):
+        import torch
+
+        return torch.nn.functional.cross_entropy(model(x), y)
+
+    def evaluate(self, model, comm):
+        import torch
+        from mpi4py import MPI
+
+        rank, p = comm.Get_rank(), comm.Get_size()
+        x, y = self.data.x_test[rank::p], self.data.y_test[rank::p]
+        with torch.no_grad():
+            logits = model(x)
+            local = np.array([float((logits.argmax(1) == y).sum()),
+                              float(torch.nn.functional.cross_entropy(logits, y, reduction="sum")), float(len(y))])
+        tot = np.empty_like(local)
+        comm.Allreduce(local, tot, op=MPI.SUM)
+        return {"test_acc": tot[0] / tot[2], "test_loss": tot[1] / tot[2]}
+
+
+class LSTMWork(Workload):
+    name, quality, higher_is_better = "lstm", "val_loss", False
+    batch, seq, lr, momentum, weight_decay = 16, 64, 1.0, 0.9, 0.0
+    steps, quick_steps, evals = 100, 12, 5
+    base_options = {"clip_norm": 0.25}
+
+    def setup(self, seed, rank, nranks, quick):
+        import models
+
+        self.seed, self.rank = seed, rank
+        train, val = models.stdlib_corpus()
+        self.data = models.TextData(train, val, seq=self.seq, val_windows=16 if quick else 64, val_seq=128)
+        self.info = {"model": "CharLSTM embed 96, hidden 384, 2 layers", "data": "stdlib *.py, split by file",
+                     "corpus": models.corpus_id(train, val), "train_bytes": int(len(train)),
+                     "val_bytes": int(len(val)), "batch_per_rank": self.batch, "seq": self.seq}
+
+    def model(self):
+        import models
+
+        return models.CharLSTM()
+
+    def batch_at(self, step):
+        return self.data.batch(step, self.batch, self.seed, self.rank)
+
+    def loss(self, model, x, y):
+        import torch
+
+        return torch.nn.functional.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1))
+
+    def evaluate(self, model, comm):
+        import torch
+        from mpi4py import MPI
+
+        rank, p = comm.Get_rank(), comm.Get_size()
+        x, y = self.data.val_x[rank::p], self.data.val_y[rank::p]
+        with torch.no_grad():
+            s = float(torch.nn.functional.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1), reduction="sum"))
+        local = np.array([s, float(y.numel())])
+        tot = np.empty_like(local)
+        comm.Allreduce(local, tot, op=MPI.SUM)
+        vl = tot[0] / tot[1]
+        return {"val_loss": vl, "val_ppl": math.exp(vl)}
+
+
+WORKLOADS = {"lstm": LSTMWork, "cnn": CNNWork}
+
+
+# ---------------------------------------------------------------------------------------------
+# Training
+
+
+def set_threads(comm, requested):
+    import torch
+    from mpi4py import MPI
+
+    if requested:
+        torch.set_num_threads(requested)
+        return requested
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    here = local.Get_size()
+    local.Free()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    n = max(1, cores // here)
+    torch.set_num_threads(n)
+    return n
+
+
+def plan(args):
+    names = [n.strip() for n in args.sparsifiers.split(",") if n.strip()]
+    dens = [float(d) for d in args.densities.split(",") if d.strip()]
+    recipe = parse_kv(args.recipe) if args.recipe.strip().lower() not in ("", "none") else None
+    plus = [n.strip() for n in args.recipe_for.split(",") if n.strip()]
+    runs = []
+    if "dense" in names:
+        runs.append(("dense", "dense", 1.0, {}))
+    for n in names:
+        if n == "dense":
+            continue
+        for d in dens:
+            if not args.plus_only:
+                runs.append((f"{n} d={d:g}", n, d, {}))
+            if recipe is not None and n in plus:
+                runs.append((f"{n}+ d={d:g}", n, d, recipe))
+    return runs
+
+
+def train_one(wl, label, name, density, recipe, args, comm, steps, evals, log):
+    import torch
+    from mpi4py import MPI
+
+    from exdyna_mpi.adapters.torch import DistributedOptimizer
+
+    rank, P = comm.Get_rank(), comm.Get_size()
+    options = dict(wl.base_options)
+    options.update(recipe)
+    if "clip_norm" in wl.base_options and "clip_norm" in recipe:   # a recipe never loosens the base clip
+        options["clip_norm"] = min(wl.base_options["clip_norm"], recipe["clip_norm"])
+    if isinstance(options.get("warmup_steps"), float) and options["warmup_steps"] < 1:
+        options["warmup_steps"] = int(round(options["warmup_steps"] * steps))
+    sp_opts = parse_kv(",".join(args.opt)) if name != "dense" else {}
+    torch.manual_seed(args.seed)
+    model = wl.model()
+    momentum = 0.0 if options.get("momentum_correction") else wl.momentum
+    opt = torch.optim.SGD(model.parameters(), lr=wl.lr, momentum=momentum, weight_decay=wl.weight_decay)
+    opt = DistributedOptimizer(opt, model, sparsifier=name, density=density, comm=comm, **options, **sp_opts)
+    numel = opt.flat_grad.numel()
+    dense_bytes = 2 * (P - 1) * numel * opt.flat_grad.element_size() / P
+    points = wl.schedule(steps, evals)
+    losses, sent, dens = np.zeros(steps), np.zeros(steps), np.zeros(steps)
+    evals_out = []
+    t0 = time.perf_counter()
+
+    def do_eval(step):
+        model.eval()
+        m = wl.evaluate(model, comm)
+        model.train()
+        rec = {"kind": "eval", "workload": wl.name, "run": label, "step": step,
+               "bytes_total": float(sent[:step].sum() / P), **m}
+        evals_out.append(rec)
+
+    model.train()
+    if 0 in points:
+        do_eval(0)
+    for step in range(steps):
+        x, y = wl.batch_at(step)
+        opt.zero_grad()
+        loss = wl.loss(model, x, y)
+        loss.backward()
+        opt.step()
+        st = opt.stats
+        losses[step], sent[step], dens[step] = loss.item(), st.bytes_sent, st.density
+        if step + 1 in points:
+            # bytes so far: the mean over ranks needs every rank's numbers (one small Allreduce)
+            tot = np.empty(step + 1)
+            comm.Allreduce(np.ascontiguousarray(sent[:step + 1]), tot, op=MPI.SUM)
+            model.eval()
+            m = wl.evaluate(model, comm)
+            model.train()
+            evals_out.append({"kind": "eval", "workload": wl.name, "run": label, "step": step + 1,
+                              "bytes_total": float(tot.sum() / P), **m})
+    wall = time.perf_counter() - t0
+    mean = np.empty((2, steps))
+    comm.Allreduce(np.ascontiguousarray(np.stack([losses, sent])), mean, op=MPI.SUM)
+    mean /= P
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().contiguous().numpy().tobytes())
+    hashes = comm.allgather(h.hexdigest())
+    for s in range(steps):
+        log({"kind": "step", "workload": wl.name, "run": label, "step": s, "loss": mean[0, s],
+             "bytes_sent": mean[1, s], "density": dens[s]})
+    for e in evals_out:
+        log(e)
+    last = evals_out[-1]
+    warm = int(options.get("warmup_steps", 0) or 0)
+    summary = {"kind": "run", "workload": wl.name, "run": label, "sparsifier": name, "target": density,
+               "recipe": recipe, "options": {**options, **sp_opts}, "ranks": P, "numel": numel, "steps": steps,
+               "seed": args.seed, wl.quality: last[wl.quality],
+               **{k: v for k, v in last.items() if k not in ("kind", "workload", "run", "step", "bytes_total")},
+               "quality_key": wl.quality, "higher_is_better": wl.higher_is_better,
+               "density": float(dens.mean()), "density_sparse_phase": float(dens[warm:].mean()) if warm < steps else None,
+               "bytes_total": float(mean[1].sum()), "bytes_per_step": float(mean[1].mean()),
+               "dense_bytes_per_step": dense_bytes, "final_train_loss": float(mean[0, -max(1, steps // 10):].mean()),
+               "wall": wall, "params_identical": all(x == hashes[0] for x in hashes), **wl.info}
+    log(summary)
+    if rank == 0:
+        q = summary[wl.quality]
+        print(f"[{wl.name}] {label:<22} {wl.quality} {q:.4f}  density {summary['density']:.5f}  "
+              f"sent {summary['bytes_total'] / 1e6:9.3f} MB  {wall:6.1f} s"
+              + ("" if summary["params_identical"] else "  PARAMETERS DIFFER"), flush=True)
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+
+
+def pareto(rows, hib):
+    """Labels of the runs no other run beats on both bytes (fewer) and quality (better)."""
+    front = set()
+    for r in rows:
+        q, b = r["q"], r["bytes_total"]
+        dominated = any((o["bytes_total"] <= b and (o["q"] >= q if hib else o["q"] <= q))
+                        and (o["bytes_total"] < b or (o["q"] > q if hib else o["q"] < q)) for o in rows)
+        if not dominated:
+            front.add(r["run"])
+    return front
+
+
+def tables(summaries):
+    out = []
+    for wl in sorted({s["workload"] for s in summaries}, key=lambda w: list(WORKLOADS).index(w)):
+        rows = [dict(s, q=s[s["quality_key"]]) for s in summaries if s["workload"] == wl]
+        key, hib = rows[0]["quality_key"], rows[0]["higher_is_better"]
+        dense = next((r for r in rows if r["sparsifier"] == "dense" and not r.get("recipe")), None)
+        front = pareto(rows, hib)
+        rows.sort(key=lambda r: (r["sparsifier"] != "dense", -r["target"], r["sparsifier"], r["run"]))
+        r0 = rows[0]
+        out.append(f"### {wl}: {r0.get('model', '')}, {r0['numel']:,} parameters, P={r0['ranks']}, "
+                   f"{r0['steps']} steps, seed {r0['seed']}\n")
+        if key == "test_acc":
+            head = ("run", "test acc", "vs dense", "density", "MB sent", "kB/step", "bytes vs dense", "Pareto")
+        else:
+            head = ("run", "val loss", "vs dense", "val ppl", "density", "MB sent", "kB/step", "bytes vs dense",
+                    "Pareto")
+        lines = []
+        for r in rows:
+            dq = "" if dense is None else (f"{100 * (r['q'] - dense['q']):+.2f} pp" if key == "test_acc"
+                                           else f"{100 * (r['q'] / dense['q'] - 1):+.2f} %")
+            ratio = r["bytes_per_step"] / r["dense_bytes_per_step"]
+            qcol = (f"{100 * r['q']:.2f} %",) if key == "test_acc" else (f"{r['q']:.4f}", dq, f"{r['val_ppl']:.2f}")
+            cells = (r["run"], *qcol) if key != "test_acc" else (r["run"], qcol[0], dq)
+            cells += (f"{r['density']:.5f}", f"{r['bytes_total'] / 1e6:.3f}", f"{r['bytes_per_step'] / 1e3:.1f}",
+                      f"{100 * ratio:.2f} %", "*" if r["run"] in front else "")
+            if not r.get("params_identical", True):
+                cells = (cells[0] + " (RANKS DIFFER)",) + cells[1:]
+            lines.append(cells)
+        widths = [max(len(h), *(len(c[i]) for c in lines)) for i, h in enumerate(head)]
+        fmt = "| " + " | ".join(f"{{:<{w}}}" for w in widths) + " |"
+        out.append(fmt.format(*head))
+        out.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+        out += [fmt.format(*c) for c in lines]
+        out.append("")
+    return "\n".join(out)
+
+
+def _style(label):
+    name = label.split(" ")[0]
+    order = ["dense", "exdyna", "exdyna+", "topk", "cltk", "gaussiank", "dgc", "oktopk", "micro"]
+    i = order.index(name) if name in order else len(order) + hash(name) % 5
+    d = label.split("d=")[-1] if "d=" in label else ""
+    ls = {"0.01": "-", "0.003": "--", "0.001": ":"}.get(d, "-")
+    mk = {"0.01": "o", "0.003": "s", "0.001": "^"}.get(d, "*")
+    return f"C{i % 10}", ls, mk
+
+
+def plots(summaries, evals, out):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    wls = sorted({s["workload"] for s in summaries}, key=lambda w: list(WORKLOADS).index(w))
+    fig, axes = plt.subplots(1, len(wls), figsize=(7 * len(wls), 5.5), squeeze=False)
+    for ax, wl in zip(axes[0], wls):
+        rows = [dict(s, q=s[s["quality_key"]]) for s in summaries if s["workload"] == wl]
+        key, hib = rows[0]["quality_key"], rows[0]["higher_is_better"]
+        front = pareto(rows, hib)
+        for r in rows:
+            c, _, mk = _style(r["run"])
+            ax.scatter(r["bytes_total"] / 1e6, r["q"], color=c, marker=mk, s=40,
+                       edgecolors="k" if r["run"] in front else "none", zorder=3)
+            ax.annotate(r["run"], (r["bytes_total"] / 1e6, r["q"]), fontsize=6, xytext=(3, 2),
+                        textcoords="offset points")
+        f = sorted((r for r in rows if r["run"] in front), key=lambda r: r["bytes_total"])
+        ax.plot([r["bytes_total"] / 1e6 for r in f], [r["q"] for r in f], "k-", lw=1, alpha=0.6,
+                label="Pareto front")
+        ax.set(xscale="log", xlabel="total MB sent per rank (whole run)", ylabel=key,
+               title=f"{wl}: {key} vs bytes sent ({'higher' if hib else 'lower'} is better)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "pareto.png"), dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, len(wls), figsize=(7 * len(wls), 5.5), squeeze=False)
+    for ax, wl in zip(axes[0], wls):
+        rows = [s for s in summaries if s["workload"] == wl]
+        key = rows[0]["quality_key"]
+        for r in rows:
+            pts = [e for e in evals if e["workload"] == wl and e["run"] == r["run"]]
+            c, ls, _ = _style(r["run"])
+            ax.plot([e["step"] for e in pts], [e[key] for e in pts], color=c, ls=ls, lw=1.2, label=r["run"])
+        ax.set(xlabel="step", ylabel=key, title=f"{wl}: {key} vs step")
+        if key == "val_loss":
+            lo = min(e[key] for e in evals if e["workload"] == wl)
+            ax.set_ylim(lo * 0.95, lo * 2.0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "quality_vs_step.png"), dpi=110)
+    plt.close(fig)
+
+
+def load_records(paths):
+    """Run summaries and evaluations from JSON lines files; a later file's run replaces an earlier one."""
+    summaries, evals = {}, {}
+    for path in paths:
+        file_evals = {}
+        with open(path) as f:
+            for line in f:
+                rec = json.loads(line)
+                k = (rec.get("workload"), rec.get("run"))
+                if rec.get("kind") == "run":
+                    summaries[k] = rec
+                elif rec.get("kind") == "eval":
+                    file_evals.setdefault(k, []).append(rec)
+        evals.update(file_evals)
+    return list(summaries.values()), [e for k in summaries for e in evals.get(k, [])]
+
+
+def write_report(summaries, evals, out, plot=True, header=""):
+    text = header + tables(summaries)
+    with open(os.path.join(out, "fidelity.md"), "w") as f:
+        f.write(text)
+    print("\n" + text, flush=True)
+    if plot:
+        plots(summaries, evals, out)
+    return text
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.report:
+        os.makedirs(args.out, exist_ok=True)
+        s, e = load_records([p for p in args.report.split(",") if p])
+        write_report(s, e, args.out, plot=not args.no_plot)
+        return 0
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank, P = comm.Get_rank(), comm.Get_size()
+    threads = set_threads(comm, args.threads)
+    runs = plan(args)
+    wls = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    bad = [w for w in wls if w not in WORKLOADS]
+    if bad:
+        raise SystemExit(f"unknown workload(s) {bad}; available: {', '.join(WORKLOADS)}")
+    log_file = None
+    if rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+        log_file = open(os.path.join(args.out, "fidelity.jsonl"), "w")
+        print(f"exdyna_mpi fidelity: {P} ranks x {threads} torch threads, workloads {','.join(wls)}, "
+              f"{len(runs)} runs each{' (quick)' if args.quick else ''}", flush=True)
+
+    def log(rec):
+        if log_file is not None:
+            log_file.write(json.dumps(rec, default=str) + "\n")
+            log_file.flush()
+
+    t_job = time.perf_counter()
+    summaries = []
+    for wname in wls:
+        wl = WORKLOADS[wname]()
+        wl.setup(args.seed, rank, P, args.quick)
+        steps = {"lstm": args.lstm_steps, "cnn": args.cnn_steps}[wname] or (wl.quick_steps if args.quick else wl.steps)
+        evals = args.evals or (3 if args.quick else wl.evals)
+        for label, name, density, recipe in runs:
+            summaries.append(train_one(wl, label, name, density, recipe, args, comm, steps, evals, log))
+    wall = time.perf_counter() - t_job
+    ok = all(s["params_identical"] for s in summaries)
+    if rank == 0:
+        log({"kind": "job", "ranks": P, "wall": wall, "argv": sys.argv[1:], "quick": args.quick})
+        log_file.close()
+        _, evals = load_records([os.path.join(args.out, "fidelity.jsonl")])
+        header = (f"<!-- {' '.join(['jobs/fidelity.py'] + sys.argv[1:])} ; P={P}; wall {wall:.0f} s -->\n")
+        write_report(summaries, evals, args.out, plot=not args.no_plot, header=header)
+        print(f"wall {wall:.0f} s; wrote {args.out}/fidelity.jsonl, fidelity.md"
+              + ("" if args.no_plot else ", pareto.png, quality_vs_step.png"), flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""DistributedOptimizer's training-recipe options (issue 13), each against a reference computed here.
+
+- ``clip_norm``: what enters the exchange is each rank's gradient clipped by
+  ``torch.nn.utils.clip_grad_norm_`` (run here on a copy of the model); the dense exchange averages it.
+- ``warmup_steps``: the first steps are the dense average (density 1), the sparsifier's iteration
+  does not move; then the sparsifier runs.
+- ``momentum_correction`` (+ masking): u <- m*u + g on each rank, the sparsifier accumulates u, the
+  union mean comes out, and u is zeroed where the exchanged gradient is nonzero.
+- state round trip: save mid-run (warm-up and sparse phase), load into fresh objects, same bits.
+"""
+import copy
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed")
+
+from exdyna_mpi.adapters.torch import DistributedOptimizer  # noqa: E402
+from tests.conftest import allgather_array, mpi_assert  # noqa: E402
+
+pytestmark = pytest.mark.mpi
+
+
+def _model(seed=5):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 5))
+
+
+def _flat(tensors):
+    return torch.cat([t.detach().reshape(-1) for t in tensors]).numpy().copy()
+
+
+def _batch(rank, s):
+    gen = torch.Generator().manual_seed(1000 * rank + s)
+    return torch.randn(16, 32, generator=gen) * (1 + s % 3), torch.randint(0, 5, (16,), generator=gen)
+
+
+def _raw_grad(model, x, y, clip=None):
+    """This rank's gradient at the model's current parameters, on a copy (optionally clipped)."""
+    m = copy.deepcopy(model)
+    for p in m.parameters():
+        p.grad = None
+    torch.nn.functional.cross_entropy(m(x), y).backward()
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_(list(m.parameters()), clip)
+    return _flat(p.grad for p in m.parameters())
+
+
+def _step(model, opt, x, y):
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
+def test_clip_norm_clips_each_ranks_gradient_like_clip_grad_norm(wcomm):
+    rank, P = wcomm.Get_rank(), wcomm.Get_size()
+    model = _model()
+    clip = 0.05   # well below these gradients' norms: clipping happens on every rank
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, sparsifier="dense",
+                               density=1.0, comm=wcomm, clip_norm=clip)
+    for s in range(3):
+        x, y = _batch(rank, s)
+        raw = _raw_grad(model, x, y)
+        clipped = _raw_grad(model, x, y, clip=clip)
+        mpi_assert(np.linalg.norm(raw) > 2 * clip, f"test premise: norm {np.linalg.norm(raw):.3g}", wcomm)
+        _step(model, opt, x, y)
+        ref = allgather_array(clipped, wcomm).astype(np.float64).mean(axis=0)
+        out = opt.flat_grad.numpy()
+        mpi_assert(np.allclose(out, ref, rtol=1e-5, atol=1e-8),
+                   f"step {s}: out is not the mean of clipped gradients (max err {np.abs(out - ref).max():.3g})",
+                   wcomm)
+        unclipped = allgather_array(raw, wcomm).astype(np.float64).mean(axis=0)
+        mpi_assert(not np.allclose(out, unclipped, rtol=1e-3), "nothing was clipped", wcomm)
+
+
+def test_warmup_runs_dense_then_the_sparsifier(wcomm):
+    rank = wcomm.Get_rank()
+    model = _model()
+    warm = 3
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, sparsifier="exdyna",
+                               density=0.05, comm=wcomm, warmup_steps=warm)
+    for s in range(warm + 2):
+        x, y = _batch(rank, s)
+        raw = _raw_grad(model, x, y)
+        _step(model, opt, x, y)
+        out = opt.flat_grad.numpy()
+        ref = allgather_array(raw, wcomm).astype(np.float64).mean(axis=0)
+        if s < warm:
+            mpi_assert(opt.stats.density == 1.0 and np.allclose(out, ref, rtol=1e-5, atol=1e-8),
+                       f"warm-up step {s}: not the dense average (density {opt.stats.density})", wcomm)
+            mpi_assert(opt.sparsifier.iteration == 0 and not np.any(opt.sparsifier.residual),
+                       f"warm-up step {s}: the sparsifier ran", wcomm)
+        else:
+            mpi_assert(opt.sparsifier.iteration == s - warm + 1, f"step {s}: iteration {opt.sparsifier.iteration}",
+                       wcomm)
+            mpi_assert(opt.stats.density < 0.5 and np.count_nonzero(out) < out.size // 2,
+                       f"step {s}: not sparse (density {opt.stats.density})", wcomm)
+
+
+def test_momentum_correction_and_masking_match_a_reference(wcomm):
+    rank, P = wcomm.Get_rank(), wcomm.Get_size()
+    model = _model()
+    m, lr = 0.9, 0.1
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr), model, sparsifier="exdyna",
+                               density=0.05, comm=wcomm, momentum_correction=m)
+    sp = opt.sparsifier
+    u = torch.zeros(opt.flat_grad.numel())
+    masked_some = False
+    for s in range(5):
+        x, y = _batch(rank, s)
+        g = torch.from_numpy(_raw_grad(model, x, y))
+        u.mul_(m).add_(g)                              # the reference velocity, same float32 ops
+        acc = sp.residual + u.numpy()                  # what ExDyna selects from on this rank
+        before = _flat(model.parameters())
+        _step(model, opt, x, y)
+        out = opt.flat_grad.numpy().copy()
+        res = sp.residual
+        accs = allgather_array(acc, wcomm)
+        sel = (allgather_array(res, wcomm) != accs).any(axis=0)   # the union: where EF was consumed
+        ref = np.zeros_like(out)
+        ref[sel] = accs[:, sel].astype(np.float64).sum(axis=0) / P
+        mpi_assert(np.allclose(out, ref, rtol=1e-5, atol=1e-8) and not out[~sel].any(),
+                   f"step {s}: out is not the union mean of residual + velocity", wcomm)
+        mpi_assert(np.array_equal(res[~sel], acc[~sel]), f"step {s}: the residual did not accumulate u", wcomm)
+        u.masked_fill_(torch.from_numpy(out != 0), 0.0)   # momentum-factor masking
+        masked_some |= bool((out != 0).any())
+        v = opt._exdyna_options.velocity
+        mpi_assert(torch.equal(v, u), f"step {s}: velocity differs from the reference "
+                   f"(max {(v - u).abs().max().item():.3g})", wcomm)
+        mpi_assert(np.allclose(_flat(model.parameters()), before - np.float32(lr) * out, rtol=0, atol=1e-6),
+                   f"step {s}: SGD did not apply the exchanged gradient", wcomm)
+    mpi_assert(masked_some, "nothing was selected, masking untested", wcomm)
+
+
+def test_momentum_correction_refuses_an_optimizer_with_momentum(wcomm):
+    model = _model()
+    with pytest.raises(ValueError, match="momentum=0"):
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model,
+                             sparsifier="exdyna", density=0.05, comm=wcomm, momentum_correction=0.9)
+
+
+@pytest.mark.parametrize("save_at", [1, 4])   # inside the dense warm-up, and in the sparse phase
+def test_options_state_round_trip_resumes_bit_exactly(save_at, wcomm, tmp_path_factory):
+    rank = wcomm.Get_rank()
+    path = os.path.join(str(tmp_path_factory.mktemp("ckpt")), f"ckpt.{rank}")
+    opts = dict(sparsifier="exdyna", density=0.05, comm=wcomm, clip_norm=0.5, warmup_steps=3,
+                momentum_correction=0.9)
+
+    def fresh():
+        model = _model(seed=7)
+        return model, DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, weight_decay=1e-4),
+                                           model, **opts)
+
+    model, opt = fresh()
+    for s in range(8):
+        _step(model, opt, *_batch(rank, s))
+        if s == save_at:
+            state = opt.state_dict()
+            mpi_assert("exdyna_options" in state and state["exdyna_options"]["step"] == s + 1,
+                       "the options' state is not in the state dict", wcomm)
+            torch.save({"model": model.state_dict(), "opt": state}, path)
+    straight = _flat(model.parameters())
+
+    model2, opt2 = fresh()
+    ck = torch.load(path)   # weights_only=True: plain tensors and values only
+    model2.load_state_dict(ck["model"])
+    opt2.load_state_dict(ck["opt"])
+    for s in range(save_at + 1, 8):
+        _step(model2, opt2, *_batch(rank, s))
+    resumed = _flat(model2.parameters())
+    mpi_assert(resumed.tobytes() == straight.tobytes(),
+               f"resumed parameters differ (max {np.abs(resumed - straight).max():.3g})", wcomm)
+    # options off: the state dict has no options entry (checkpoints of plain runs are unchanged)
+    plain = DistributedOptimizer(torch.optim.SGD(_model().parameters(), lr=0.05), None, sparsifier="exdyna",
+                                 density=0.05, comm=wcomm)
+    mpi_assert("exdyna_options" not in plain.state_dict(), "plain optimizer grew an options entry", wcomm)
+    with pytest.raises(ValueError, match="exdyna_options"):
+        opt2.load_state_dict(plain.state_dict())

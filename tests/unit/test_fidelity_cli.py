@@ -1,0 +1,87 @@
+"""jobs/fidelity.py end to end at P=2 under mpiexec (a tiny --quick): JSON lines, table, plots; and
+--report rebuilding the table from JSON lines, a later file's run replacing an earlier one.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch", reason="PyTorch is not installed")
+pytest.importorskip("sklearn", reason="scikit-learn is not installed")
+pytest.importorskip("matplotlib", reason="matplotlib is not installed")
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+JOB = os.path.join(ROOT, "jobs", "fidelity.py")
+
+
+def _env():
+    """The child starts its own MPI world: no PMI variables of an enclosing launch."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPI_LOCAL"))}
+    env.setdefault("MPIR_CVAR_CH4_PROGRESS_THROTTLE", "1")
+    env.setdefault("MPIR_CVAR_CH4_PROGRESS_THROTTLE_NO_PROGRESS_COUNT", "16")
+    return env
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    if MPIEXEC is None:
+        pytest.skip("no mpiexec on PATH")
+    out = tmp_path_factory.mktemp("fid") / "out"
+    cmd = ["timeout", "-k", "5", "300", MPIEXEC, "-n", "2", sys.executable, "-m", "mpi4py", JOB, "--quick",
+           "--sparsifiers", "dense,exdyna", "--lstm-steps", "3", "--cnn-steps", "4", "--evals", "2",
+           "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=320)
+    assert proc.returncode == 0, f"rc {proc.returncode}\n" + proc.stdout[-3000:] + proc.stderr[-3000:]
+    recs = [json.loads(line) for line in (out / "fidelity.jsonl").read_text().splitlines()]
+    return proc, out, recs
+
+
+def test_quick_writes_runs_evals_table_and_plots(quick_run):
+    proc, out, recs = quick_run
+    runs = [r for r in recs if r["kind"] == "run"]
+    labels = [(r["workload"], r["run"]) for r in runs]
+    assert labels == [(w, n) for w in ("lstm", "cnn") for n in ("dense", "exdyna d=0.01", "exdyna+ d=0.01")]
+    for r in runs:
+        assert r["ranks"] == 2 and r["params_identical"], r
+        assert r["steps"] == (3 if r["workload"] == "lstm" else 4)
+        steps = [x for x in recs if x["kind"] == "step" and x["workload"] == r["workload"] and x["run"] == r["run"]]
+        assert len(steps) == r["steps"]
+        # the run's total is the sum of its per-step bytes, and a sparse run sends less than dense
+        assert r["bytes_total"] == pytest.approx(sum(x["bytes_sent"] for x in steps), rel=1e-9)
+        evals = [x for x in recs if x["kind"] == "eval" and x["workload"] == r["workload"] and x["run"] == r["run"]]
+        assert evals[0]["step"] == 0 and evals[-1]["step"] == r["steps"]
+        assert evals[-1][r["quality_key"]] == r[r["quality_key"]]
+    lstm = [r for r in runs if r["workload"] == "lstm"]
+    assert lstm[0]["numel"] >= 2_000_000 and "val_ppl" in lstm[0]
+    assert all(r["bytes_total"] < 0.2 * lstm[0]["bytes_total"] for r in lstm[1:])
+    assert lstm[2]["options"]["momentum_correction"] == 0.9 and lstm[2]["options"]["clip_norm"] == 0.25
+    table = (out / "fidelity.md").read_text()
+    assert "### lstm" in table and "### cnn" in table and "val ppl" in table and "test acc" in table
+    assert table.count("*") >= 2                       # each workload has a Pareto front
+    for png in ("pareto.png", "quality_vs_step.png"):
+        assert (out / png).stat().st_size > 10_000
+    assert "wall" in proc.stdout
+
+
+def test_report_merges_files_later_run_replaces_earlier(quick_run, tmp_path):
+    _, out, recs = quick_run
+    later = tmp_path / "later.jsonl"
+    run = next(r for r in recs if r["kind"] == "run" and r["workload"] == "cnn" and r["run"] == "exdyna d=0.01")
+    later.write_text(json.dumps(dict(run, test_acc=0.4321)) + "\n")
+    sys.path.insert(0, os.path.join(ROOT, "jobs"))
+    import fidelity
+
+    rep = tmp_path / "rep"
+    assert fidelity.main(["--report", f"{out / 'fidelity.jsonl'},{later}", "--out", str(rep), "--no-plot"]) == 0
+    table = (rep / "fidelity.md").read_text()
+    assert "43.21 %" in table and table.count("exdyna d=0.01") == 2   # replaced, not duplicated
+
+    # Pareto: a run beaten on both bytes and quality is not on the front
+    rows = [{"run": "a", "q": 0.9, "bytes_total": 10.0}, {"run": "b", "q": 0.8, "bytes_total": 20.0},
+            {"run": "c", "q": 0.7, "bytes_total": 5.0}]
+    assert fidelity.pareto(rows, True) == {"a", "c"}
+    assert fidelity.pareto(rows, False) == {"c"}   # lower is better: c beats both
