@@ -156,7 +156,7 @@ def hot_loop(instrs, labels, unit, unit_per_elem):
         units = sum(1 for op, _ in body if op.startswith(unit))
         if units == 0:
             continue
-        key = (units, -(e - s))
+        key = (units, e - s)  # ties: the longest body (the costliest path)
         if best is None or key > best[0]:
             spin = any("CAS" in op or ".SPIN" in op for op, _ in body)
             best = (key, len(body), units / unit_per_elem, spin)
