@@ -202,9 +202,9 @@ def analyse(name, kernel, entry, dtype, tools, tmp):
     return info
 
 
-def estimate_us(entry, ipe):
+def estimate_us(entry, ipe, dtype="float32"):
     dom = DOMAIN[entry.get("domain", "n")]
-    bw = entry.get("bytes_per_elem", 0) * dom / HBM
+    bw = (_budget_for(entry, "bytes_per_elem", dtype) or 0) * dom / HBM
     issue = (ipe or 0) * dom / ISSUE
     return (max(bw, issue) * 1e6 + LAUNCH_US), ("issue" if issue > bw else "memory")
 
@@ -216,12 +216,25 @@ def _budget_for(entry, key, dtype):
     return v
 
 
-def run(budgets_path=BUDGETS):
+def _load(kernels_file):
+    if kernels_file is None:
+        sys.path.insert(0, os.path.dirname(HERE))
+        import exdyna_mpi.kernels.cuda as kc
+
+        return kc
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kernels_under_check", kernels_file)
+    kc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kc)
+    return kc
+
+
+def run(budgets_path=BUDGETS, kernels_file=None, names_only=False):
     tools, why = _toolchain()
     if tools is None:
         return None, [why]
-    sys.path.insert(0, os.path.dirname(HERE))
-    import exdyna_mpi.kernels.cuda as kc
+    kc = _load(kernels_file)
 
     assert not kc.SIMULATOR
     with open(budgets_path) as f:
@@ -236,6 +249,8 @@ def run(budgets_path=BUDGETS):
         if name not in found:
             errors.append(f"{name}: budget entry for a kernel that kernels/cuda.py no longer has")
     rows = []
+    if names_only:
+        return rows, errors
     with tempfile.TemporaryDirectory() as tmp:
         for name, kernel in found.items():
             entry = budgets.get(name)
@@ -243,8 +258,8 @@ def run(budgets_path=BUDGETS):
                 continue
             for dtype in entry.get("dtypes", ["float32", "float64"]):
                 info = analyse(name, kernel, entry, dtype, tools, tmp)
-                us, bound = estimate_us(entry, info["ipe"])
-                row = dict(kernel=name, dtype=dtype, bytes_per_elem=entry.get("bytes_per_elem", 0),
+                us, bound = estimate_us(entry, info["ipe"], dtype)
+                row = dict(kernel=name, dtype=dtype, bytes_per_elem=_budget_for(entry, "bytes_per_elem", dtype) or 0,
                            domain=entry.get("domain", "n"), est_us=us, bound=bound, **info)
                 rows.append(row)
                 tag = f"{name} ({dtype})"
@@ -285,8 +300,11 @@ def main(argv=None):
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--budgets", default=BUDGETS)
     ap.add_argument("--table-only", action="store_true", help="print the table, never fail on budgets")
+    ap.add_argument("--kernels", help="check this kernels file instead of exdyna_mpi.kernels.cuda "
+                                      "(e.g. an older kernels/cuda.py, with its own --budgets)")
+    ap.add_argument("--names-only", action="store_true", help="only match the module's kernels with the budgets")
     a = ap.parse_args(argv)
-    rows, errors = run(a.budgets)
+    rows, errors = run(a.budgets, a.kernels, a.names_only)
     if rows is None:
         print(f"SKIP: {errors[0]}")
         return 77
