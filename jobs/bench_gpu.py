@@ -1,14 +1,19 @@
-"""Benchmark (not a test): the fused GPU select path per step, against the device's bandwidth and top-k.
+"""Benchmark (not a test): ``ExDyna.step`` on a GPU end to end, each of its kernels alone, and
+baselines doing the same work, against the device's DRAM bandwidth.
 
-For each numel (float32) and density: ``CudaOps.accumulate_select`` over the whole vector (the P=1
-owned range: acc = residual + grad, count, compact), including the one small device->host read of
-the count, timed with CUDA events over ``--reps`` steps after a warm-up. Effective bandwidth uses
-the 12 bytes/element floor (read residual and grad, write acc); the compaction re-reads acc, so
-the kernel moves a little more than that. "hist ms" times the pass the default (histogram)
-controller runs every step: the same select plus its two forecast histograms over the owned range
-(P=1: the next owner is this rank), one ~1 KB device->host read. Side by side on the same data: CuPy's threshold select
-(``flatnonzero(abs(acc) >= thr)``), CuPy top-k (``argpartition``) and ``torch.topk`` when a CUDA
-torch is installed.
+For each numel (float32) and density, P=1, the default controller:
+
+- **step**: ``ExDyna.step(grad)`` timed with CUDA events recorded on the stream the step launches
+  on (CuPy's current stream), after ``--warmup`` steps (compile, allocate, controller settling);
+  the host waits inside the step are part of it. Bytes floor 16 B/element (read residual and grad,
+  write acc, write the zeroed output); ``of floor`` = floor time / step time.
+- **kernels**, each alone on the same buffers, events on the same stream: the fused
+  accumulate + select + histogram pass (``_acc_count_hist32``, 12 B/element), the block scan,
+  the mask compaction (1/8 B/element + 4 B/index), ``fill_zero`` (memset, 4 B/element), gather
+  and the scatter of the mean (per index). ``of peak`` = bytes / time / peak bandwidth.
+- **baselines, same work** (accumulate, select, indices on the device, ready for the exchange):
+  CuPy ``acc = r + g; flatnonzero(abs(acc) >= thr)``, and ``torch.topk(abs(r + g), k)`` on
+  torch's current stream, timed with torch's own events.
 
     python jobs/bench_gpu.py                           # 10M, 100M, 400M x density 0.01, 0.001
     python jobs/bench_gpu.py --numel 1e7 --reps 50 --json out/bench_gpu.json
@@ -20,12 +25,12 @@ import time
 
 from common import command, parser, write_json
 
-
 def parse_args(argv=None):
     p = parser(__doc__, json_path="out/bench_gpu.json", threads=False)
     p.add_argument("--numel", default="1e7,1e8,4e8", help="comma-separated element counts")
     p.add_argument("--density", default="0.01,0.001", help="comma-separated densities")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5, help="steps before timing (compile, controller settling)")
     p.add_argument("--no-topk", action="store_true", help="skip the top-k baselines")
     p.add_argument("--check", action="store_true", help="format fake rows; needs no GPU")
     return p.parse_args(argv)
@@ -38,108 +43,160 @@ def peak_bandwidth_gbs(props):
     return 2.0 * clock_khz * 1e3 * bus_bits / 8 / 1e9
 
 
-def row(numel, density, select_ms, peak_gbs, cupy_sel_ms=None, cupy_topk_ms=None, torch_topk_ms=None,
-        selected=None, hist_ms=None):
-    eff = 12.0 * numel / (select_ms * 1e-3) / 1e9
-    return {
-        "numel": int(numel), "density": density, "selected": selected,
-        "select_ms": select_ms, "effective_GBs_12B": eff, "select_hist_ms": hist_ms,
-        "fraction_of_peak": eff / peak_gbs if peak_gbs else None,
-        "cupy_threshold_select_ms": cupy_sel_ms, "cupy_topk_ms": cupy_topk_ms,
-        "torch_topk_ms": torch_topk_ms,
-    }
+KERNEL_BYTES = {"acc_select_hist": 12.0, "scan": 0.0, "compact": 0.125, "fill_zero": 4.0}  # per element
+STEP_FLOOR = 16.0
+
+
+def row(numel, density, peak_gbs, step_ms, kernels, baselines, selected=None):
+    """One table row. ``kernels``: {name: ms}; ``baselines``: {name: ms or None}."""
+    per = {}
+    for name, ms in kernels.items():
+        b = KERNEL_BYTES.get(name)
+        frac = (b * numel / (ms * 1e-3) / 1e9 / peak_gbs) if (b and ms and peak_gbs) else None
+        per[name] = {"ms": ms, "bytes_per_element": b, "fraction_of_peak": frac}
+    floor_ms = STEP_FLOOR * numel / (peak_gbs * 1e9) * 1e3 if peak_gbs else None
+    return {"numel": int(numel), "density": density, "selected": selected, "step_ms": step_ms,
+            "step_floor_ms": floor_ms, "step_of_floor": (floor_ms / step_ms) if floor_ms and step_ms else None,
+            "kernels": per, "baselines": baselines,
+            "speedup_vs_torch_topk": (baselines.get("torch_topk") / step_ms)
+            if baselines.get("torch_topk") and step_ms else None}
 
 
 def table(rows, device, peak):
     def f(v, fmt):
         return "-" if v is None else format(v, fmt)
 
-    lines = [f"device: {device}, peak DRAM bandwidth {peak:.0f} GB/s",
-             f"{'numel':>11} {'density':>8} {'selected':>10} {'select ms':>10} {'hist ms':>8} {'GB/s@12B':>9} "
-             f"{'of peak':>8} {'cupy sel':>9} {'cupy topk':>10} {'torch topk':>11}"]
+    lines = [f"device: {device}, peak DRAM bandwidth {peak:.0f} GB/s; step floor {STEP_FLOOR:g} B/element",
+             f"{'numel':>11} {'density':>8} {'selected':>10} {'step ms':>8} {'of floor':>8} "
+             f"{'pass ms':>8} {'of peak':>7} {'scan ms':>7} {'compact':>8} {'fill ms':>7} {'of peak':>7} "
+             f"{'cupy sel':>9} {'torch topk':>10} {'x torch':>7}"]
     for r in rows:
-        lines.append(f"{r['numel']:>11,} {r['density']:>8g} {f(r['selected'], 'd'):>10} "
-                     f"{r['select_ms']:>10.3f} {f(r.get('select_hist_ms'), '.3f'):>8} "
-                     f"{r['effective_GBs_12B']:>9.0f} "
-                     f"{f(r['fraction_of_peak'], '.0%'):>8} {f(r['cupy_threshold_select_ms'], '.3f'):>9} "
-                     f"{f(r['cupy_topk_ms'], '.3f'):>10} {f(r['torch_topk_ms'], '.3f'):>11}")
+        k, bl = r["kernels"], r["baselines"]
+
+        def km(n, key="ms", fmt=".3f"):
+            return f(k.get(n, {}).get(key), fmt)
+
+        lines.append(f"{r['numel']:>11,} {r['density']:>8g} {f(r['selected'], 'd'):>10} {f(r['step_ms'], '.3f'):>8} "
+                     f"{f(r['step_of_floor'], '.0%'):>8} {km('acc_select_hist'):>8} "
+                     f"{km('acc_select_hist', 'fraction_of_peak', '.0%'):>7} {km('scan'):>7} {km('compact'):>8} "
+                     f"{km('fill_zero'):>7} {km('fill_zero', 'fraction_of_peak', '.0%'):>7} "
+                     f"{f(bl.get('cupy_threshold_select'), '.3f'):>9} {f(bl.get('torch_topk'), '.3f'):>10} "
+                     f"{f(r['speedup_vs_torch_topk'], '.1f'):>7}")
     return "\n".join(lines)
 
 
-def _time_ms(cp, fn, reps):
-    fn()  # warm-up: compile, allocate
-    cp.cuda.get_current_stream().synchronize()
+def _time_ms(cp, fn, reps, warmup=1):
+    """Mean ms of ``fn`` over ``reps`` calls, CuPy events on CuPy's current stream (the stream
+    ``CudaOps`` launches on); warm-up calls excluded."""
+    for _ in range(warmup):
+        fn()
+    stream = cp.cuda.get_current_stream()
+    stream.synchronize()
     start, stop = cp.cuda.Event(), cp.cuda.Event()
-    start.record()
+    start.record(stream)
     for _ in range(reps):
         fn()
-    stop.record()
+    stop.record(stream)
     stop.synchronize()
     return cp.cuda.get_elapsed_time(start, stop) / reps
 
 
-def _torch_topk(cp, acc, k, reps):
+def _torch_topk(r, g, k, reps):
+    """``topk(|r + g|, k)`` indices, the same work as the fused pass, timed on torch's stream."""
     try:
         import torch
     except ImportError:
         return None
     if not torch.cuda.is_available():
         return None
-    t = torch.from_dlpack(acc)
+    tr, tg = torch.from_dlpack(r), torch.from_dlpack(g)
 
     def run():
-        torch.topk(t.abs(), k, sorted=False)
+        acc = tr + tg
+        return torch.topk(acc.abs(), k, sorted=False).indices
 
-    return _time_ms(cp, run, reps)  # torch runs on its current stream; events bracket device work
+    run()
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        run()
+    stop.record()
+    stop.synchronize()
+    return start.elapsed_time(stop) / reps
 
 
-def measure(numel, density, reps, topk=True):
+def measure(numel, density, reps, warmup, topk=True):
     import cupy as cp
     import numpy as np
 
-    from exdyna_mpi.arrays import ops_for
-
-    CudaOps = ops_for("cuda")
+    import exdyna_mpi
+    from exdyna_mpi.kernels import cuda as kc
 
     n = int(numel)
     rng = cp.random.default_rng(0)
-    res = rng.standard_normal(n, dtype=cp.float32) * 0.01
     grad = rng.standard_normal(n, dtype=cp.float32) * 0.01
+    sp = exdyna_mpi.ExDyna(n, density, device="cuda")
+    step_ms = _time_ms(cp, lambda: sp.step(grad), reps, warmup=warmup)
+    selected = int(sp.stats.selected)
+
+    # each kernel alone, on buffers of the step's shape, the plan the controller asks for now
+    res = rng.standard_normal(n, dtype=cp.float32) * 0.01
     acc = cp.empty(n, cp.float32)
     idx = cp.empty(n, cp.int32)
-    # threshold for the density from a sample of |res + grad| (set once, not timed)
-    sample = cp.abs(res[: min(n, 1 << 22)] + grad[: min(n, 1 << 22)])
-    thr = np.float32(float(cp.quantile(sample, 1.0 - density)))
-    counts = []
-
-    def select():
-        c, _ = CudaOps.accumulate_select(res, grad, acc, 0, n, thr, idx)
-        counts.append(c)
-
-    select_ms = _time_ms(cp, select, reps)
-
-    from exdyna_mpi.algorithm.controllers import HistogramController
-
-    ctl = HistogramController(n, density)
-    ctl.threshold = float(thr)
-    plan = ctl.plan(1, np.float32)      # what the controller asks of a step's pass
+    out = cp.empty(n, cp.float32)
+    plan = sp.controller.plan(1, np.float32)
+    thr = np.float32(plan.threshold)
     spec, fspec = plan.hist, plan.fine
-    hist, fine = np.zeros(spec[0], np.int64), np.zeros(fspec[0], np.int64)
+    scratch = kc.Scratch(cp.zeros(kc.Scratch.size(), cp.int64), zeros=lambda m, dt: cp.zeros(m, dt))
+    stream = kc.cuda.external_stream(cp.cuda.get_current_stream().ptr)
+    mask = kc._dev(scratch.mask_for(n))
+    nb, bd = kc._shape(n)
+    cs = kc._chunk(n, nb, bd)
+    kcount, _ = kc._hist_kernels(np.float32)
+    hw = kc._dev(scratch.hist)
+    dv = [kc._dev(a) for a in (res, grad, acc, idx)]
+    bc, bb, off, tot = (kc._dev(scratch.block_counts), kc._dev(scratch.block_bad), kc._dev(scratch.offsets),
+                        kc._dev(scratch.totals))
 
-    def select_hist():
-        CudaOps.accumulate_select_hist(res, grad, acc, 0, n, thr, idx, spec[1], spec[2], hist, plan.predict,
-                                       (fspec[1], fspec[2], fine), (0, n), plan.stride)
+    def pass_():
+        kc._launch(kcount, nb, bd, stream)(dv[0], dv[1], dv[2], 0, n, thr, cs, bc, bb, mask, 0, n, True, spec[1],
+                                           spec[2], spec[0], fspec[1], fspec[2], fspec[0], hw, plan.stride)
 
-    hist_ms = _time_ms(cp, select_hist, reps)
-    k = max(1, int(n * density))
-    cupy_sel = cupy_topk = torch_topk = None
+    def scan():
+        kc._launch(kc._scan, 1, min(kc.SCAN_THREADS, kc._round32(nb)), stream)(bc, bb, nb, off, tot)
+
+    def compact():
+        kc._launch(kc._compact_kernel(None), nb, bd, stream)(mask, 0, n, cs, off, dv[3])
+
+    def one_select():  # the mask must be set before each compaction (it clears what it reads)
+        pass_()
+        scan()
+        compact()
+
+    kernels = {"acc_select_hist": _time_ms(cp, pass_, reps)}
+    kernels["scan"] = _time_ms(cp, scan, reps)
+    t_all = _time_ms(cp, one_select, reps)
+    kernels["compact"] = max(t_all - kernels["acc_select_hist"] - kernels["scan"], 0.0)
+    kernels["fill_zero"] = _time_ms(cp, lambda: out.data.memset_async(0, out.nbytes), reps)
+    count = int(scratch.totals.get()[0])
+    union = idx[:count]
+    vals = cp.empty(count, cp.float32)
+    if count:
+        kernels["gather"] = _time_ms(cp, lambda: kc.gather(acc, union, vals, stream), reps)
+        kernels["scatter_mean_zero"] = _time_ms(
+            cp, lambda: kc.scatter_mean_zero(out, res, union, vals, np.float32(1), stream), reps)
+    baselines = {"cupy_threshold_select": None, "torch_topk": None}
     if topk:
-        cupy_sel = _time_ms(cp, lambda: cp.flatnonzero(cp.abs(acc) >= thr), reps)
-        cupy_topk = _time_ms(cp, lambda: cp.argpartition(cp.abs(acc), n - k)[n - k:], max(1, reps // 4))
-        torch_topk = _torch_topk(cp, acc, k, max(1, reps // 4))
-    del res, grad, acc, idx
+        def cupy_sel():
+            a = res + grad
+            return cp.flatnonzero(cp.abs(a) >= thr)
+
+        baselines["cupy_threshold_select"] = _time_ms(cp, cupy_sel, reps)
+        baselines["torch_topk"] = _torch_topk(res, grad, max(1, int(n * density)), max(1, reps // 4))
+    del sp, res, grad, acc, idx, out, vals
     cp.get_default_memory_pool().free_all_blocks()
-    return select_ms, counts[-1], cupy_sel, cupy_topk, torch_topk, hist_ms
+    return step_ms, kernels, baselines, selected
 
 
 def main(argv=None):
@@ -151,8 +208,10 @@ def main(argv=None):
         device, peak = "fake (--check)", 3350.0
         for n in numels:
             for d in densities:
-                rows.append(row(n, d, 12.0 * n / 2.5e12 * 1e3, peak, None, None, None, int(n * d),
-                                12.0 * n / 2.2e12 * 1e3))
+                fake = {"acc_select_hist": 12.0 * n / 2.2e12 * 1e3, "scan": 0.003, "compact": 0.02,
+                        "fill_zero": 4.0 * n / 3.0e12 * 1e3}
+                rows.append(row(n, d, peak, 16.0 * n / 1.8e12 * 1e3, fake,
+                                {"cupy_threshold_select": None, "torch_topk": None}, int(n * d)))
     else:
         import cupy as cp
 
@@ -165,16 +224,16 @@ def main(argv=None):
         peak = peak_bandwidth_gbs(props)
         free = cp.cuda.Device().mem_info[0]
         for n in numels:
-            if 20 * n > free:  # res, grad, acc, idx and the baselines' temporaries
-                print(f"skip numel {n:,}: needs ~{20 * n / 2**30:.1f} GiB, {free / 2**30:.1f} free")
+            if 28 * n > free:  # grad, residual, acc, out, idx, the kernels' copies, the baselines' temporaries
+                print(f"skip numel {n:,}: needs ~{28 * n / 2**30:.1f} GiB, {free / 2**30:.1f} free")
                 continue
             for d in densities:
-                ms, sel, cs, ct, tt, hm = measure(n, d, a.reps, topk=not a.no_topk)
-                rows.append(row(n, d, ms, peak, cs, ct, tt, sel, hm))
+                step_ms, kernels, baselines, sel = measure(n, d, a.reps, a.warmup, topk=not a.no_topk)
+                rows.append(row(n, d, peak, step_ms, kernels, baselines, sel))
                 print(table(rows[-1:], device, peak).splitlines()[-1], flush=True)
     print(table(rows, device, peak))
     doc = {"device": device, "peak_GBs": peak, "host": platform.node(), "time": time.time(),
-           "reps": a.reps, "bytes_per_element_floor": 12, "rows": rows, "command": command()}
+           "reps": a.reps, "warmup": a.warmup, "bytes_per_element_floor": STEP_FLOOR, "rows": rows, "command": command()}
     if a.json:
         print(f"wrote {write_json(a.json, doc)}")
     return doc

@@ -40,9 +40,11 @@ words to the host and return them, like ``kernels.cpu`` / ``kernels.cpu_controll
 """
 import math
 import os
+import warnings
 
 import numpy as np
 from numba import cuda
+from numba.core.errors import NumbaPerformanceWarning
 
 try:  # numba-cuda (the NVIDIA package) keeps its config here; numba's built-in target elsewhere
     from numba.cuda.core import config as _config
@@ -59,8 +61,9 @@ FULL_MASK = 0xFFFFFFFF
 
 # Launch shapes. The simulator runs one OS thread per CUDA thread and each syncthreads is a Python
 # barrier, so it gets tiny grids; the loops in every kernel cover any length with any grid.
+# IPT: 32-element mask words per compaction thread per tile (a compile-time constant on a GPU).
 if SIMULATOR:
-    BLOCK, GRID_MAX, SCAN_THREADS, ITEMS, IPT = 32, 2, 8, 1, 32
+    BLOCK, GRID_MAX, SCAN_THREADS, ITEMS, IPT = 32, 2, 8, 1, 2
 else:
     BLOCK, GRID_MAX, SCAN_THREADS, ITEMS, IPT = 256, NB_MAX, NB_MAX, 8, 4
 
@@ -127,27 +130,43 @@ def _tile_scan_warp(c):
 # ---------------------------------------------------------------------------- block helpers
 @cuda.jit(device=True)
 def _block_total2(a, b, out_a, out_b):
-    """Sum ``a`` and ``b`` over the block; thread 0 stores them at ``out_*[blockIdx.x]``."""
-    sh = cuda.shared.array(2, np.int64)
+    """Sum ``a`` and ``b`` over the block; thread 0 stores them at ``out_*[blockIdx.x]``.
+
+    int32 shared counters (native atomics; int64 ones are CAS loops on sm_90): a block visits
+    fewer than 2**31 elements (1024 blocks up to 2**40 elements)."""
+    sh = cuda.shared.array(2, np.int32)
     t = cuda.threadIdx.x
     if t == 0:
         sh[0] = 0
         sh[1] = 0
     cuda.syncthreads()
     if a != 0:
-        cuda.atomic.add(sh, 0, a)
+        cuda.atomic.add(sh, 0, np.int32(a))
     if b != 0:
-        cuda.atomic.add(sh, 1, b)
+        cuda.atomic.add(sh, 1, np.int32(b))
     cuda.syncthreads()
     if t == 0:
-        out_a[cuda.blockIdx.x] = sh[0]
-        out_b[cuda.blockIdx.x] = sh[1]
+        out_a[cuda.blockIdx.x] = np.int64(sh[0])
+        out_b[cuda.blockIdx.x] = np.int64(sh[1])
 
 
 # ---------------------------------------------------------------------------- kernels
+@cuda.jit(device=True)
+def _mark(mask, i, lo):
+    """Set the bit of element ``i`` in the hit mask (word ``(i - lo) // 32``, bit ``(i - lo) % 32``).
+
+    Hits are rare (a density of 1e-3..1e-2 of the range), so one global atomic per hit costs less
+    than building every word (a ballot per 32 elements, absent in the simulator); the compaction
+    reads these words instead of re-reading ``x`` (1/32 of the bytes) and zeroes the ones it used.
+    """
+    d = i - lo
+    cuda.atomic.or_(mask, d >> 5, np.uint32(1) << np.uint32(d & 31))
+
+
 @cuda.jit
-def _acc_count(r, g, acc, lo, hi, thr, cs, block_counts, block_bad):
-    """acc = r + g over the whole vector; per block: hits in its chunk of [lo, hi), non-finite acc."""
+def _acc_count(r, g, acc, lo, hi, thr, cs, block_counts, block_bad, mask):
+    """acc = r + g over the whole vector; per block: hits in its chunk of [lo, hi) (and their bits
+    in ``mask``), non-finite acc."""
     t = cuda.threadIdx.x
     b = cuda.blockIdx.x
     bd = cuda.blockDim.x
@@ -163,6 +182,7 @@ def _acc_count(r, g, acc, lo, hi, thr, cs, block_counts, block_bad):
             bad += 1
         if abs(v) >= thr:
             cnt += 1
+            _mark(mask, i, lo)
         i += bd
     # The rest of the vector, [0, lo) then [hi, n), as one grid-stride range of n - m elements.
     m = hi - lo
@@ -179,8 +199,9 @@ def _acc_count(r, g, acc, lo, hi, thr, cs, block_counts, block_bad):
 
 
 @cuda.jit
-def _count(x, lo, hi, thr, cs, block_counts, block_bad):
-    """Per block: hits ``|x| >= thr`` in its chunk of [lo, hi) (block_bad gets 0)."""
+def _count(x, lo, hi, thr, cs, block_counts, block_bad, mask, marks):
+    """Per block: hits ``|x| >= thr`` in its chunk of [lo, hi) (block_bad gets 0); their bits in
+    ``mask`` when ``marks`` (``count_range`` needs only the count)."""
     t = cuda.threadIdx.x
     b = cuda.blockIdx.x
     bd = cuda.blockDim.x
@@ -190,6 +211,8 @@ def _count(x, lo, hi, thr, cs, block_counts, block_bad):
     while i < e:
         if abs(x[i]) >= thr:
             cnt += 1
+            if marks:
+                _mark(mask, i, lo)
         i += bd
     _block_total2(cnt, 0, block_counts, block_bad)
 
@@ -234,32 +257,46 @@ def _scan(block_counts, block_bad, nb, offsets, totals):
 
 def _make_compact(tile_scan):
     @cuda.jit
-    def _compact(x, lo, hi, thr, cs, ipt, offsets, idx):
-        """Write the hits of this block's chunk, ascending, at idx[offsets[b]:].
+    def _compact(mask, lo, hi, cs, offsets, idx):
+        """Write the hits of this block's chunk, ascending, at idx[offsets[b]:], from the hit mask.
 
-        A tile is blockDim * ipt elements; thread t takes the ipt consecutive ones at t * ipt,
-        counts its hits, gets its rank in the tile from ``tile_scan`` and writes them in order.
+        The chunk ``[lo + b*cs, ...)`` starts on a mask word (``cs`` is a multiple of 32). A tile is
+        ``blockDim * IPT`` words; thread t takes the IPT consecutive words at t * IPT, counts their
+        bits (``popc``), gets its rank in the tile from ``tile_scan`` (one block scan per
+        ``32 * IPT * blockDim`` elements) and writes its hits lowest bit first; it zeroes every
+        non-zero word it read, so the mask is all zero again for the next selection.
         """
         t = cuda.threadIdx.x
         b = cuda.blockIdx.x
-        tile = cuda.blockDim.x * ipt
-        s = lo + b * cs
-        e = min(s + cs, hi)
+        s = b * cs                      # offsets from lo
+        e = min(s + cs, hi - lo)
+        w0 = s >> 5
+        w1 = (e + 31) >> 5 if e > s else w0
+        tile = cuda.blockDim.x * IPT
         base = offsets[b]
-        k = s
-        while k < e:  # the same trip count on every thread of the block: tile_scan has barriers
-            i0 = k + t * ipt
-            i1 = min(i0 + ipt, e)
+        k = w0
+        while k < w1:  # the same trip count on every thread of the block: tile_scan has barriers
+            q0 = k + t * IPT
             c = 0
-            for i in range(i0, i1):
-                if abs(x[i]) >= thr:
-                    c += 1
+            for u in range(IPT):
+                q = q0 + u
+                if q < w1:
+                    c += cuda.popc(mask[q])
             pre, tot = tile_scan(c)
             pos = base + pre
-            for i in range(i0, i1):
-                if abs(x[i]) >= thr:
-                    idx[pos] = i
-                    pos += 1
+            if c > 0:
+                for u in range(IPT):
+                    q = q0 + u
+                    if q < w1:
+                        word = np.int64(mask[q])
+                        if word != 0:
+                            mask[q] = 0
+                            at = lo + (q << 5)
+                            while word != 0:
+                                low = word & -word
+                                idx[pos] = at + cuda.popc(low - 1)
+                                pos += 1
+                                word ^= low
             base += tot
             k += tile
 
@@ -318,18 +355,20 @@ def _flush_hist(sh, nh, nf, low, low_f, hist):
 
     Every thread of the block must call it (two barriers). Bucket 0 (everything below the window,
     most of the vector for the fine window) is counted in registers: one shared atomic per thread
-    instead of one per element on a single hot address.
+    instead of one per element on a single hot address. The block's histogram is int32 (native
+    shared-memory atomics; int64 ones are CAS spin loops on sm_90): a block visits fewer than 2**31
+    elements of any vector up to 2**40 elements. ``hist`` (global) stays int64.
     """
     if low != 0:
-        cuda.atomic.add(sh, 0, low)
+        cuda.atomic.add(sh, 0, np.int32(low))
     if low_f != 0:
-        cuda.atomic.add(sh, nh, low_f)
+        cuda.atomic.add(sh, nh, np.int32(low_f))
     cuda.syncthreads()
     k = cuda.threadIdx.x
     while k < nh + nf:
         c = sh[k]
         if c != 0:
-            cuda.atomic.add(hist, k, c)
+            cuda.atomic.add(hist, k, np.int64(c))
         k += cuda.blockDim.x
 
 
@@ -356,13 +395,13 @@ def _make_hist_kernels(bits, sign_off):
             if j == 0:
                 low += 1
             else:
-                cuda.atomic.add(sh, j, 1)
+                cuda.atomic.add(sh, j, np.int32(1))
         if nf > 0:
             j = _bucket(b >> shift_f, key0_f, nf - 1)
             if j == 0:
                 low_f += 1
             else:
-                cuda.atomic.add(sh, nh + j, 1)
+                cuda.atomic.add(sh, nh + j, np.int32(1))
         return low, low_f
 
     @cuda.jit(device=True)
@@ -380,11 +419,39 @@ def _make_hist_kernels(bits, sign_off):
             return nbv
         return v + nbv
 
+    @cuda.jit(device=True)
+    def _rest(a, z, r, g, acc, n, flo, fhi, predict, sh, shift, key0, nh, shift_f, key0_f, nf, cstride, bad, low,
+              low_f):
+        """acc = r + g over [a, z) (nothing selected there), grid-stride, with the forecast histograms.
+
+        ``rem`` counts ``i % cstride`` down without a division per element."""
+        stride = cuda.gridDim.x * cuda.blockDim.x
+        i = a + cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        rem = i % cstride
+        step = stride % cstride
+        while i < z:
+            v = r[i] + g[i]
+            acc[i] = v
+            if v - v != 0:
+                bad += 1
+            if flo <= i and i < fhi:
+                low, low_f = _put(_forecast(v, False, i, g, n, predict), sh, shift, key0, nh, shift_f, key0_f, nf,
+                                  low, low_f, rem == 0)
+            rem += step
+            if rem >= cstride:
+                rem -= cstride
+            i += stride
+        return bad, low, low_f
+
     @cuda.jit
-    def acc_count_hist(r, g, acc, lo, hi, thr, cs, block_counts, block_bad, flo, fhi, predict, shift, key0, nh,
-                       shift_f, key0_f, nf, hist, cstride):
-        """``_acc_count`` plus ``hist[:nh + nf] +=`` the histograms over [flo, fhi) (zeroed before)."""
-        sh = cuda.shared.array(HIST_MAX, np.int64)
+    def acc_count_hist(r, g, acc, lo, hi, thr, cs, block_counts, block_bad, mask, flo, fhi, predict, shift, key0,
+                       nh, shift_f, key0_f, nf, hist, cstride):
+        """``_acc_count`` plus ``hist[:nh + nf] +=`` the histograms over [flo, fhi) (zeroed before).
+
+        The coarse sample is ``i % cstride == 0``, counted down per thread (no division per element);
+        the rest of the vector is two plain grid-stride ranges, [0, lo) and [hi, n) (every count is
+        an integer sum, so how elements are spread over threads changes no bit)."""
+        sh = cuda.shared.array(HIST_MAX, np.int32)
         _zero_shared_hist(sh, nh + nf)
         t = cuda.threadIdx.x
         b = cuda.blockIdx.x
@@ -396,6 +463,11 @@ def _make_hist_kernels(bits, sign_off):
         low_f = 0
         e = min(lo + (b + 1) * cs, hi)
         i = lo + b * cs + t
+        rem = i % cstride
+        step = bd % cstride
+        # the forecast window inside this chunk: [f0, f1)
+        f0 = max(flo, lo + b * cs)
+        f1 = min(fhi, e)
         while i < e:  # this block's chunk of the selection range, as in _acc_count
             v = r[i] + g[i]
             acc[i] = v
@@ -404,30 +476,25 @@ def _make_hist_kernels(bits, sign_off):
             sel = abs(v) >= thr
             if sel:
                 cnt += 1
-            if flo <= i and i < fhi:  # p needs sel, known only here
+                _mark(mask, i, lo)
+            if f0 <= i and i < f1:  # p needs sel, known only here
                 low, low_f = _put(_forecast(v, sel, i, g, n, predict), sh, shift, key0, nh, shift_f, key0_f, nf,
-                                  low, low_f, i % cstride == 0)
+                                  low, low_f, rem == 0)
+            rem += step
+            if rem >= cstride:
+                rem -= cstride
             i += bd
-        m = hi - lo
-        stride = cuda.gridDim.x * bd
-        j = b * bd + t
-        while j < n - m:  # the rest of the vector: nothing selected there
-            i = j if j < lo else j + m
-            v = r[i] + g[i]
-            acc[i] = v
-            if v - v != 0:
-                bad += 1
-            if flo <= i and i < fhi:
-                low, low_f = _put(_forecast(v, False, i, g, n, predict), sh, shift, key0, nh, shift_f, key0_f, nf,
-                                  low, low_f, i % cstride == 0)
-            j += stride
+        bad, low, low_f = _rest(0, lo, r, g, acc, n, flo, fhi, predict, sh, shift, key0, nh, shift_f, key0_f, nf,
+                                cstride, bad, low, low_f)
+        bad, low, low_f = _rest(hi, n, r, g, acc, n, flo, fhi, predict, sh, shift, key0, nh, shift_f, key0_f, nf,
+                                cstride, bad, low, low_f)
         _flush_hist(sh, nh, nf, low, low_f, hist)
         _block_total2(cnt, bad, block_counts, block_bad)
 
     @cuda.jit
     def hist_range(x, lo, hi, shift, key0, nh, hist):
         """``hist[:nh] +=`` the histogram of ``|x[lo:hi]|`` (zeroed before); x only read."""
-        sh = cuda.shared.array(HIST_MAX, np.int64)
+        sh = cuda.shared.array(HIST_MAX, np.int32)
         _zero_shared_hist(sh, nh)
         low = 0
         low_f = 0
@@ -493,17 +560,21 @@ def _scatter_mean_zero(out, residual, idx, sums, p):
 
 # ---------------------------------------------------------------------------- launchers
 class Scratch:
-    """The small int64 buffers of one selection: block counts, block offsets, totals, histograms.
+    """The small int64 buffers of one selection (block counts, block offsets, totals, histograms)
+    and the hit mask (uint32, one bit per element of the selection range, all zero between calls).
 
     ``words`` is one int64 array of at least ``Scratch.size()`` elements, allocated by the caller
-    (a CuPy array, a Numba device array, or NumPy under the simulator) and reused every step.
+    (a CuPy array, a Numba device array, or NumPy under the simulator) and reused every step;
+    ``zeros(n, dtype)`` allocates the mask (zeroed) the first time a range needs a larger one.
+    One ``Scratch`` serves one stream of work at a time: the launchers leave results in it for the
+    host to read (``CudaOps`` keeps one per device, stream and thread).
     """
 
     @staticmethod
     def size():
         return 3 * NB_MAX + 2 + HIST_MAX
 
-    def __init__(self, words):
+    def __init__(self, words, zeros=None):
         self.words = words
         self.block_counts = words[0:NB_MAX]
         self.block_bad = words[NB_MAX:2 * NB_MAX]
@@ -512,13 +583,27 @@ class Scratch:
         # the histograms' device counts, right after totals: one copy reads [count, bad, hist...]
         self.hist = words[3 * NB_MAX + 2:3 * NB_MAX + 2 + HIST_MAX]
         self.totals_hist = words[3 * NB_MAX:3 * NB_MAX + 2 + HIST_MAX]
+        self._zeros = zeros or _zeros
+        self.mask = None
+
+    def mask_for(self, m):
+        """The hit mask for a selection range of ``m`` elements (grown, never shrunk)."""
+        nw = max((m + 31) // 32, 1)
+        if self.mask is None or self.mask.shape[0] < nw:
+            grown = nw if self.mask is None else max(nw, 2 * self.mask.shape[0])
+            self.mask = self._zeros(grown, np.uint32)
+        return self.mask
+
+
+def _zeros(n, dtype):
+    if SIMULATOR:
+        return np.zeros(n, dtype)
+    return cuda.to_device(np.zeros(n, dtype))
 
 
 def new_scratch():
     """A ``Scratch`` allocated with Numba (tests and one-off calls; ``CudaOps`` brings its own)."""
-    if SIMULATOR:
-        return Scratch(np.zeros(Scratch.size(), np.int64))
-    return Scratch(cuda.device_array(Scratch.size(), np.int64))
+    return Scratch(_zeros(Scratch.size(), np.int64))
 
 
 def _dev(a):
@@ -534,6 +619,27 @@ def _dev(a):
     return cuda.as_cuda_array(a, sync=False)
 
 
+_configs = {}
+
+
+def _launch(kernel, nb, bd, stream):
+    """``kernel[nb, bd, stream]``, made once and kept: numba-cuda warns on every launch
+    configuration of fewer than 128 blocks (the scan, the zeroing of the histogram words, and
+    gather/scatter of small selections are small on purpose), and building it costs host time."""
+    if SIMULATOR:  # the simulator's kernel[...] reconfigures and returns the kernel itself: no caching
+        return kernel[nb, bd, stream]
+    key = (id(kernel), nb, bd, id(stream))
+    got = _configs.get(key)
+    if got is None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", NumbaPerformanceWarning)
+            cfg = kernel[nb, bd, stream]
+        if len(_configs) > 4096:
+            _configs.clear()
+        got = _configs[key] = (cfg, kernel, stream)  # the references keep the ids from being reused
+    return got[0]
+
+
 def _shape(n_work, block=None):
     """(blocks, threads) for ``n_work`` elements: enough blocks for ITEMS elements per thread."""
     bd = block or BLOCK
@@ -542,9 +648,11 @@ def _shape(n_work, block=None):
 
 
 def _chunk(m, nb, bd):
-    """Elements of the selection range per block, a multiple of the block size."""
+    """Elements of the selection range per block: a multiple of the block size and of 32 (a block's
+    chunk starts on a mask word)."""
     per = math.ceil(m / nb) if m > 0 else 0
-    return math.ceil(per / bd) * bd
+    unit = bd * 32 // math.gcd(bd, 32)
+    return math.ceil(per / unit) * unit
 
 
 def _compact_kernel(variant):
@@ -566,19 +674,24 @@ def _read_totals(scratch, stream):
     return int(host[0]), int(host[1])
 
 
+def _scan_compact(scratch, nb, lo, hi, cs, mask, idx, stream, variant):
+    bc, bb, off, tot = (_dev(scratch.block_counts), _dev(scratch.block_bad), _dev(scratch.offsets),
+                        _dev(scratch.totals))
+    _launch(_scan, 1, min(SCAN_THREADS, _round32(nb)), stream)(bc, bb, nb, off, tot)
+    if hi > lo:
+        _launch(_compact_kernel(variant), nb, BLOCK, stream)(mask, lo, hi, cs, off, _dev(idx))
+
+
 def accumulate_select_async(residual, grad, acc, lo, hi, thr, idx, scratch, stream=0, variant=None):
     """Launch the fused select; ``scratch.totals`` holds ``[count, nonfinite]`` when it completes."""
     n = acc.shape[0]
     m = hi - lo
     nb, bd = _shape(n)
     cs = _chunk(m, nb, bd)
-    r, g, a, ix = _dev(residual), _dev(grad), _dev(acc), _dev(idx)
-    bc, bb, off, tot = (_dev(scratch.block_counts), _dev(scratch.block_bad), _dev(scratch.offsets),
-                        _dev(scratch.totals))
-    _acc_count[nb, bd, stream](r, g, a, lo, hi, thr, cs, bc, bb)
-    _scan[1, min(SCAN_THREADS, _round32(nb)), stream](bc, bb, nb, off, tot)
-    if m > 0:
-        _compact_kernel(variant)[nb, bd, stream](a, lo, hi, thr, cs, IPT, off, ix)
+    mask = _dev(scratch.mask_for(m))
+    _launch(_acc_count, nb, bd, stream)(_dev(residual), _dev(grad), _dev(acc), lo, hi, thr, cs,
+                                        _dev(scratch.block_counts), _dev(scratch.block_bad), mask)
+    _scan_compact(scratch, nb, lo, hi, cs, mask, idx, stream, variant)
 
 
 def select_range_async(x, lo, hi, thr, idx, scratch, stream=0, variant=None):
@@ -586,13 +699,10 @@ def select_range_async(x, lo, hi, thr, idx, scratch, stream=0, variant=None):
     m = hi - lo
     nb, bd = _shape(m)
     cs = _chunk(m, nb, bd)
-    xd, ix = _dev(x), _dev(idx)
-    bc, bb, off, tot = (_dev(scratch.block_counts), _dev(scratch.block_bad), _dev(scratch.offsets),
-                        _dev(scratch.totals))
-    _count[nb, bd, stream](xd, lo, hi, thr, cs, bc, bb)
-    _scan[1, min(SCAN_THREADS, _round32(nb)), stream](bc, bb, nb, off, tot)
-    if m > 0:
-        _compact_kernel(variant)[nb, bd, stream](xd, lo, hi, thr, cs, IPT, off, ix)
+    mask = _dev(scratch.mask_for(m))
+    _launch(_count, nb, bd, stream)(_dev(x), lo, hi, thr, cs, _dev(scratch.block_counts),
+                                    _dev(scratch.block_bad), mask, True)
+    _scan_compact(scratch, nb, lo, hi, cs, mask, idx, stream, variant)
 
 
 def count_range_async(x, lo, hi, thr, scratch, stream=0):
@@ -602,8 +712,8 @@ def count_range_async(x, lo, hi, thr, scratch, stream=0):
     cs = _chunk(m, nb, bd)
     bc, bb, off, tot = (_dev(scratch.block_counts), _dev(scratch.block_bad), _dev(scratch.offsets),
                         _dev(scratch.totals))
-    _count[nb, bd, stream](_dev(x), lo, hi, thr, cs, bc, bb)
-    _scan[1, min(SCAN_THREADS, _round32(nb)), stream](bc, bb, nb, off, tot)
+    _launch(_count, nb, bd, stream)(_dev(x), lo, hi, thr, cs, bc, bb, _dev(scratch.mask_for(1)), False)
+    _launch(_scan, 1, min(SCAN_THREADS, _round32(nb)), stream)(bc, bb, nb, off, tot)
 
 
 def _round32(n):
@@ -635,7 +745,7 @@ def _elementwise(kernel, n, stream, *args):
     if n == 0:
         return
     nb, bd = _shape(n)
-    kernel[nb, bd, stream](*[_dev(a) if hasattr(a, "shape") else a for a in args])
+    _launch(kernel, nb, bd, stream)(*[_dev(a) if hasattr(a, "shape") else a for a in args])
 
 
 def gather(src, idx, out, stream=0):
@@ -693,24 +803,22 @@ def accumulate_select_hist_async(residual, grad, acc, lo, hi, thr, idx, shift, k
     hw = _hist_words(scratch, nh + nf)
     nb, bd = _shape(n)
     cs = _chunk(m, nb, bd)
-    r, g, a, ix = _dev(residual), _dev(grad), _dev(acc), _dev(idx)
-    bc, bb, off, tot = (_dev(scratch.block_counts), _dev(scratch.block_bad), _dev(scratch.offsets),
-                        _dev(scratch.totals))
-    _zero_words[1, max(1, min(BLOCK, _round32(nh + nf))), stream](hw, nh + nf)
-    kcount[nb, bd, stream](r, g, a, lo, hi, thr, cs, bc, bb, int(flo), int(fhi), bool(predict), int(shift),
-                           int(key0), int(nh), int(shift_f), int(key0_f), int(nf), hw, int(stride))
-    _scan[1, min(SCAN_THREADS, _round32(nb)), stream](bc, bb, nb, off, tot)
-    if m > 0:
-        _compact_kernel(variant)[nb, bd, stream](a, lo, hi, thr, cs, IPT, off, ix)
+    mask = _dev(scratch.mask_for(m))
+    _launch(_zero_words, 1, max(1, min(BLOCK, _round32(nh + nf))), stream)(hw, nh + nf)
+    _launch(kcount, nb, bd, stream)(_dev(residual), _dev(grad), _dev(acc), lo, hi, thr, cs,
+                                    _dev(scratch.block_counts), _dev(scratch.block_bad), mask, int(flo), int(fhi),
+                                    bool(predict), int(shift), int(key0), int(nh), int(shift_f), int(key0_f), int(nf),
+                                    hw, int(stride))
+    _scan_compact(scratch, nb, lo, hi, cs, mask, idx, stream, variant)
 
 
 def hist_range_async(x, lo, hi, shift, key0, nh, scratch, stream=0):
     """Launch ``hist_range``; ``scratch.hist[:nh]`` holds the counts when it completes."""
     _, khist = _hist_kernels(x.dtype)
     hw = _hist_words(scratch, nh)
-    _zero_words[1, max(1, min(BLOCK, _round32(nh))), stream](hw, nh)
+    _launch(_zero_words, 1, max(1, min(BLOCK, _round32(nh))), stream)(hw, nh)
     nb, bd = _shape(max(hi - lo, 1))
-    khist[nb, bd, stream](_dev(x), int(lo), int(hi), int(shift), int(key0), int(nh), hw)
+    _launch(khist, nb, bd, stream)(_dev(x), int(lo), int(hi), int(shift), int(key0), int(nh), hw)
 
 
 def read_totals_hist(scratch, nw, stream=0):

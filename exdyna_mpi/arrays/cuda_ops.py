@@ -8,19 +8,27 @@ ops, the same words followed by the histograms (one copy of ``2 + buckets`` int6
 
 Simulator or GPU is ``device.BACKEND``'s business: this module never branches on it.
 """
+import threading
+
 import numpy as np
 
 from ..kernels import cuda as _k
 from .device import BACKEND
 
-_scratch = {}  # device key -> kernels.cuda.Scratch, reused every step
+_local = threading.local()  # per thread: (device, stream) -> kernels.cuda.Scratch, reused every step
 
 
 def _scratch_here():
-    key = BACKEND.device_key()
-    s = _scratch.get(key)
+    """The scratch of this thread, device and stream: two sparsifiers (or threads) stepping on
+    different streams never share the block counts, totals, histograms or hit mask. On one stream
+    in one thread, calls run one after the other and each reads its words back before returning."""
+    table = getattr(_local, "scratch", None)
+    if table is None:
+        table = _local.scratch = {}
+    key = (BACKEND.device_key(), BACKEND.stream_key())
+    s = table.get(key)
     if s is None:
-        s = _scratch[key] = _k.Scratch(CudaOps.zeros(_k.Scratch.size(), np.int64))
+        s = table[key] = _k.Scratch(CudaOps.zeros(_k.Scratch.size(), np.int64), zeros=CudaOps.zeros)
     return s
 
 
@@ -59,7 +67,7 @@ class CudaOps:
 
     @staticmethod
     def fill_zero(x):
-        x.fill(0)  # CuPy: a kernel on the current stream
+        BACKEND.fill_zero(x)  # CuPy: cudaMemsetAsync on the current stream (write-only, no kernel)
 
     @staticmethod
     def accumulate_select(residual, grad, acc, lo, hi, thr, idx):

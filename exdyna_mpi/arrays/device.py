@@ -33,6 +33,12 @@ class SimulatedBackend:
     def device_key(self):
         return -1
 
+    def stream_key(self):
+        return 0
+
+    def fill_zero(self, x):
+        x.fill(0)
+
     def read_words(self, w):
         """A small device int64 array as a host int64 array (one device->host copy on a GPU)."""
         return np.array(w, dtype=np.int64)
@@ -67,20 +73,32 @@ class CupyBackend:  # pragma: no cover - real GPU only
         except ImportError:  # ops_for("cuda") is only reached when gpu_available() said yes
             cupy = None
         self.xp = cupy
-        self._streams = {}  # CuPy stream pointer -> Numba external stream
+        self._streams = {}  # (device id, CuPy stream pointer) -> Numba external stream
 
     def stream(self):
-        """The Numba view of CuPy's current stream."""
-        ptr = self.xp.cuda.get_current_stream().ptr
-        s = self._streams.get(ptr)
+        """The Numba view of CuPy's current stream (on the current device)."""
+        key = (self.device_key(), self.stream_key())
+        s = self._streams.get(key)
         if s is None:
             from numba import cuda
 
-            s = self._streams[ptr] = cuda.external_stream(ptr)
+            if len(self._streams) > 256:  # streams come and go: keep the table small
+                self._streams.clear()
+            s = self._streams[key] = cuda.external_stream(key[1])
         return s
+
+    def stream_key(self):
+        return self.xp.cuda.get_current_stream().ptr
 
     def device_key(self):
         return self.xp.cuda.Device().id
+
+    def fill_zero(self, x):
+        """``x[:] = 0`` as ``cudaMemsetAsync`` on the current stream when ``x`` is contiguous."""
+        if x.flags.c_contiguous:
+            x.data.memset_async(0, x.nbytes)
+        else:
+            x.fill(0)
 
     def read_words(self, w):
         return w.get(stream=self.xp.cuda.get_current_stream()).astype(np.int64, copy=False)
@@ -92,8 +110,12 @@ class CupyBackend:  # pragma: no cover - real GPU only
         return self.xp.asarray(a)
 
     def synchronize(self):
-        """Wait for CuPy's current stream: once before a device buffer goes to MPI."""
-        self.xp.cuda.get_current_stream().synchronize()
+        """Wait for CuPy's current stream: once before a device buffer goes to MPI. A stream with
+        nothing queued since the last wait (e.g. right after the count words were read) is not
+        waited on again: ``cudaStreamQuery`` answers without blocking."""
+        s = self.xp.cuda.get_current_stream()
+        if not s.done:
+            s.synchronize()
 
     def pinned_empty(self, n, dtype):
         import cupyx

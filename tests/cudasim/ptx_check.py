@@ -46,13 +46,14 @@ def main():
         fa = T.Array(ft, 1, "C")
         ia = T.Array(T.int32 if ft == T.float32 else T.int64, 1, "C")
         wa = T.Array(T.int64, 1, "C")
+        ma = T.Array(T.uint32, 1, "C")
         i64 = T.int64
         sigs = [
-            (kc._acc_count, (fa, fa, fa, i64, i64, ft, i64, wa, wa)),
-            (kc._count, (fa, i64, i64, ft, i64, wa, wa)),
+            (kc._acc_count, (fa, fa, fa, i64, i64, ft, i64, wa, wa, ma)),
+            (kc._count, (fa, i64, i64, ft, i64, wa, wa, ma, T.boolean)),
             (kc._scan, (wa, wa, i64, wa, wa)),
-            (kc._compact_safe, (fa, i64, i64, ft, i64, i64, wa, ia)),
-            (kc._compact_fast, (fa, i64, i64, ft, i64, i64, wa, ia)),
+            (kc._compact_safe, (ma, i64, i64, i64, wa, ia)),
+            (kc._compact_fast, (ma, i64, i64, i64, wa, ia)),
             (kc._gather, (fa, ia, fa)),
             (kc._scatter, (fa, ia, fa)),
             (kc._zero_at, (fa, ia)),

@@ -19,10 +19,11 @@ kc = ptx_check.kc
 def main():
     i64, b = T.int64, T.boolean
     wa = T.Array(T.int64, 1, "C")
+    ma = T.Array(T.uint32, 1, "C")
     for ft, kcount, khist, width in ((T.float32, kc._acc_count_hist32, kc._hist_range32, 32),
                                      (T.float64, kc._acc_count_hist64, kc._hist_range64, 64)):
         fa = T.Array(ft, 1, "C")
-        sigs = [(kcount, (fa, fa, fa, i64, i64, ft, i64, wa, wa, i64, i64, b, i64, i64, i64, i64, i64, i64, wa, i64)),
+        sigs = [(kcount, (fa, fa, fa, i64, i64, ft, i64, wa, wa, ma, i64, i64, b, i64, i64, i64, i64, i64, i64, wa, i64)),
                 (khist, (fa, i64, i64, i64, i64, i64, wa))]
         for kernel, sig in sigs:
             ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=ptx_check.CC)
@@ -30,7 +31,9 @@ def main():
             freg = "%f" if width == 32 else "%fd"
             if kernel is kcount:  # p lives in a register; hist_range may load the bits as integers directly
                 assert re.search(rf"mov\.b{width}\s+%rd?\d+, {freg}\d+;", ptx), f"{name}: no register bitcast"
-            assert "atom.shared.add.u64" in ptx, f"{name}: block histogram not in shared memory"
+            # int32 shared counters: native atomics (int64 ones are CAS spin loops on sm_90)
+            assert "atom.shared.add.u32" in ptx, f"{name}: block histogram not in shared memory"
+            assert "atom.shared.add.u64" not in ptx and "atom.shared.cas" not in ptx, f"{name}: 64-bit shared atomics"
             assert "atom.global.add.u64" in ptx, f"{name}: no global flush"
             assert "approx" not in ptx, f"{name}: approximate math would break bit-identity"
             print(f"ok {name}{sig}")

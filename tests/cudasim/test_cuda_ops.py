@@ -62,3 +62,44 @@ def test_host_round_trip_copies():
     d = CudaOps.from_host(a)
     a[0] = 9
     assert CudaOps.to_host(d)[0] == 0  # from_host copies: the caller may reuse its buffer
+
+
+def test_scratch_per_thread_and_mask_left_zero():
+    """Each thread gets its own scratch (totals, histograms, hit mask); the mask is all zero again
+    after a selection (the compaction clears the words it used), so the next call starts clean."""
+    import threading
+
+    from exdyna_mpi.arrays import cuda_ops
+
+    n = 700
+    x = np.random.default_rng(5).standard_normal(n).astype(np.float32)
+    idx = CudaOps.zeros(n, np.int32)
+    got = CudaOps.select_range(x, 3, 650, np.float32(1.0), idx)
+    assert got == int((np.abs(x[3:650]) >= 1.0).sum()) > 0
+    mine = cuda_ops._scratch_here()
+    assert mine.mask is not None and not mine.mask.any()
+    other = []
+    th = threading.Thread(target=lambda: other.append(cuda_ops._scratch_here()))
+    th.start()
+    th.join()
+    assert other[0] is not mine and other[0].words is not mine.words
+    assert cuda_ops._scratch_here() is mine
+
+
+def test_default_step_reads_words_through_backend(monkeypatch):
+    """Every device->host read of count words goes through ``BACKEND.read_words`` (tests/gpu hooks
+    it to prove a step never copies O(numel) to the host): once per step at least, and small."""
+    import exdyna_mpi
+    from exdyna_mpi.arrays import device
+
+    reads = []
+    real = device.BACKEND.read_words
+    monkeypatch.setattr(device.BACKEND, "read_words", lambda w: reads.append(w.nbytes) or real(w))
+    n = 3000
+    sp = exdyna_mpi.ExDyna(n, 0.01, device="cuda")
+    g = (np.random.default_rng(2).standard_normal(n) * 0.01).astype(np.float32)
+    for t in range(3):
+        before = len(reads)
+        sp.step(g)
+        assert len(reads) > before, f"step {t}: no read through BACKEND.read_words"
+    assert max(reads) < n * 4 // 4

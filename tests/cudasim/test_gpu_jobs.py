@@ -25,7 +25,9 @@ def test_bench_gpu_check_mode(tmp_path):
     assert p.returncode == 0, p.stderr
     doc = json.loads(out.read_text())
     assert [r["numel"] for r in doc["rows"]] == [10_000_000, 400_000_000]
-    assert doc["bytes_per_element_floor"] == 12 and "select ms" in p.stdout
+    assert doc["bytes_per_element_floor"] == 16 and "step ms" in p.stdout
+    r = doc["rows"][0]
+    assert 0 < r["kernels"]["acc_select_hist"]["fraction_of_peak"] < 1 and r["step_of_floor"] > 0
 
 
 def test_peak_bandwidth_formula():

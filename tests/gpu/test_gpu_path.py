@@ -81,22 +81,24 @@ def test_no_full_length_copy_to_host(cp, monkeypatch):
     """A step moves O(k) bytes device->host (staged payload + count words), never O(numel).
 
     Counted at every device->host route the library has (CuPy forbids implicit ``np.asarray`` of a
-    device array, so any other copy would raise): the staging helper, the totals read, asnumpy.
+    device array, so any other copy would raise): the staging helper, ``BACKEND.read_words`` (the
+    one route of the count words and histograms, whichever controller reads them), asnumpy.
     """
-    from exdyna_mpi.arrays import cuda_ops as _cuda_ops
+    from exdyna_mpi.arrays import device as _device
     from exdyna_mpi.transport import device as dt
 
     monkeypatch.setenv(dt.ENV, "0")
     moved = []
-    real_stage, real_totals, real_asnumpy = dt._to_host_async, _cuda_ops._totals, cp.asnumpy
+    backend = _device.BACKEND
+    real_stage, real_words, real_asnumpy = dt._to_host_async, backend.read_words, cp.asnumpy
 
     def stage(dev, host):
         moved.append(dev.nbytes)
         real_stage(dev, host)
 
-    def totals(s):
-        moved.append(s.totals.nbytes)
-        return real_totals(s)
+    def words(w):
+        moved.append(w.nbytes)
+        return real_words(w)
 
     def asnumpy(a, *args, **kw):
         moved.append(a.nbytes)
@@ -108,7 +110,7 @@ def test_no_full_length_copy_to_host(cp, monkeypatch):
     g = cp.asarray((np.random.default_rng(1).standard_normal(n) * 0.0033).astype(np.float32))
     sp.step(g)  # warm-up: compile, allocate
     monkeypatch.setattr(dt, "_to_host_async", stage)
-    monkeypatch.setattr(_cuda_ops, "_totals", totals)
+    monkeypatch.setattr(backend, "read_words", words)
     monkeypatch.setattr(cp, "asnumpy", asnumpy)
     for _ in range(3):
         sp.step(g)
