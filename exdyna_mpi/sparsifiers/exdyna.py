@@ -6,6 +6,7 @@ import numpy as np
 from ..algorithm.controllers import CONTROLLERS, make_controller
 from ..algorithm.layout import BlockLayout, EqualLayout, owners, partition_of
 from ..arrays import threshold_for
+from . import deadline as _deadline
 from .base import Selection, Sparsifier
 from .roles import StepWords
 
@@ -43,6 +44,13 @@ class ExDyna(Sparsifier):
         >>> sp = exdyna_mpi.ExDyna(numel, density=0.001)        # collective over COMM_WORLD
         >>> avg = sp.step(flat_grad)                           # same kind and device as flat_grad
         >>> sp.stats.density, sp.stats.counts
+
+    ``deadline_ms`` (None: the exact exchange above; a number of ms, or ``"auto"``) and
+    ``max_loss`` (default 0.01) choose the deadline-bounded, priority-ordered index exchange with a
+    loss bound instead (``sparsifiers/deadline.py``, docs/deadline.md): selected mass that misses
+    the deadline stays in the residual, at most ``max_loss`` of a step's selected mass; every rank
+    applies the same union. ``sp.deadline`` is that exchange (None in exact mode), ``stats.deadline``
+    its report; ``sp.close()`` (collective) completes its late messages.
     """
 
     name = "exdyna"
@@ -51,7 +59,11 @@ class ExDyna(Sparsifier):
         "balance": (True, _balance),
         "n_blocks": (1024, _positive_int),
         "block_align": (32, _positive_int),
+        **_deadline.OPTIONS,
     }
+    #: the deadline exchange, built on the first step when ``deadline_ms`` is set
+    deadline = None
+    _deadline_state = {"history": []}
 
     def __init__(self, numel, density, comm=None, *, controller="histogram", balance=True,
                  n_blocks=1024, block_align=32, device="auto", nonfinite="raise", **unknown):
@@ -99,12 +111,18 @@ class ExDyna(Sparsifier):
         plan, cwords = self.controller.resolve(fused.plan, words[:, StepWords.N:], fused)
         counts = fused.counts
         t0 = time.perf_counter()
-        union = self.exchange.allgatherv(self._idx[:fused.count], counts)
+        dl = self._deadline_mode()
+        if dl is None:
+            union = self.exchange.allgatherv(self._idx[:fused.count], counts)
+        else:
+            union = dl.union_for(self, t, sel.acc, self._idx[:fused.count], counts)
         step.sec["indices"] = time.perf_counter() - t0
         res = self.average_at(sel.acc, union, step.out, step.sec)
         selected = int(counts.sum())
         stats = dict(counts=counts, selected=selected, density=selected / self.numel, threshold=plan.threshold,
                      bounds=self.layout.bounds(), owned=np.array(owners(t, self.nranks)))
+        if dl is not None:
+            stats["deadline"] = dl.last
         self.controller.update(counts, cwords, plan)
         bal = self.options.get("balance", False)
         if bal is True:   # True: the controller's own partner rule; the authors' for theirs
@@ -116,11 +134,36 @@ class ExDyna(Sparsifier):
         return res, stats
 
     def _extra_state(self):
-        return {"controller_state": self.controller.state(), "layout": self.layout.state()}
+        extra = {"controller_state": self.controller.state(), "layout": self.layout.state(),
+                 "options": _deadline.public_options(self.options)}
+        if self.options.get("deadline_ms") is not None:   # (state_dict need not be collective)
+            extra["deadline"] = self.deadline.state() if self.deadline is not None else self._deadline_state
+        return extra
 
     def _load_extra_state(self, d):
         self.controller.load_state(d["controller_state"])
         self.layout.load_state(d["layout"])
+        if self.options.get("deadline_ms") is not None:
+            self._deadline_state = d.get("deadline") or {"history": []}
+            if self.deadline is not None:
+                self.deadline.load(self._deadline_state)
+
+    # ------------------------------------------------------------------ the deadline exchange
+    def _deadline_mode(self):
+        """The deadline exchange (built on first use, collectively), or None in exact mode."""
+        if self.deadline is None and self.options.get("deadline_ms") is not None:
+            self.deadline = _deadline.DeadlineExchange(self.comm, self.options["deadline_ms"],
+                                                       self.options["max_loss"])
+            self.deadline.load(self._deadline_state)
+        return self.deadline
+
+    def close(self):
+        """Collective: complete the deadline exchange's late messages and free its communicator
+        (nothing to do in exact mode). The sparsifier can step again afterwards."""
+        if self.deadline is not None:
+            self._deadline_state = self.deadline.state()
+            self.deadline.close()
+            self.deadline = None
 
 
 class _FusedPass:
@@ -168,7 +211,7 @@ class MiCRO(ExDyna):
     """MiCRO: ExDyna without blocks or rebalancing (P fixed, equal element partitions)."""
 
     name = "micro"
-    OPTIONS = {"controller": ("faithful", _controller_name)}
+    OPTIONS = {"controller": ("faithful", _controller_name), **_deadline.OPTIONS}
 
     def __init__(self, numel, density, comm=None, *, controller="faithful", device="auto",
                  nonfinite="raise", **unknown):
