@@ -47,10 +47,12 @@ discarded) whenever they land; they can never match a later step's receive
 (``transport.deadline`` explains the tag window). ``close()`` completes everything
 (collective); ``pending_requests`` counts what is in flight.
 
-Union methods whose selections overlap (top-k, threshold: ``np.unique`` of the gathered indices)
-could use ``union()`` unchanged: an index selected by two senders is applied if either sender's
-chunk is included, so the deferred mass counted here is an upper bound. Not wired up yet (see
-docs/deadline.md).
+Sparsifiers gain the mode through ``DeadlineOption`` (a mixin: the options, the exchange built on
+first use, ``close``, the state). ExDyna and MiCRO (disjoint selections) and the union baselines
+``topk``, ``cltk`` and ``threshold`` use it. For the union baselines, selections overlap: the applied
+union is ``unique(A_0 ++ ... ++ A_{P-1})``, an index selected by two senders is applied when
+either sender's chunk is included, so the deferred mass reported is an upper bound of the mass
+actually deferred; the conservation rule is the same.
 """
 import time
 
@@ -265,3 +267,49 @@ class DeadlineExchange:
     def close(self):
         """Complete every request and free the private communicator (collective)."""
         self.transport.close()
+
+
+class DeadlineOption:
+    """Mixin for a ``Sparsifier`` whose step ends in a union average: ``deadline_ms`` and
+    ``max_loss`` (add ``OPTIONS`` to the class's), the exchange (``deadline``, built on the first
+    step, collectively), ``close()``, and the state it carries across steps."""
+
+    #: the deadline exchange, built on the first step when ``deadline_ms`` is set
+    deadline = None
+    _deadline_state = {"history": []}
+
+    def _deadline_mode(self):
+        """The deadline exchange (built on first use, collectively), or None in exact mode."""
+        if self.deadline is None and self.options.get("deadline_ms") is not None:
+            self.deadline = DeadlineExchange(self.comm, self.options["deadline_ms"], self.options["max_loss"])
+            self.deadline.load(self._deadline_state)
+        return self.deadline
+
+    def gather_union(self, t, acc, idx, counts, exact):
+        """The indices of every rank, in rank order: ``exact()`` in exact mode, else the deadline
+        exchange's applied union. Returns ``(indices, report or None)``."""
+        dl = self._deadline_mode()
+        if dl is None:
+            return exact(), None
+        return dl.union_for(self, t, acc, idx, counts), dl.last
+
+    def close(self):
+        """Collective: complete the deadline exchange's late messages and free its communicator
+        (nothing to do in exact mode). The sparsifier can step again afterwards."""
+        if self.deadline is not None:
+            self._deadline_state = self.deadline.state()
+            self.deadline.close()
+            self.deadline = None
+
+    def _deadline_extra_state(self):
+        """State entries (``state_dict`` need not be collective, so nothing is built here)."""
+        extra = {"options": public_options(self.options)}
+        if self.options.get("deadline_ms") is not None:
+            extra["deadline"] = self.deadline.state() if self.deadline is not None else self._deadline_state
+        return extra
+
+    def _deadline_load_state(self, d):
+        if self.options.get("deadline_ms") is not None:
+            self._deadline_state = d.get("deadline") or {"history": []}
+            if self.deadline is not None:
+                self.deadline.load(self._deadline_state)

@@ -30,7 +30,7 @@ def _controller_name(v):
     return None if v in CONTROLLERS else f"must be one of {sorted(CONTROLLERS)}"
 
 
-class ExDyna(Sparsifier):
+class ExDyna(_deadline.DeadlineOption, Sparsifier):
     """ExDyna sparsification with exact ``Allgatherv`` exchange.
 
     One step on rank r: ``acc = residual + grad``; select ``|acc| >= threshold`` inside the
@@ -61,9 +61,6 @@ class ExDyna(Sparsifier):
         "block_align": (32, _positive_int),
         **_deadline.OPTIONS,
     }
-    #: the deadline exchange, built on the first step when ``deadline_ms`` is set
-    deadline = None
-    _deadline_state = {"history": []}
 
     def __init__(self, numel, density, comm=None, *, controller="histogram", balance=True,
                  n_blocks=1024, block_align=32, device="auto", nonfinite="raise", **unknown):
@@ -111,18 +108,15 @@ class ExDyna(Sparsifier):
         plan, cwords = self.controller.resolve(fused.plan, words[:, StepWords.N:], fused)
         counts = fused.counts
         t0 = time.perf_counter()
-        dl = self._deadline_mode()
-        if dl is None:
-            union = self.exchange.allgatherv(self._idx[:fused.count], counts)
-        else:
-            union = dl.union_for(self, t, sel.acc, self._idx[:fused.count], counts)
+        idx = self._idx[:fused.count]
+        union, report = self.gather_union(t, sel.acc, idx, counts, lambda: self.exchange.allgatherv(idx, counts))
         step.sec["indices"] = time.perf_counter() - t0
         res = self.average_at(sel.acc, union, step.out, step.sec)
         selected = int(counts.sum())
         stats = dict(counts=counts, selected=selected, density=selected / self.numel, threshold=plan.threshold,
                      bounds=self.layout.bounds(), owned=np.array(owners(t, self.nranks)))
-        if dl is not None:
-            stats["deadline"] = dl.last
+        if report is not None:
+            stats["deadline"] = report
         self.controller.update(counts, cwords, plan)
         bal = self.options.get("balance", False)
         if bal is True:   # True: the controller's own partner rule; the authors' for theirs
@@ -134,36 +128,13 @@ class ExDyna(Sparsifier):
         return res, stats
 
     def _extra_state(self):
-        extra = {"controller_state": self.controller.state(), "layout": self.layout.state(),
-                 "options": _deadline.public_options(self.options)}
-        if self.options.get("deadline_ms") is not None:   # (state_dict need not be collective)
-            extra["deadline"] = self.deadline.state() if self.deadline is not None else self._deadline_state
-        return extra
+        return {"controller_state": self.controller.state(), "layout": self.layout.state(),
+                **self._deadline_extra_state()}
 
     def _load_extra_state(self, d):
         self.controller.load_state(d["controller_state"])
         self.layout.load_state(d["layout"])
-        if self.options.get("deadline_ms") is not None:
-            self._deadline_state = d.get("deadline") or {"history": []}
-            if self.deadline is not None:
-                self.deadline.load(self._deadline_state)
-
-    # ------------------------------------------------------------------ the deadline exchange
-    def _deadline_mode(self):
-        """The deadline exchange (built on first use, collectively), or None in exact mode."""
-        if self.deadline is None and self.options.get("deadline_ms") is not None:
-            self.deadline = _deadline.DeadlineExchange(self.comm, self.options["deadline_ms"],
-                                                       self.options["max_loss"])
-            self.deadline.load(self._deadline_state)
-        return self.deadline
-
-    def close(self):
-        """Collective: complete the deadline exchange's late messages and free its communicator
-        (nothing to do in exact mode). The sparsifier can step again afterwards."""
-        if self.deadline is not None:
-            self._deadline_state = self.deadline.state()
-            self.deadline.close()
-            self.deadline = None
+        self._deadline_load_state(d)
 
 
 class _FusedPass:

@@ -262,3 +262,45 @@ def test_send_delay_parse():
     assert j.release(4, 0, 1, 0.0) == j.release(4, 0, 1, 0.0) <= 0.01
     assert dlmod.chunk_sizes(35, 16).tolist() == [3, 3, 3] + [2] * 13
     assert MPI.Is_initialized()
+
+
+@pytest.mark.parametrize("name", ["topk", "threshold", "cltk", "micro"])
+def test_other_sparsifiers(wcomm, name):
+    """The union baselines and MiCRO: bit-identical to their exact exchange with no delay; with a
+    stalled sender, the same applied union on every rank, a subset of the step's selections, and
+    exact conservation."""
+    P, rank = wcomm.Get_size(), wcomm.Get_rank()
+    opts = {"threshold": {"threshold": 1.5}}.get(name, {})
+    ref = exdyna_mpi.make(name, N, DENSITY, wcomm, **opts)
+    sp = exdyna_mpi.make(name, N, DENSITY, wcomm, deadline_ms=60_000, **opts)
+    gs = _grads(rank, 4)
+    for g in gs[:2]:
+        same = ref.step(g.copy()).tobytes() == sp.step(g.copy()).tobytes()
+        mpi_assert(same and ref.residual.tobytes() == sp.residual.tobytes(), f"{name}: differs from exact", wcomm)
+    _close(sp, wcomm)
+    if P == 1:
+        return
+    sp = exdyna_mpi.make(name, N, DENSITY, wcomm, deadline_ms=20, max_loss=1.0, **opts)
+    set_send_delay(SendDelay(P - 1, 5000))
+    for g in gs[2:]:
+        before = sp.residual
+        out = sp.step(g.copy())
+        acc = before + g
+        union = np.asarray(sp.deadline.applied)
+        applied = np.unique(union)
+        outs = allgather_array(out, wcomm)
+        mpi_assert(all(o.tobytes() == out.tobytes() for o in outs), f"{name}: outputs differ", wcomm)
+        parts = np.split(union, np.cumsum(sp.stats.deadline["applied"])[:-1])
+        mpi_assert(parts[P - 1].size == 0, f"{name}: the stalled sender's chunks were applied", wcomm)
+        if name != "micro":   # each sender's applied indices are among its selection of this step
+            accs = allgather_array(acc, wcomm)
+            thr = sp.stats.thresholds
+            inside = all(np.all(np.abs(accs[r, parts[r]].astype(np.float64)) >= thr[r]) for r in range(P))
+            mpi_assert(inside, f"{name}: an applied index is not in its sender's selection", wcomm)
+        mask = np.zeros(N, bool)
+        mask[applied] = True
+        res = sp.residual
+        contribution = np.where(mask, acc, 0).astype(acc.dtype)
+        ok = (res + contribution).tobytes() == acc.tobytes() and np.all(res[mask] == 0) and np.all(out[~mask] == 0)
+        mpi_assert(ok, f"{name}: conservation", wcomm)
+    _close(sp, wcomm)
