@@ -77,7 +77,7 @@ def run(label, options, delayed, args, comm):
                                sparsifier="exdyna", density=args.density, comm=comm, **options)
     steps = comm.allreduce(data.x_train.shape[0], op=MPI.MIN) // args.batch_size
     lossf = torch.nn.functional.cross_entropy
-    times, deferred, waited, losses = [], [], [], []
+    times, deferred, waited, losses, dms = [], [], [], [], []
     t_run = time.perf_counter()
     for epoch in range(args.epochs):
         model.train()
@@ -95,6 +95,7 @@ def run(label, options, delayed, args, comm):
             losses.append(float(loss.item()))
             deferred.append(float(rep.get("deferred", 0.0)))
             waited.append(bool(rep.get("waited", False)))
+            dms.append(float(rep.get("ms", float("nan"))))
     acc = evaluate(model, data, comm)
     dl = opt.sparsifier.deadline
     pending = dl.pending_requests if dl is not None else 0
@@ -106,7 +107,7 @@ def run(label, options, delayed, args, comm):
     return {"variant": label, "options": {k: v for k, v in options.items()}, "delayed": delayed,
             "steps": len(times), "step_ms_median": float(np.median(t)), "step_ms_p90": float(np.quantile(t, 0.9)),
             "deferred_mean": float(d.mean()), "deferred_max": float(d.max()),
-            "waited_fraction": float(np.mean(waited[w:])), "test_acc": float(acc),
+            "waited_fraction": float(np.mean(waited[w:])), "deadline_ms_median": float(np.median(dms[w:])), "test_acc": float(acc),
             "final_loss": float(np.mean(losses[-steps:])), "pending_before_close": int(pending),
             "wall_s": time.perf_counter() - t_run, "step_ms": [float(x) for x in t], "deferred": deferred}
 
@@ -133,9 +134,11 @@ def main():
     if rank == 0:
         base = rows[2]["step_ms_median"]
         table = markdown_table(
-            ("variant", "link delayed", "step ms median", "p90", "vs exact-p2p", "deferred mean", "deferred max",
-             "steps waited", "test acc"),
-            [(r["variant"], "yes" if r["delayed"] else "no", f"{r['step_ms_median']:.2f}", f"{r['step_ms_p90']:.2f}",
+            ("variant", "link delayed", "deadline ms", "step ms median", "p90", "vs exact-p2p", "deferred mean",
+             "deferred max", "steps waited", "test acc"),
+            [(r["variant"], "yes" if r["delayed"] else "no",
+              "-" if not np.isfinite(r["deadline_ms_median"]) or r["deadline_ms_median"] >= 1e6
+              else f"{r['deadline_ms_median']:.1f}", f"{r['step_ms_median']:.2f}", f"{r['step_ms_p90']:.2f}",
               f"{r['step_ms_median'] / base:.2f}x", f"{r['deferred_mean']:.4f}", f"{r['deferred_max']:.4f}",
               f"{100 * r['waited_fraction']:.0f}%", f"{100 * r['test_acc']:.2f}%") for r in rows])
         src = args.slow_src % P

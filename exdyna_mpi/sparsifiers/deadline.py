@@ -19,7 +19,10 @@ max_loss=0.01)``):
    ``clamp(AUTO_FACTOR x quantile_{AUTO_QUANTILE}(last AUTO_WINDOW samples), AUTO_MIN_MS,
    AUTO_MAX_MS)``. A sample is computed from agreed words only (so ``D`` is the same on every
    rank): each rank reports the median over its senders of the time until a sender's chunks had
-   all arrived (censored at the end of its wait), and the sample is the lower median of those.
+   all arrived (censored at the end of its wait: a typical link that misses the deadline raises
+   the next one), and the sample is the largest of those, so the deadline covers every rank's
+   typical link but not one slow link (at P=2 a rank has one sender, and a slow link is its
+   typical link).
 3. **Agreement.** One small collective (``Allgather``; per rank: that time, the masses
    ``sum |acc_s|`` of its own chunks as float64, and a bitmap of the (sender, chunk) pairs it
    holds). A chunk is *held by all* when every rank other than its sender has it.
@@ -226,9 +229,9 @@ class DeadlineExchange:
 
         deferred_mass = float(M[~include].sum())
         times = got[:, 0]
-        times = np.sort(times[times >= 0])
+        times = times[times >= 0]
         if times.size:
-            self.history.append(float(times[(times.size - 1) // 2]) / 1e3)
+            self.history.append(float(times.max()) / 1e3)
             del self.history[:-AUTO_WINDOW]
         self.last = {
             "ms": D, "deferred": deferred_mass / total if total > 0 else 0.0,
