@@ -102,15 +102,14 @@ def send_delay():
 
 
 class Round:
-    """The requests of one step: receives (``keys[i] = (src, chunk)``, ``bufs``, ``done``,
-    ``done_at`` in seconds after the post) and the sends still held back."""
+    """The receives of one step: ``keys[i] = (src, chunk)``, ``bufs``, ``reqs``, ``done``, ``done_at``
+    (seconds after ``posted_at``). Its sends are in the transport's pending and held-back lists."""
 
     def __init__(self, t, posted_at):
         self.t, self.posted_at = t, posted_at
         self.keys, self.bufs, self.reqs = [], [], []
         self.done = np.zeros(0, bool)
         self.done_at = np.zeros(0)
-        self.send_chunks = set()   # chunks of this step that this rank sends
 
 
 def _nap(k):
@@ -227,7 +226,6 @@ class DeadlineTransport:
         delay = self.delay if self.delay is not None else send_delay()
         mine = delay is not None and delay.rank == self.rank
         for dest, chunk, buf in sends:
-            rnd.send_chunks.add(chunk)
             rel = delay.release(t, chunk, dest, now) if mine else now
             if rel <= now:
                 self._isend(t, dest, chunk, buf)
