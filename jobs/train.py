@@ -55,6 +55,10 @@ def parse_args(argv=None):
     ap.add_argument("--densities", default="", help="comma-separated densities: each sparse run is repeated at each")
     ap.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
                     help="sparsifier option, e.g. --opt controller=symmetric (repeatable)")
+    ap.add_argument("--deadline-ms", default=None, metavar="MS|auto",
+                    help="exdyna: deadline-bounded exchange with a loss bound (docs/deadline.md); default exact")
+    ap.add_argument("--max-loss", type=float, default=None,
+                    help="exdyna with --deadline-ms: largest deferred fraction of a step's selected mass (0.01)")
     ap.add_argument("--model", choices=sorted(models.MODELS), default="cnn",
                     help="cnn: small CNN on sklearn digits; big: >=10M-parameter MLP on synthetic data")
     ap.add_argument("--width", type=int, default=16, help="model width (CNN channels; MLP hidden = 256*width)")
@@ -97,8 +101,13 @@ def build_optimizer(name, density, args, model, comm):
                                        mode=args.wagma_mode, comm=comm)
     if name == "local":
         return GroupAveragingOptimizer(opt, model, group_size=1, sync_every=args.sync_every, mode="sync", comm=comm)
-    return DistributedOptimizer(opt, model, sparsifier=name, density=density, comm=comm,
-                                **(parse_options(args.opt) if name != "dense" else {}))
+    extra = parse_options(args.opt) if name != "dense" else {}
+    if name == "exdyna":   # --deadline-ms / --max-loss: exdyna runs only
+        if args.deadline_ms is not None:
+            extra["deadline_ms"] = args.deadline_ms if args.deadline_ms == "auto" else float(args.deadline_ms)
+        if args.max_loss is not None:
+            extra["max_loss"] = args.max_loss
+    return DistributedOptimizer(opt, model, sparsifier=name, density=density, comm=comm, **extra)
 
 
 def parse_fail_at(ap, text):
@@ -206,7 +215,8 @@ class Job:
         self.config = {"ranks": comm.Get_size(), "runs": [list(r) for r in todo],
                        **{k: getattr(args, k) for k in (
                            "model", "width", "epochs", "batch_size", "max_steps", "lr", "momentum",
-                           "weight_decay", "seed", "opt", "group_size", "sync_every", "wagma_mode")}}
+                           "weight_decay", "seed", "opt", "group_size", "sync_every", "wagma_mode", "deadline_ms",
+                           "max_loss")}}
 
     def log(self, rec):
         self.records.append(rec)
@@ -347,6 +357,8 @@ class Run:
             bar.close()
         if self.name in MODEL_AVERAGING:
             opt.close()
+        elif hasattr(opt.sparsifier, "close"):   # the deadline exchange's late messages
+            opt.sparsifier.close()
         self.wall = time.perf_counter() - t_start
         digest = params_hash(model)
         hashes = comm.allgather(digest)

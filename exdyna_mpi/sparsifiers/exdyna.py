@@ -6,6 +6,7 @@ import numpy as np
 from ..algorithm.controllers import CONTROLLERS, make_controller
 from ..algorithm.layout import BlockLayout, EqualLayout, owners, partition_of
 from ..arrays import threshold_for
+from . import deadline as _deadline
 from .base import Selection, Sparsifier
 from .roles import StepWords
 
@@ -29,7 +30,7 @@ def _controller_name(v):
     return None if v in CONTROLLERS else f"must be one of {sorted(CONTROLLERS)}"
 
 
-class ExDyna(Sparsifier):
+class ExDyna(_deadline.DeadlineOption, Sparsifier):
     """ExDyna sparsification with exact ``Allgatherv`` exchange.
 
     One step on rank r: ``acc = residual + grad``; select ``|acc| >= threshold`` inside the
@@ -43,6 +44,13 @@ class ExDyna(Sparsifier):
         >>> sp = exdyna_mpi.ExDyna(numel, density=0.001)        # collective over COMM_WORLD
         >>> avg = sp.step(flat_grad)                           # same kind and device as flat_grad
         >>> sp.stats.density, sp.stats.counts
+
+    ``deadline_ms`` (None: the exact exchange above; a number of ms, or ``"auto"``) and
+    ``max_loss`` (default 0.01) choose the deadline-bounded, priority-ordered index exchange with a
+    loss bound instead (``sparsifiers/deadline.py``, docs/deadline.md): selected mass that misses
+    the deadline stays in the residual, at most ``max_loss`` of a step's selected mass; every rank
+    applies the same union. ``sp.deadline`` is that exchange (None in exact mode), ``stats.deadline``
+    its report; ``sp.close()`` (collective) completes its late messages.
     """
 
     name = "exdyna"
@@ -51,6 +59,7 @@ class ExDyna(Sparsifier):
         "balance": (True, _balance),
         "n_blocks": (1024, _positive_int),
         "block_align": (32, _positive_int),
+        **_deadline.OPTIONS,
     }
 
     def __init__(self, numel, density, comm=None, *, controller="histogram", balance=True,
@@ -99,12 +108,15 @@ class ExDyna(Sparsifier):
         plan, cwords = self.controller.resolve(fused.plan, words[:, StepWords.N:], fused)
         counts = fused.counts
         t0 = time.perf_counter()
-        union = self.exchange.allgatherv(self._idx[:fused.count], counts)
+        idx = self._idx[:fused.count]
+        union, report = self.gather_union(t, sel.acc, idx, counts, lambda: self.exchange.allgatherv(idx, counts))
         step.sec["indices"] = time.perf_counter() - t0
         res = self.average_at(sel.acc, union, step.out, step.sec)
         selected = int(counts.sum())
         stats = dict(counts=counts, selected=selected, density=selected / self.numel, threshold=plan.threshold,
                      bounds=self.layout.bounds(), owned=np.array(owners(t, self.nranks)))
+        if report is not None:
+            stats["deadline"] = report
         self.controller.update(counts, cwords, plan)
         bal = self.options.get("balance", False)
         if bal is True:   # True: the controller's own partner rule; the authors' for theirs
@@ -116,11 +128,13 @@ class ExDyna(Sparsifier):
         return res, stats
 
     def _extra_state(self):
-        return {"controller_state": self.controller.state(), "layout": self.layout.state()}
+        return {"controller_state": self.controller.state(), "layout": self.layout.state(),
+                **self._deadline_extra_state()}
 
     def _load_extra_state(self, d):
         self.controller.load_state(d["controller_state"])
         self.layout.load_state(d["layout"])
+        self._deadline_load_state(d)
 
 
 class _FusedPass:
@@ -168,7 +182,7 @@ class MiCRO(ExDyna):
     """MiCRO: ExDyna without blocks or rebalancing (P fixed, equal element partitions)."""
 
     name = "micro"
-    OPTIONS = {"controller": ("faithful", _controller_name)}
+    OPTIONS = {"controller": ("faithful", _controller_name), **_deadline.OPTIONS}
 
     def __init__(self, numel, density, comm=None, *, controller="faithful", device="auto",
                  nonfinite="raise", **unknown):

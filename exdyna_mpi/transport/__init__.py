@@ -3,10 +3,13 @@
 - ``Exchange`` (``exchange.py``): host buffers; the exchange role of every sparsifier.
 - ``DeviceExchange`` (``device.py``): the same methods on CUDA buffers, direct (CUDA-aware MPI) or
   staged through pinned host memory; the CUDA-aware probe; node-local GPU binding.
+- ``DeadlineTransport`` (``deadline.py``): versioned point-to-point chunks under a deadline, the
+  agreement collective, and the send-delay test hook (``SendDelay``, ``set_send_delay``).
 - ``broadcast``, ``world``: the seams the adapters use.
 
 Knows nothing of which sparsifier runs. Imports ``arrays`` (device buffers) and mpi4py only.
 """
+from .deadline import DeadlineTransport, SendDelay, set_send_delay
 from .exchange import WORD, Exchange, broadcast, world
 
 
@@ -17,4 +20,5 @@ def device_exchange(host_exchange, cuda_aware=None):
     return DeviceExchange(host_exchange, cuda_aware=cuda_aware)
 
 
-__all__ = ["WORD", "Exchange", "broadcast", "device_exchange", "world"]
+__all__ = ["WORD", "DeadlineTransport", "Exchange", "SendDelay", "broadcast", "device_exchange", "set_send_delay",
+           "world"]

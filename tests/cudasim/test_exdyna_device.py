@@ -91,3 +91,21 @@ def test_two_ranks_under_mpiexec():
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=330)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     assert "SIM-EXDYNA OK P = 2" in p.stdout
+
+
+def test_deadline_mode_on_the_device_matches_cpu_exact():
+    """The deadline exchange on device buffers (host copies of indices/values, a device union):
+    the exact exchange's bits on the CPU (P=1: every chunk is its own)."""
+    n = 2000
+    ref = exdyna_mpi.ExDyna(n, 0.02, MPI.COMM_SELF, device="cpu", n_blocks=16, block_align=32)
+    dev2 = simulated(exdyna_mpi.ExDyna, n, 0.02, MPI.COMM_SELF, cuda_aware=False, n_blocks=16, block_align=32,
+                     deadline_ms=1000, max_loss=0.0)
+    rng = np.random.default_rng(9)
+    for step in range(3):
+        g = (rng.standard_normal(n) * 0.04).astype(np.float32)
+        want = ref.step(g.copy())
+        got = dev2.step(g.copy())
+        assert got.tobytes() == want.tobytes(), f"step {step}"
+        assert dev2.residual.tobytes() == ref.residual.tobytes()
+        assert dev2.stats.deadline["deferred"] == 0.0
+    dev2.close()

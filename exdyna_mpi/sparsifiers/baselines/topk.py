@@ -13,6 +13,11 @@ One step on rank r (``TopK``, ``HardThreshold``, ``GaussianK``, ``DGC``):
 exclusive partitions avoid. ``stats.union`` and ``stats.build_up = |U| / k`` report it.
 ``CLTK`` differs only in step 1-2: the leader ``t mod P`` alone selects top-k and broadcasts.
 
+``topk``, ``cltk`` and ``threshold`` take ``deadline_ms``/``max_loss``: step 2's ``Allgatherv`` becomes
+the deadline-bounded, priority-ordered exchange (``sparsifiers/deadline.py``); ``U`` is then the
+unique union of the chunks every rank received, and the deferred mass it reports is an upper bound
+(an index two ranks selected is applied if either one's chunk arrived).
+
 At ``density = 1`` every method selects everything (threshold 0) and ``out`` is the dense average.
 """
 import math
@@ -23,10 +28,11 @@ import numpy as np
 
 from ...arrays import threshold_for
 from ..base import Selection, Sparsifier
+from ..deadline import OPTIONS as DEADLINE_OPTIONS, DeadlineOption
 from ._common import float_to_word, kth_largest_magnitude, positive_floor, target_count, word_to_float
 
 
-class UnionSparsifier(Sparsifier):
+class UnionSparsifier(DeadlineOption, Sparsifier):
     """Base of the union-exchange methods; subclasses implement ``_threshold(acc)``."""
 
     def __init__(self, numel, density, comm=None, **kw):
@@ -74,7 +80,8 @@ class UnionSparsifier(Sparsifier):
         self._idx_buffer()
         counts = words[:, 0].copy()
         t0 = time.perf_counter()
-        gathered = self._exchange_indices(counts, step.t)
+        gathered, report = self.gather_union(step.t, sel.acc, self._idx[:counts[self.rank]], counts,
+                                             lambda: self._exchange_indices(counts, step.t))
         # each rank's indices are ascending, so one rank's (or disjoint) lists need no unique
         union = gathered if np.count_nonzero(counts) <= 1 else np.unique(gathered)
         step.sec["indices"] = time.perf_counter() - t0
@@ -82,7 +89,13 @@ class UnionSparsifier(Sparsifier):
         selected = int(union.shape[0])
         return res, dict(counts=counts, selected=selected, density=selected / self.numel, threshold=float(sel.thr),
                          bounds=None, owned=None, thresholds=word_to_float(words[:, -1]).copy(), union=selected,
-                         build_up=selected / self.k)
+                         build_up=selected / self.k, **({"deadline": report} if report is not None else {}))
+
+    def _extra_state(self):
+        return self._deadline_extra_state()
+
+    def _load_extra_state(self, d):
+        self._deadline_load_state(d)
 
 
 class TopK(UnionSparsifier):
@@ -98,7 +111,7 @@ class TopK(UnionSparsifier):
     """
 
     name = "topk"
-    OPTIONS = {}
+    OPTIONS = dict(DEADLINE_OPTIONS)
 
     def _threshold(self, acc):
         return kth_largest_magnitude(acc, self.k)
@@ -147,7 +160,7 @@ class HardThreshold(UnionSparsifier):
     """
 
     name = "threshold"
-    OPTIONS = {"threshold": (None, _positive_float_or_none)}
+    OPTIONS = {"threshold": (None, _positive_float_or_none), **DEADLINE_OPTIONS}
 
     def _threshold(self, acc):
         thr = self.options["threshold"]
