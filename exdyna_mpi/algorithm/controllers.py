@@ -37,12 +37,18 @@ class PassPlan:
     rank owns at that step (None: the range it selects in); ``stride``: coarse histogram stride.
     """
 
-    __slots__ = ("t", "dtype", "threshold", "hist", "fine", "predict", "forecast_step", "stride")
+    __slots__ = ("t", "dtype", "threshold", "hist", "fine", "predict", "forecast_step", "stride", "measure",
+                 "expected")
 
-    def __init__(self, t, dtype, threshold, hist=None, fine=None, predict=False, forecast_step=None, stride=1):
+    def __init__(self, t, dtype, threshold, hist=None, fine=None, predict=False, forecast_step=None, stride=1,
+                 measure=False):
         self.t, self.dtype, self.threshold = t, np.dtype(dtype), threshold
         self.hist, self.fine, self.predict = hist, fine, predict
         self.forecast_step, self.stride = forecast_step, stride
+        # measure: the pass only accumulates and histograms |acc| over the owned range; the words
+        # are summed over ranks (one Allreduce) and ``resolve`` sets the threshold from them
+        self.measure = measure
+        self.expected = None    # measure: the total count the chosen threshold selects (exact)
 
     @property
     def n_words(self):
@@ -63,7 +69,8 @@ class FusedPass:
     ``run(plan) -> (count, nonfinite, words)`` the pass; ``rerun(plan) -> words``: the pass again on
     the same ``acc`` and a second exchange of the new count and words (``counts`` then holds the
     gathered counts); ``histogram(spec) -> host int64 array`` of ``|acc|`` over the owned range;
-    ``agree(words) -> (P, n)``: one extra small collective; ``sec``: phase timings.
+    ``agree(words) -> (P, n)``: one extra small collective; ``sum(words) -> (n,)``: one extra small
+    Allreduce (the same exact integer sums on every rank); ``sec``: phase timings.
     """
 
 
@@ -379,7 +386,143 @@ class HistogramController(Controller):
         self.pending = None if q is None else float(q)
 
 
-CONTROLLERS = {c.name: c for c in (FaithfulController, SymmetricController, HistogramController)}
+class MeasuredController(Controller):
+    """Measures this step's accumulator instead of forecasting it: the default controller.
+
+    The step's one pass over the vector (``acc = residual + grad``) also histograms ``|acc|`` over
+    the partition this rank owns *this* step; the owned ranges tile the vector, so the histograms
+    summed over ranks (one Allreduce of a fixed number of int32 words, the same exact integer sums
+    on every rank) count every element of the vector exactly once, as its owner will compare it.
+    The threshold is then a bucket edge: ``|acc| >= edge`` selects exactly the summed count above
+    that edge, known before anything is selected. Nothing is forecast, so correlated, constant or
+    rotating streams and changes of scale are measured like any other.
+
+    Buckets (exact integer logic on the IEEE bits, kernels/cpu_controller.py): the pass fills a
+    coarse window (``N_COARSE`` buckets, 8 per octave) and a fine one (``N_FINE``, 512 per octave)
+    both centred on the previous threshold. If the k-th largest ``|acc|`` lies inside the fine
+    window the threshold is picked there (no extra work). Otherwise ``resolve`` zooms: the coarse
+    bucket that holds it is re-histogrammed over the owned range only (``ZOOM`` sub-buckets, an
+    O(N/P) read and one more small Allreduce) until the resolution is 512 per octave or the count
+    at an edge is within ``TOL`` of k; outside the coarse window (and at step 0) it starts from
+    one bucket per octave over 2**-40 .. 2**24. Of the two edges around the k-th value it takes
+    the one whose count is nearer to k in ratio, never one that selects nothing while the
+    accumulator holds a value above 2**-40.
+
+    ``balance_rule`` is ``"blocks"``: exact per-block counts of this step, taken from the gathered
+    union of indices (no extra words), set next step's partition boundaries.
+    """
+
+    name = "measured"
+    balance_rule = "blocks"
+    N_COARSE, COARSE_BITS = 64, 3     # 8 octaves around the previous threshold
+    N_FINE, FINE_BITS = 64, 9         # +-4.4 % around it, 0.14 % per bucket
+    ZOOM_BITS = 6                     # a zoom splits one bucket into 64
+    WIDE_LOW, N_WIDE = -40, 64        # step 0 / out of window: one bucket per octave, 2**-40 .. 2**24
+    TOL = 0.01                        # stop zooming when an edge's count is this close to k
+
+    def __init__(self, numel, density):
+        self.k = target_count(density, numel)
+        self.numel = numel
+        self.threshold = 1.0 / (2.0 * math.sqrt(self.k))   # a placeholder until step 0 is measured
+        self.seen = False
+        self.zooms = 0            # extra owned-range passes of the last step (a diagnostic)
+
+    # ------------------------------------------------------------------ geometry
+    _mantissa_bits = staticmethod(HistogramController._mantissa_bits)
+    _key = staticmethod(HistogramController._key)
+    _edges = staticmethod(HistogramController._edges)
+
+    def wide_spec(self, dtype):
+        mb = self._mantissa_bits(dtype)
+        bias = 127 if mb == 23 else 1023
+        return self.N_WIDE, mb, bias + self.WIDE_LOW
+
+    def window_specs(self, dtype):
+        """The coarse and fine windows of the fused pass, centred on the previous threshold."""
+        mb = self._mantissa_bits(dtype)
+        cs, fs = mb - self.COARSE_BITS, mb - self.FINE_BITS
+        coarse = (self.N_COARSE, cs, self._key(self.threshold, dtype, cs) - self.N_COARSE // 2)
+        fine = (self.N_FINE, fs, self._key(self.threshold, dtype, fs) - self.N_FINE // 2)
+        return coarse, fine
+
+    # ------------------------------------------------------------------ the protocol
+    def plan(self, t, dtype):
+        if not self.seen:
+            return PassPlan(t, dtype, math.inf, self.wide_spec(dtype), measure=True)
+        coarse, fine = self.window_specs(dtype)
+        return PassPlan(t, dtype, math.inf, coarse, fine, measure=True)
+
+    def _locate(self, hist):
+        """``j`` with ``above[j] >= k > above[j + 1]`` among the exact edges 1..nb-1 of an open-ended
+        histogram: 0 when the k-th value lies below edge 1, nb - 1 when at or above the top edge."""
+        above = np.cumsum(np.asarray(hist, dtype=np.int64)[::-1])[::-1]
+        ok = np.nonzero(above[1:] >= self.k)[0]
+        return (int(ok[-1]) + 1 if ok.size else 0), above
+
+    def _pick(self, above, j, edges):
+        """Edge j (count >= k) or edge j + 1 (count < k), whichever is nearer to k in ratio; never
+        an edge that selects nothing when the other selects something."""
+        a, b = int(above[j]), int(above[j + 1])
+        if b == 0 or a * b == 0 or math.log(a / self.k) <= math.log(self.k / b):
+            return float(edges[j]), a
+        return float(edges[j + 1]), b
+
+    def resolve(self, plan, words, fused):
+        """Set ``plan.threshold`` (and ``plan.expected``) from the summed histograms ``words``."""
+        words = np.asarray(words, dtype=np.int64)
+        dtype, mb = plan.dtype, self._mantissa_bits(plan.dtype)
+        nb = plan.hist[0]
+        self.zooms = 0
+        if plan.fine is not None:
+            fine = words[nb:]
+            j, above = self._locate(fine)
+            if 0 < j < fine.shape[0] - 1:
+                return self._done(plan, *self._pick(above, j, self._edges(dtype, plan.fine[1], plan.fine[2],
+                                                                          plan.fine[0])))
+        spec, hist = plan.hist, words[:nb]
+        wide = spec == self.wide_spec(dtype)
+        while True:
+            n, shift, key0 = spec
+            j, above = self._locate(hist)
+            edges = self._edges(dtype, shift, key0, n)
+            if j == 0 and above[1] == 0 and wide:
+                # (nearly) nothing above 2**-40: select what is there
+                return self._done(plan, float(edges[1]), 0)
+            if (j == 0 or j == n - 1) and not wide:
+                spec, wide = self.wide_spec(dtype), True          # outside the window: start wide
+            elif j == 0 or j == n - 1:
+                return self._done(plan, *self._pick(above, min(max(j, 1), n - 2), edges))
+            else:
+                thr, count = self._pick(above, j, edges)
+                if shift <= mb - self.FINE_BITS or abs(count / self.k - 1.0) <= self.TOL:
+                    return self._done(plan, thr, count)
+                z = min(self.ZOOM_BITS, shift)
+                spec = ((1 << z) + 2, shift - z, ((key0 + j) << z) - 1)   # below | 2**z sub-buckets | above
+            hist = fused.sum(fused.histogram(spec))
+            self.zooms += 1
+
+    def _done(self, plan, thr, count):
+        plan.threshold, plan.expected = thr, count
+        self.threshold, self.seen = thr, True
+        return plan, None
+
+    def update(self, counts_prev, words=None, plan=None):
+        """Nothing to learn: ``resolve`` measured this step's threshold. Without histograms (e.g. a
+        count-only model) a multiplicative step toward k keeps the next window centred."""
+        if plan is None or not plan.measure:
+            n = float(sum(int(c) for c in counts_prev))
+            self.threshold *= math.exp(max(-1.0, min(1.0, math.log(max(n, 0.5) / self.k))) / 4.0)
+
+    def state(self):
+        return {"threshold": self.threshold, "seen": self.seen}
+
+    def load_state(self, d):
+        self.threshold = float(d["threshold"])
+        self.seen = bool(d.get("seen", True))
+
+
+CONTROLLERS = {c.name: c for c in (FaithfulController, SymmetricController, HistogramController,
+                                   MeasuredController)}
 
 
 def make_controller(name, numel, density):

@@ -118,9 +118,22 @@ class Selector:
         """Words this rank adds to the first collective (a refusing rank sends that many zeros)."""
         return 0
 
+    def sum_size(self, step):
+        """Words this rank adds to a *summed* first collective (an Allreduce whose size does not
+        grow with P). 0 (the default): the first collective is the ``StepWords`` Allgather after
+        ``select``. > 0: ``select`` only measures (``Selection.sums``), the template sums the words
+        of every rank with the error flags, then ``choose`` selects and the counts are gathered."""
+        return 0
+
     def select(self, step, grad, acc):
         """``acc = residual + grad`` (via ``ops``), and this rank's choice: a ``Selection``.
         Must not change state: the step may still be refused."""
+        raise NotImplementedError
+
+    def choose(self, step, sel, sums):
+        """Only with ``sum_size`` > 0, after every rank agreed: select with ``sums`` (the summed
+        words, the same on every rank); set ``sel.count`` (and ``sel.words``); return ``sel``. May
+        run further collectives (every rank does, with the same arguments)."""
         raise NotImplementedError
 
     def combine(self, step, sel, words):
@@ -157,6 +170,19 @@ class StepWords:
             raise StepError(f"{name}: step refused on all ranks, state unchanged: "
                             f"ranks pass different dtypes ({names})")
         return False
+
+    @staticmethod
+    def flags(err, dtype_code):
+        """The error words of a summed first collective: [refusing ranks, code, code squared]."""
+        c = int(dtype_code)
+        return [0 if err is None else 1, c, c * c]
+
+    @staticmethod
+    def flags_ok(summed, nranks):
+        """No rank refused and every rank passed the same dtype (P * sum c^2 == (sum c)^2 holds
+        exactly when all codes are equal)."""
+        n_bad, s1, s2 = (int(x) for x in summed[:3])
+        return n_bad == 0 and nranks * s2 == s1 * s1
 
 
 def _fingerprint(text):
