@@ -425,6 +425,7 @@ class MeasuredController(Controller):
         self.numel = numel
         self.threshold = 1.0 / (2.0 * math.sqrt(self.k))   # a placeholder until step 0 is measured
         self.seen = False
+        self.expected = None      # the total count the last threshold selects (exact, from the sums)
         self.zooms = 0            # extra owned-range passes of the last step (a diagnostic)
 
     # ------------------------------------------------------------------ geometry
@@ -503,7 +504,7 @@ class MeasuredController(Controller):
 
     def _done(self, plan, thr, count):
         plan.threshold, plan.expected = thr, count
-        self.threshold, self.seen = thr, True
+        self.threshold, self.seen, self.expected = thr, True, count
         return plan, None
 
     def update(self, counts_prev, words=None, plan=None):

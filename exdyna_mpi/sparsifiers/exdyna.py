@@ -128,6 +128,7 @@ class ExDyna(Sparsifier):
         t0 = time.perf_counter()
         union = self.exchange.allgatherv(self._idx[:fused.count], counts)
         step.sec["indices"] = time.perf_counter() - t0
+        bounds = self.layout.bounds()   # this step's, before any rebalancing
         bal = self.options.get("balance", False)
         if bal is True:   # True: the controller's own partner rule; the authors' for theirs
             bal = self.controller.balance_rule
@@ -138,7 +139,7 @@ class ExDyna(Sparsifier):
         res = self.average_at(sel.acc, union, step.out, step.sec)
         selected = int(counts.sum())
         stats = dict(counts=counts, selected=selected, density=selected / self.numel, threshold=plan.threshold,
-                     bounds=self.layout.bounds(), owned=np.array(owners(t, self.nranks)))
+                     bounds=bounds, owned=np.array(owners(t, self.nranks)))
         self.controller.update(counts, cwords, plan)
         if bal == "faithful":
             self.layout.rebalance_faithful(counts, t + 1)

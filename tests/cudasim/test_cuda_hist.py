@@ -229,17 +229,20 @@ def test_too_many_buckets_refused():
         kc.hist_range(x, 0, 10, 20, 0, np.zeros(kc.HIST_MAX + 1, np.int64))
 
 
+@pytest.mark.parametrize("controller", ["measured", "histogram"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_exdyna_default_controller_matches_cpu(monkeypatch, dtype):
-    """ExDyna (histogram controller) through CudaOps equals the CPU ExDyna over 5 steps at P=1,
-    through a drop of gradient scale, and the device path runs the CUDA histogram kernel."""
+def test_exdyna_histogram_controllers_match_cpu(monkeypatch, dtype, controller):
+    """ExDyna (the default measured controller, and the forecasting one) through CudaOps equals
+    the CPU ExDyna over 5 steps at P=1, through a drop of gradient scale, and the device path runs
+    the CUDA histogram kernel."""
     launches = []
     real = kc.accumulate_select_hist_async
     monkeypatch.setattr(kc, "accumulate_select_hist_async", lambda *a, **k: launches.append(1) or real(*a, **k))
     n = 1500
-    ref = exdyna_mpi.ExDyna(n, 0.02, MPI.COMM_SELF, device="cpu", n_blocks=16, block_align=32)
-    dev = simulated(exdyna_mpi.ExDyna, n, 0.02, MPI.COMM_SELF, n_blocks=16, block_align=32)
-    assert ref.options["controller"] == "histogram"
+    opts = {} if controller == "measured" else {"controller": controller}
+    ref = exdyna_mpi.ExDyna(n, 0.02, MPI.COMM_SELF, device="cpu", n_blocks=16, block_align=32, **opts)
+    dev = simulated(exdyna_mpi.ExDyna, n, 0.02, MPI.COMM_SELF, n_blocks=16, block_align=32, **opts)
+    assert ref.options["controller"] == controller
     rng = np.random.default_rng(5)
     for step in range(5):
         g = (rng.standard_normal(n) * (0.04 if step < 3 else 0.004)).astype(dtype)
