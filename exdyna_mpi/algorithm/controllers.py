@@ -419,14 +419,22 @@ class MeasuredController(Controller):
     ZOOM_BITS = 6                     # a zoom splits one bucket into 64
     WIDE_LOW, N_WIDE = -40, 64        # step 0 / out of window: one bucket per octave, 2**-40 .. 2**24
     TOL = 0.01                        # stop zooming when an edge's count is this close to k
+    SAMPLE = 1 << 16                  # the coarse window counts about this many elements per rank
+    MAX_STRIDE = 64                   # (every stride-th): it only locates the k-th value
+    MAX_ZOOMS = 8
 
-    def __init__(self, numel, density):
+    def __init__(self, numel, density, nranks=1):
         self.k = target_count(density, numel)
         self.numel = numel
         self.threshold = 1.0 / (2.0 * math.sqrt(self.k))   # a placeholder until step 0 is measured
         self.seen = False
+        stride = 1
+        while stride < self.MAX_STRIDE and numel // (nranks * stride * 2) >= self.SAMPLE:
+            stride *= 2
+        self.stride = stride      # the same on every rank: numel and P are
         self.expected = None      # the total count the last threshold selects (exact, from the sums)
         self.zooms = 0            # extra owned-range passes of the last step (a diagnostic)
+        self.zoom_words = []      # and the words each of them summed
 
     # ------------------------------------------------------------------ geometry
     _mantissa_bits = staticmethod(HistogramController._mantissa_bits)
@@ -449,9 +457,9 @@ class MeasuredController(Controller):
     # ------------------------------------------------------------------ the protocol
     def plan(self, t, dtype):
         if not self.seen:
-            return PassPlan(t, dtype, math.inf, self.wide_spec(dtype), measure=True)
+            return PassPlan(t, dtype, math.inf, self.wide_spec(dtype), stride=self.stride, measure=True)
         coarse, fine = self.window_specs(dtype)
-        return PassPlan(t, dtype, math.inf, coarse, fine, measure=True)
+        return PassPlan(t, dtype, math.inf, coarse, fine, stride=self.stride, measure=True)
 
     def _locate(self, hist):
         """``j`` with ``above[j] >= k > above[j + 1]`` among the exact edges 1..nb-1 of an open-ended
@@ -469,38 +477,59 @@ class MeasuredController(Controller):
         return float(edges[j + 1]), b
 
     def resolve(self, plan, words, fused):
-        """Set ``plan.threshold`` (and ``plan.expected``) from the summed histograms ``words``."""
+        """Set ``plan.threshold`` (and ``plan.expected``) from the summed histograms ``words``.
+
+        The fine window's counts are exact; the coarse ones come from every ``COARSE_STRIDE``-th
+        element, so they only locate the k-th value: the zoom that follows counts every element of
+        the owned range over the coarse bucket that holds it and its two neighbours. A zoom whose
+        exact counts put the k-th value outside it starts again from the wide window, exact.
+        """
         words = np.asarray(words, dtype=np.int64)
         dtype, mb = plan.dtype, self._mantissa_bits(plan.dtype)
         nb = plan.hist[0]
-        self.zooms = 0
+        self.zooms, self.zoom_words = 0, []
         if plan.fine is not None:
             fine = words[nb:]
             j, above = self._locate(fine)
             if 0 < j < fine.shape[0] - 1:
                 return self._done(plan, *self._pick(above, j, self._edges(dtype, plan.fine[1], plan.fine[2],
                                                                           plan.fine[0])))
-        spec, hist = plan.hist, words[:nb]
-        wide = spec == self.wide_spec(dtype)
-        while True:
+        spec, hist, exact = plan.hist, words[:nb] * plan.stride, plan.stride == 1
+        wide_spec = self.wide_spec(dtype)
+        wide = spec == wide_spec
+        best = None
+        for _ in range(self.MAX_ZOOMS):
             n, shift, key0 = spec
             j, above = self._locate(hist)
             edges = self._edges(dtype, shift, key0, n)
-            if j == 0 and above[1] == 0 and wide:
-                # (nearly) nothing above 2**-40: select what is there
-                return self._done(plan, float(edges[1]), 0)
-            if (j == 0 or j == n - 1) and not wide:
-                spec, wide = self.wide_spec(dtype), True          # outside the window: start wide
-            elif j == 0 or j == n - 1:
-                return self._done(plan, *self._pick(above, min(max(j, 1), n - 2), edges))
-            else:
-                thr, count = self._pick(above, j, edges)
+            if exact:
+                best = self._pick(above, min(max(j, 1), n - 2), edges)
+            if (j == 0 or j == n - 1) and (exact or not wide):
+                if not wide:      # outside this window: one bucket per octave, every element
+                    spec, wide, exact = wide_spec, True, True
+                    hist = self._zoom(fused, spec)
+                    continue
+                if j == 0 and above[1] == 0:     # (nearly) nothing above 2**-40: select what is there
+                    return self._done(plan, float(edges[1]), 0)
+                return self._done(plan, *best)
+            if exact:
+                thr, count = best
                 if shift <= mb - self.FINE_BITS or abs(count / self.k - 1.0) <= self.TOL:
                     return self._done(plan, thr, count)
-                z = min(self.ZOOM_BITS, shift)
-                spec = ((1 << z) + 2, shift - z, ((key0 + j) << z) - 1)   # below | 2**z sub-buckets | above
-            hist = fused.sum(fused.histogram(spec))
-            self.zooms += 1
+                a, b = j, j + 1                  # zoom into the bucket that holds the k-th value
+            else:
+                a, b = max(j - 1, 1), min(j + 2, n - 1)   # a sampled count: that bucket and its neighbours
+            z = min(self.ZOOM_BITS, shift)
+            spec = (((b - a) << z) + 2, shift - z, ((key0 + a) << z) - 1)   # below | sub-buckets | above
+            wide, exact = False, True
+            hist = self._zoom(fused, spec)
+        return self._done(plan, *best)
+
+    def _zoom(self, fused, spec):
+        """One more read of the owned range and one more small Allreduce: ``spec``'s summed histogram."""
+        self.zooms += 1
+        self.zoom_words.append(spec[0])
+        return fused.sum(fused.histogram(spec))
 
     def _done(self, plan, thr, count):
         plan.threshold, plan.expected = thr, count
@@ -526,7 +555,9 @@ CONTROLLERS = {c.name: c for c in (FaithfulController, SymmetricController, Hist
                                    MeasuredController)}
 
 
-def make_controller(name, numel, density):
+def make_controller(name, numel, density, nranks=1):
     if density >= 1.0:
         return DenseController(numel, density)
+    if name == MeasuredController.name:
+        return MeasuredController(numel, density, nranks)
     return CONTROLLERS[name](numel, density)

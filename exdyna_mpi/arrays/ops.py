@@ -126,6 +126,16 @@ class HostOps:
     def hist_range(x, lo, hi, shift, key0, hist):
         _kc.host_hist_range(x, lo, hi, shift, key0, hist)
 
+    # The measuring pass of ExDyna's default controller, fused on the host (a CPU extra, not in the
+    # ``Ops`` protocol: on CUDA the same words come from ``accumulate_select_hist`` with an infinite
+    # threshold; the select is ``select_range`` on both).
+    @staticmethod
+    def accumulate_measure(residual, grad, acc, lo, hi, coarse, fine, stride):
+        """``acc = residual + grad``; the histograms of ``|acc|`` over [lo, hi) (``coarse``/``fine`` as
+        ``(shift, key0, host int64 hist)``, the coarse one every ``stride``-th element, ``fine`` may
+        be None). Returns the number of non-finite values of ``acc``."""
+        return _kc.host_accumulate_measure(residual, grad, acc, lo, hi, coarse, fine, stride)
+
     @staticmethod
     def to_host(x):
         return x

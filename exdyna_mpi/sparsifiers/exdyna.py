@@ -58,7 +58,7 @@ class ExDyna(Sparsifier):
         super().__init__(numel, density, comm, device=device, nonfinite=nonfinite, controller=controller,
                          balance=balance, n_blocks=n_blocks, block_align=block_align, **unknown)
         self.layout = self._make_layout()
-        self.controller = make_controller(self.options["controller"], self.numel, self.density)
+        self.controller = make_controller(self.options["controller"], self.numel, self.density, self.nranks)
         self._index_dtype = np.dtype(np.int32) if self.numel < 2**31 else np.dtype(np.int64)
         self._idx = None
 
@@ -111,8 +111,8 @@ class ExDyna(Sparsifier):
         fused.plan = plan
         t0 = time.perf_counter()
         thr = threshold_for(plan.threshold, plan.dtype)
-        fused.count = sel.count = self.ops.select_range(sel.acc, fused.lo, fused.hi, thr,
-                                                        self._idx_buffer(fused.hi - fused.lo))
+        idx = self._idx_buffer(fused.hi - fused.lo)
+        fused.count = sel.count = self.ops.select_range(sel.acc, fused.lo, fused.hi, thr, idx)
         step.sec["select_range"] = time.perf_counter() - t0
         sel.words = ()
         return sel
@@ -169,7 +169,13 @@ class _FusedPass:
         idx = sp._idx_buffer(self.hi - self.lo)
         thr = threshold_for(plan.threshold, plan.dtype)
         hist = np.zeros(plan.n_words, dtype=np.int64)
-        if plan.hist is None:
+        if plan.measure and hasattr(ops, "accumulate_measure"):   # the host's fused measuring pass
+            nb = plan.hist[0]
+            fine = (plan.fine[1], plan.fine[2], hist[nb:]) if plan.fine else None
+            bad = ops.accumulate_measure(sp.memory.residual, self.grad, self.acc, self.lo, self.hi,
+                                         (plan.hist[1], plan.hist[2], hist[:nb]), fine, plan.stride)
+            count = 0
+        elif plan.hist is None:
             count, bad = ops.accumulate_select(sp.memory.residual, self.grad, self.acc, self.lo, self.hi, thr, idx)
         else:   # the same pass also histograms |acc| (or the forecast) for the controller
             nb = plan.hist[0]
@@ -210,7 +216,7 @@ class MiCRO(ExDyna):
         Sparsifier.__init__(self, numel, density, comm, device=device, nonfinite=nonfinite,
                             controller=controller, **unknown)
         self.layout = self._make_layout()
-        self.controller = make_controller(self.options["controller"], self.numel, self.density)
+        self.controller = make_controller(self.options["controller"], self.numel, self.density, self.nranks)
         self._index_dtype = np.dtype(np.int32) if self.numel < 2**31 else np.dtype(np.int64)
         self._idx = None
 

@@ -28,13 +28,13 @@ class ErrorFeedback:
     """The error-feedback memory of one rank: ``residual`` (length ``numel``) and a spare buffer.
 
     Buffers live on the bound ``ops``' device; two of them rotate (``acc`` becomes the residual, the
-    old residual becomes the next output or spare), so a step allocates nothing.
+    old residual the next step's ``acc``); the output is a fresh zero buffer (or the caller's ``out``).
 
     Example::
 
         >>> mem = ErrorFeedback(numel); mem.bind(HostOps, np.dtype(np.float32))
         >>> acc = mem.take()                 # fill with residual + grad
-        >>> out = mem.commit(acc, None)      # acc is the residual now; out is zeroed
+        >>> out = mem.commit(acc, None)      # acc is the residual now; out is a fresh zero buffer
     """
 
     def __init__(self, numel):
@@ -65,13 +65,14 @@ class ErrorFeedback:
 
     def commit(self, acc, out):
         """After a good step: ``acc`` becomes the residual; return the zeroed output buffer
-        (``out`` when given, else the old residual)."""
+        (``out`` when given, else a fresh one); the old residual is kept for the next ``take``."""
         old = self.residual
         self.residual = acc
+        self._spare = old     # the next step's acc: no allocation, its pages already mapped
         if out is None:
-            out = old
-        else:
-            self._spare = old
+            # a fresh zero buffer (the caller owns it): on the host its pages are zero-filled by the
+            # OS when first written, so no pass over the vector here
+            return self.ops.zeros(self.numel, self.dtype)
         self.ops.fill_zero(out)
         return out
 

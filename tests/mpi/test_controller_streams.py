@@ -81,8 +81,7 @@ def test_summed_words_do_not_grow_with_p(wcomm):
     words = 3 + sp.sum_size(_Step(sp))          # 3 error / dtype flags, then the histograms
     assert words == 3 + sp.controller.N_COARSE + sp.controller.N_FINE
     total = int(c.sum())
-    zooms = sp.controller.zooms
-    reduce = 2 * (p - 1) * words * 4 // p + zooms * (2 * (p - 1) * 66 * 4 // p)
+    reduce = sum(2 * (p - 1) * w * 4 // p for w in [words] + sp.controller.zoom_words)
     want = (total - int(c[(rank + 1) % p])) * 4 + 2 * (p - 1) * total * 4 // p + reduce + (p - 1) * 8
     mpi_assert(sp.stats.bytes_sent == want, f"bytes sent {sp.stats.bytes_sent}, model {want}", wcomm)
 
