@@ -212,7 +212,7 @@ def host_hist_range(x, lo, hi, shift, key0, hist):
     bits, sign_off = int_view(x)
     ity = bits.dtype.type
     mb = 23 if x.dtype == np.float32 else 52
-    narrow = hist.shape[0] <= (1 << max(mb - int(shift), 0))     # the window spans at most an octave
+    narrow = hist.shape[0] <= (2 << max(mb - int(shift), 0))     # the window spans at most 2 octaves
     if narrow and hist.shape[0] > 1 and (int(key0) + 1) << int(shift) > 0:
         hist_band(bits, lo, hi, sign_off, ity(shift), ity(key0), hist, np.empty(_CHUNK, np.int32))
     else:
