@@ -398,13 +398,14 @@ class MeasuredController(Controller):
     rotating streams and changes of scale are measured like any other.
 
     Buckets (exact integer logic on the IEEE bits, kernels/cpu_controller.py): the pass fills a
-    coarse window (``N_COARSE`` buckets, 8 per octave) and a fine one (``N_FINE``, 512 per octave)
-    both centred on the previous threshold. If the k-th largest ``|acc|`` lies inside the fine
+    coarse window (``N_COARSE`` buckets, 8 per octave, counting every ``stride``-th element) and a
+    fine one (``N_FINE``, 256 per octave, every element) both centred on the previous threshold. If the k-th largest ``|acc|`` lies inside the fine
     window the threshold is picked there (no extra work). Otherwise ``resolve`` zooms: the coarse
-    bucket that holds it is re-histogrammed over the owned range only (``ZOOM`` sub-buckets, an
-    O(N/P) read and one more small Allreduce) until the resolution is 512 per octave or the count
-    at an edge is within ``TOL`` of k; outside the coarse window (and at step 0) it starts from
-    one bucket per octave over 2**-40 .. 2**24. Of the two edges around the k-th value it takes
+    bucket that holds it (and its neighbours: the coarse counts are a sample) is re-histogrammed
+    over the owned range only (``2**ZOOM_BITS`` sub-buckets each, an O(N/P) read and one more
+    small Allreduce) until the resolution is 256 per octave or the count at an edge is within
+    ``TOL`` of k; outside the coarse window (and at step 0) it starts from one bucket per octave
+    over 2**-40 .. 2**24, every element. Of the two edges around the k-th value it takes
     the one whose count is nearer to k in ratio, never one that selects nothing while the
     accumulator holds a value above 2**-40.
 
@@ -415,10 +416,12 @@ class MeasuredController(Controller):
     name = "measured"
     balance_rule = "blocks"
     N_COARSE, COARSE_BITS = 64, 3     # 8 octaves around the previous threshold
-    N_FINE, FINE_BITS = 64, 9         # +-4.4 % around it, 0.14 % per bucket
-    ZOOM_BITS = 6                     # a zoom splits one bucket into 64
+    N_FINE, FINE_BITS = 64, 8         # +-8.8 % around it, 0.27 % per bucket
+    ZOOM_BITS = 5                     # a zoom splits a coarse bucket into 32: the fine resolution
     WIDE_LOW, N_WIDE = -40, 64        # step 0 / out of window: one bucket per octave, 2**-40 .. 2**24
-    TOL = 0.01                        # stop zooming when an edge's count is this close to k
+    TOL = 0.01                        # stop zooming when an edge's count is this close to k,
+    FINE_TOL = 0.03                   # or this close at the fine resolution (else a pile of equal
+    DEEP_BITS = 13                    # values: zoom into the fine bucket, down to 8192 per octave)
     SAMPLE = 1 << 16                  # the coarse window counts about this many elements per rank
     MAX_STRIDE = 64                   # (every stride-th): it only locates the k-th value
     MAX_ZOOMS = 8
@@ -488,13 +491,11 @@ class MeasuredController(Controller):
         dtype, mb = plan.dtype, self._mantissa_bits(plan.dtype)
         nb = plan.hist[0]
         self.zooms, self.zoom_words = 0, []
-        if plan.fine is not None:
-            fine = words[nb:]
-            j, above = self._locate(fine)
-            if 0 < j < fine.shape[0] - 1:
-                return self._done(plan, *self._pick(above, j, self._edges(dtype, plan.fine[1], plan.fine[2],
-                                                                          plan.fine[0])))
         spec, hist, exact = plan.hist, words[:nb] * plan.stride, plan.stride == 1
+        if plan.fine is not None:
+            j, _ = self._locate(words[nb:])
+            if 0 < j < plan.fine[0] - 1:     # the fine window holds the k-th value: start there
+                spec, hist, exact = plan.fine, words[nb:], True
         wide_spec = self.wide_spec(dtype)
         wide = spec == wide_spec
         best = None
@@ -514,7 +515,9 @@ class MeasuredController(Controller):
                 return self._done(plan, *best)
             if exact:
                 thr, count = best
-                if shift <= mb - self.FINE_BITS or abs(count / self.k - 1.0) <= self.TOL:
+                miss = abs(count / self.k - 1.0)
+                if (miss <= self.TOL or (shift <= mb - self.FINE_BITS and miss <= self.FINE_TOL)
+                        or shift <= mb - self.DEEP_BITS):
                     return self._done(plan, thr, count)
                 a, b = j, j + 1                  # zoom into the bucket that holds the k-th value
             else:
