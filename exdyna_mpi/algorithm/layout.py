@@ -127,6 +127,8 @@ class BlockLayout:
 
     #: ``rebalance_blocks``: the per-block estimate moves 1/2**BLOCKS_EMA_SHIFT of the way per step
     BLOCKS_EMA_SHIFT = 2
+    #: ``rebalance_blocks`` moves boundaries only with at least this many blocks per partition
+    MIN_BLOCKS_PER_PART = 8
 
     def block_counts(self, union):
         """Selections per block from the step's union of element indices (the remainder of
@@ -144,8 +146,8 @@ class BlockLayout:
         layers) one cut equalises it; a short moving average (``BLOCKS_EMA_SHIFT``) damps the count
         noise of a stationary stream. Same cut and limits as ``rebalance_adaptive``.
         """
-        if self.nparts < 2:
-            return
+        if self.nparts < 2 or self.n_blocks < self.MIN_BLOCKS_PER_PART * self.nparts:
+            return   # a few blocks per partition: a cut moves whole shares of the load; keep the layout
         self._cut(self.block_counts(union).astype(np.int64) << self.FIX, self.BLOCKS_EMA_SHIFT)
 
     def _cut(self, obs, ema_shift):
