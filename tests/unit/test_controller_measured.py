@@ -60,7 +60,8 @@ def test_band_histogram_equals_the_plain_one(dtype):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_threshold_selects_exactly_the_measured_count_near_k(dtype):
     """P=1: every step selects the count the summed histogram gave, within 3 % of k on a smooth
-    vector (1 %; a pile that error feedback leaves can make one fine bucket hold ~2 %), whether the fine window holds the k-th value or a zoom is needed (scale x0.1, x30)."""
+    vector (the pile error feedback leaves after a drop of scale can put ~2 % of k in one fine
+    bucket), whether the fine window holds the k-th value or a zoom is needed (scale x0.1, x30)."""
     n, d = 200_000, 0.005
     sp = exdyna_mpi.ExDyna(n, d, MPI.COMM_SELF)
     rng = np.random.default_rng(3)
