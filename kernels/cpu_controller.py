@@ -245,12 +245,12 @@ def accumulate_measure(residual, grad, acc, bits, lo, hi, sign_off, shift, key0,
     """The measuring pass: ``acc = residual + grad`` everywhere, and over the owned range ``[lo, hi)``
     the histograms of ``|acc|`` that ``accumulate_select_hist`` (``predict=False``) makes: ``hist``
     counts every ``stride``-th element (global index), ``hist_f`` every element (bucket 0: all below
-    its first edge ``low_f``, a value of acc's dtype; an empty ``hist_f``: none). Returns the largest
+    its first edge, bit pattern ``low_f``; an empty ``hist_f``: none). Returns the largest
     ``|acc|`` bit pattern: non-finite values exist iff it reaches the exponent mask.
 
     Per chunk: the add and the max vectorise; the few values at or above ``low_f`` are compacted
-    (a compare that rarely fires, as in ``select_range``) into ``scratch`` and only they touch the
-    fine histogram; the coarse one reads one element in ``stride``.
+    (a compare that rarely fires) into ``scratch`` and only they touch the fine histogram; the
+    coarse one reads one element in ``stride``.
     """
     mx = _add_max(residual[:lo], grad[:lo], acc[:lo], bits[:lo], sign_off)
     m2 = _add_max(residual[hi:], grad[hi:], acc[hi:], bits[hi:], sign_off)
@@ -273,7 +273,7 @@ def accumulate_measure(residual, grad, acc, bits, lo, hi, sign_off, shift, key0,
         if top_f >= 0:
             c = 0
             for i in range(m):
-                if abs(a[i]) >= low_f:
+                if (bs[i] & sign_off) >= low_f:    # on the bits: NaN goes to the top, as on CUDA
                     scratch[c] = i
                     c += 1
             for q in range(c):
@@ -310,9 +310,9 @@ def host_accumulate_measure(residual, grad, acc, lo, hi, coarse, fine, stride):
     shift, key0, hist = coarse
     if fine is not None:
         shift_f, key0_f, hist_f = fine
-        low_f = np.array([(int(key0_f) + 1) << int(shift_f)], dtype=bits.dtype).view(acc.dtype)[0]
+        low_f = ity((int(key0_f) + 1) << int(shift_f))
     else:
-        shift_f, key0_f, hist_f, low_f = 0, 0, np.zeros(0, np.int64), acc.dtype.type(np.inf)
+        shift_f, key0_f, hist_f, low_f = 0, 0, np.zeros(0, np.int64), sign_off
     scratch = np.empty(_CHUNK, np.int32)
     mx = accumulate_measure(residual, grad, acc, bits, lo, hi, sign_off, ity(shift), ity(key0), hist, int(stride),
                             ity(shift_f), ity(key0_f), hist_f, low_f, scratch)

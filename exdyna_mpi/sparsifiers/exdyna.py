@@ -169,7 +169,7 @@ class _FusedPass:
         idx = sp._idx_buffer(self.hi - self.lo)
         thr = threshold_for(plan.threshold, plan.dtype)
         hist = np.zeros(plan.n_words, dtype=np.int64)
-        if plan.measure and hasattr(ops, "accumulate_measure"):   # the host's fused measuring pass
+        if plan.measure:   # the measuring pass: acc and the owned range's histograms, no selection
             nb = plan.hist[0]
             fine = (plan.fine[1], plan.fine[2], hist[nb:]) if plan.fine else None
             bad = ops.accumulate_measure(sp.memory.residual, self.grad, self.acc, self.lo, self.hi,

@@ -264,3 +264,28 @@ def test_hist_kernels_compile_for_sm90():
         pytest.skip(p.stdout.strip())
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     assert "PTX HIST OK" in p.stdout
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_accumulate_measure_matches_hostops(dtype):
+    """The measured controller's pass: CudaOps (composed) gives HostOps' (fused) acc, words and
+    non-finite count."""
+    from exdyna_mpi.algorithm.controllers import MeasuredController
+    from exdyna_mpi.arrays import HostOps
+    from exdyna_mpi.arrays.cuda_ops import CudaOps
+
+    rng = np.random.default_rng(9)
+    n, lo, hi = 700, 130, 610
+    r = (rng.standard_normal(n) * 0.05).astype(dtype)
+    g = (rng.standard_normal(n) * 0.05).astype(dtype)
+    g[[3, 400]] = [np.inf, np.nan]
+    c = MeasuredController(n, 0.02)
+    c.threshold, c.seen = 0.08, True
+    (nb, cs, ck), (nf, fs, fk) = c.window_specs(dtype)
+    words = {}
+    for ops in (HostOps, CudaOps):
+        h, f = np.zeros(nb, np.int64), np.zeros(nf, np.int64)
+        acc = ops.empty(n, dtype)
+        bad = ops.accumulate_measure(ops.from_host(r), ops.from_host(g), acc, lo, hi, (cs, ck, h), (fs, fk, f), 4)
+        words[ops.device] = (np.array(ops.to_host(acc)).tobytes(), h.tolist(), f.tolist(), bad)
+    assert words["cpu"] == words["cuda"] and words["cpu"][3] == 2
