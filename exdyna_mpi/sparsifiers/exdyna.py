@@ -68,7 +68,8 @@ class ExDyna(Sparsifier):
 
     @property
     def threshold(self):
-        """The threshold the next step will use."""
+        """The threshold the next step will use (the measured controller: the last one used, the
+        centre of the next step's histogram windows; the next step measures its own)."""
         return self.controller.threshold
 
     def _range_at(self, t):
