@@ -1,12 +1,21 @@
-"""Per-step time of ExDyna's select + exchange against exact top-k + Allgatherv, same gradients.
+"""One whole ExDyna step against exact top-k + Allgatherv and the memory floor, same gradients, one run.
 
-    mpiexec -n 4 python -m mpi4py jobs/bench_select.py --numel 10000000 --density 0.001 --steps 10
+    timeout 900 mpiexec -n 4 python -m mpi4py jobs/bench_select.py --numel 10000000 --density 0.001 --steps 12
 
-Both methods run in one process, alternating step by step on the same gradient stream, so they see
-the same machine load. A step's time is the slowest rank's (the step ends when every rank is done).
-Top-k: ``acc = residual + grad``; ``np.argpartition(|acc|, N-k)`` (no full sort); Allgatherv of
-int32 indices; the union (``np.unique``); Allreduce of each rank's ``acc`` at the union; residual
-zeroed there. ExDyna: ``sp.step`` (default controller) with its own phase timers.
+Methods, alternating step by step on the same gradient stream (so they see the same machine load):
+  floor      ``np.add(residual, grad, out=acc)`` alone: the 12 B/element pass every error-feedback
+             method needs;
+  topk       ``acc = residual + grad``; ``np.argpartition(|acc|, N-k)``; Allgatherv of int32 indices;
+             the union (``np.unique``); Allreduce of each rank's ``acc`` at the union; residual zeroed;
+  exdyna     ``sp.step`` with default options (the measured controller);
+  exdyna-histogram   ``sp.step`` with ``controller="histogram"`` (the previous default, forecasting).
+A step's time is the slowest rank's (the step ends when every rank is done); the table gives the
+median over ``--steps`` steps after ``--warmup``, and ExDyna's phases (``stats.seconds``, slowest
+rank per phase): pass (acc = residual + grad, non-finite count, the owned-range histograms; with
+the forecasting controller also the selection and the forecast), words (the summed controller
+words), choose (zooms and the owned-range select), counts (the count words), indices (Allgatherv),
+gather + reduce (the values), scatter (output and residual), balance. Threads per rank: Numba's
+default unless ``--threads``; ranks sharing a node's cores run one thread each (see docs/bench.md).
 """
 import time
 
@@ -14,7 +23,12 @@ import numpy as np
 from mpi4py import MPI
 
 import exdyna_mpi
+import streams as corpus
 from common import append_json_line, parser, world
+
+PHASES = (("pass", ("select",)), ("words", ("sum_words",)), ("choose", ("choose",)), ("counts", ("counts",)),
+          ("indices", ("indices",)), ("values", ("gather", "reduce")), ("scatter", ("scatter",)),
+          ("balance", ("balance",)))
 
 
 class ExactTopK:
@@ -44,59 +58,79 @@ class ExactTopK:
         acc[union] = 0
         self.residual = acc
         t2 = time.perf_counter()
-        self.seconds = {"select": t1 - t0, "exchange": t2 - t1, "total": t2 - t0, "union": union.size}
+        self.seconds = {"select": t1 - t0, "total": t2 - t0, "union": union.size}
         return out
 
 
-def grad_stream(rank, step, n):
-    rng = np.random.default_rng([rank, step])
-    g = rng.standard_normal(n, dtype=np.float32)
-    g *= np.float32(0.01)
-    g[: n // 8] *= np.float32(3.0)          # a heavier head, as real layers differ
-    return g
+class Floor:
+    def __init__(self, numel):
+        self.residual = np.zeros(numel, np.float32)
+        self.acc = np.empty(numel, np.float32)
+
+    def step(self, grad):
+        np.add(self.residual, grad, out=self.acc)
 
 
 def main():
-    ap = parser(__doc__, numel=10_000_000, density=0.001, steps=10, warmup=3, json_path=None)
+    ap = parser(__doc__, numel=10_000_000, density=0.001, steps=12, warmup=3, seed=0, json_path=None, raw=True)
+    ap.add_argument("--stream", default="rotate3", help="a synthetic stream of jobs/streams.py")
+    ap.add_argument("--methods", default="floor,topk,exdyna,exdyna-histogram")
     a = ap.parse_args()
     comm, rank, P = world(a)
-    # The default controller holds the density from step 0, so both select about k per step.
-    ex = exdyna_mpi.ExDyna(a.numel, a.density, comm)
-    tk = ExactTopK(a.numel, a.density, comm)
-    rows = {"exdyna": [], "topk": []}
+    st = corpus.Synthetic(a.stream, a.numel, rank, P, a.seed)
+    methods = a.methods.split(",")
+    sps = {}
+    for m in methods:
+        if m == "floor":
+            sps[m] = Floor(a.numel)
+        elif m == "topk":
+            sps[m] = ExactTopK(a.numel, a.density, comm)
+        elif m == "exdyna":
+            sps[m] = exdyna_mpi.ExDyna(a.numel, a.density, comm)
+        elif m.startswith("exdyna-"):
+            sps[m] = exdyna_mpi.ExDyna(a.numel, a.density, comm, controller=m.split("-", 1)[1])
+    rows = {m: [] for m in methods}
+    k = max(1, int(a.numel * a.density))
     for t in range(a.warmup + a.steps):
-        g = grad_stream(rank, t, a.numel)
-        for name, sp in (("exdyna", ex), ("topk", tk)):
+        g = st.next() * np.float32(0.01)
+        for m in methods:
+            sp = sps[m]
             comm.Barrier()
             t0 = time.perf_counter()
             sp.step(g)
             wall = time.perf_counter() - t0
-            if name == "exdyna":
-                s = ex.stats.seconds
-                sel = s["select"]
-                extra = {"selected": ex.stats.selected, "imbalance": ex.stats.imbalance}
-            else:
-                sel = tk.seconds["select"]
-                extra = {"selected": tk.seconds["union"]}
-            step = np.array([wall, sel])
-            comm.Allreduce(MPI.IN_PLACE, step, op=MPI.MAX)
+            ph = [0.0] * len(PHASES)
+            sel = 0
+            if m.startswith("exdyna"):
+                s = sp.stats.seconds
+                ph = [sum(s.get(x, 0.0) for x in keys) for _, keys in PHASES]
+                sel = sp.stats.selected
+            elif m == "topk":
+                sel = sp.seconds["union"]
+            v = np.array([wall] + ph)
+            comm.Allreduce(MPI.IN_PLACE, v, op=MPI.MAX)
             if t >= a.warmup:
-                rows[name].append({"total": step[0], "select": step[1], "exchange": step[0] - step[1], **extra})
-    if rank == 0:
-        res = {"nranks": P, "numel": a.numel, "density": a.density, "steps": a.steps}
-        print(f"P={P} numel={a.numel:,} density={a.density} ({a.steps} steps after {a.warmup} warm-up; "
-              f"median of the slowest rank per step)")
-        print(f"{'method':8} {'select ms':>10} {'exchange ms':>12} {'total ms':>9} {'selected':>9}")
-        for name, rs in rows.items():
-            med = {k: float(np.median([r[k] for r in rs])) for k in ("total", "select", "exchange", "selected")}
-            res[name] = med
-            print(f"{name:8} {med['select']*1e3:10.2f} {med['exchange']*1e3:12.2f} {med['total']*1e3:9.2f} "
-                  f"{int(med['selected']):9d}")
-        ratio = res["topk"]["total"] / res["exdyna"]["total"]
-        res["speedup_total"] = ratio
-        print(f"exact top-k / ExDyna, per-step time: {ratio:.1f}x")
-        if a.json:   # one JSON line per run
-            append_json_line(a.json, res)
+                rows[m].append((v, sel, sp.stats.bytes_sent if m.startswith("exdyna") else 0))
+    if rank:
+        return
+    res = {"nranks": P, "numel": a.numel, "density": a.density, "steps": a.steps, "stream": a.stream}
+    print(f"P={P} numel={a.numel:,} density={a.density} k={k} stream={a.stream} ({a.steps} steps after "
+          f"{a.warmup} warm-up; median of the slowest rank per step; ms)")
+    floor = np.median([r[0][0] for r in rows["floor"]]) if "floor" in rows else None
+    hdr = f"{'method':18} {'total':>8} {'/floor':>7} {'sel/k':>6} {'sent B':>8}  " + " ".join(
+        f"{n:>8}" for n, _ in PHASES)
+    print(hdr)
+    for m, rs in rows.items():
+        tot = float(np.median([r[0][0] for r in rs]))
+        phs = [float(np.median([r[0][1 + i] for r in rs])) for i in range(len(PHASES))]
+        sel = float(np.median([r[1] for r in rs]))
+        sent = float(np.median([r[2] for r in rs]))
+        res[m] = {"total": tot, "selected": sel, "bytes_sent": sent, **{n: v for (n, _), v in zip(PHASES, phs)}}
+        ratio = f"{tot / floor:7.2f}" if floor else "      -"
+        phtxt = " ".join(f"{v * 1e3:8.2f}" for v in phs) if m.startswith("exdyna") else ""
+        print(f"{m:18} {tot * 1e3:8.2f} {ratio} {sel / k:6.2f} {sent:8.0f}  {phtxt}")
+    if a.json:
+        append_json_line(a.json, res)
 
 
 if __name__ == "__main__":

@@ -1,124 +1,95 @@
-"""Density and imbalance of ExDyna's controllers, faithful vs histogram, side by side in one run.
+"""Density and balance of ExDyna's controllers on every stream of the corpus (jobs/streams.py), one table.
 
-Runs the real ExDyna on synthetic heavy-tailed gradient streams (Student-t, 3 degrees of freedom,
-the head eighth of the vector scaled up), one stream per rank:
-  stationary   head 3x, statistics fixed over time
-  scale        as stationary, gradient scale x0.1 at step S/3 (a learning-rate drop), x1 again at 2S/3
-  skewed       head 4x (strong skew, for the rebalancing)
-and prints per stream and controller: density / target after step 20 (mean, min, max), the step
-from which it stays within +-10 %, recovery steps after each scale change, mean imbalance over the
-last steps. Writes JSON and a PNG of density over steps.
+Runs the real ExDyna, every rank its own gradient of the stream, for each stream and controller:
+  measured    the default: measures this step's |acc| (histograms summed with one Allreduce)
+  histogram   the previous default: forecasts next step's accumulator (kept for comparison)
+  faithful    the authors' rule (x1.005 / x1.00125 / x0.995 from 1/(2 sqrt k))
+each with ``balance=True`` (the controller's own rebalancing rule). Columns, after step 20: the
+share of steps with selected / k within +-10 %, the mean, min and max of selected / k, the median
+imbalance (max count x P / total - 1). Recorded streams run at the density that gives k >= --min-k
+(their vectors are small); the table says which. Writes JSON.
 
-    timeout 900 mpiexec -n 4 python -m mpi4py jobs/density_bench.py --numel 1048576 --steps 400 --out out/density
+    timeout 3000 mpiexec -n 4 python -m mpi4py jobs/density_bench.py --numel 1048576 --steps 120 --out out/density
 """
 import json
 import os
+import sys
 import time
 
 import numpy as np
 
 import exdyna_mpi
+import streams as corpus
 from common import parser, world
 
-CONFIGS = (("faithful", {"controller": "faithful", "balance": True}),
-           ("histogram", {"controller": "histogram", "balance": True}),
-           # the authors' one-block rule under the new controller: the rebalancing compared at the target density
-           ("histogram+faithful-balance", {"controller": "histogram", "balance": "faithful"}))
+CONTROLLERS = ("measured", "histogram", "faithful")
 
 
-def stream(name, numel, steps, rank, seed):
-    """Yields this rank's gradient per step (float32): a random window of a t(3) pool, scaled."""
-    rng = np.random.default_rng([seed, rank])
-    pool = rng.standard_t(3, numel + (1 << 20)).astype(np.float32)
-    head = np.ones(numel, np.float32)
-    head[: numel // 8] = 4.0 if name == "skewed" else 3.0
-    for t in range(steps):
-        s = 1.0
-        if name == "scale" and steps // 3 <= t < 2 * steps // 3:
-            s = 0.1
-        start = int(rng.integers(0, 1 << 20))
-        g = pool[start:start + numel] * head
-        if rng.integers(2):
-            g = -g
-        yield g * np.float32(s)
-
-
-def run(name, opts, stream_name, a, comm):
-    sp = exdyna_mpi.ExDyna(a.numel, a.density, comm, **opts)
-    dens, imb = [], []
-    for g in stream(stream_name, a.numel, a.steps, comm.Get_rank(), a.seed):
-        sp.step(g)
-        dens.append(sp.stats.density / a.density)
+def run(stream, ctl, numel, density, steps, comm, seed):
+    st = corpus.open_stream(stream, numel, comm.Get_rank(), comm.Get_size(), seed)
+    numel = getattr(st, "numel", numel)
+    sp = exdyna_mpi.ExDyna(numel, density, comm, controller=ctl)
+    k = max(1, int(density * numel))
+    ratio, imb, empty = [], [], 0
+    for _ in range(steps):
+        sp.step(st.next())
+        ratio.append(sp.stats.selected / k)
         imb.append(sp.stats.imbalance)
-    return np.array(dens), np.array(imb)
+        empty += int(sp.stats.selected == 0)
+    return numel, k, np.array(ratio), np.array(imb), empty
 
 
-def summarise(d, imb, steps, stream_name):
-    after = d[20:]
-    out_band = np.nonzero(np.abs(d - 1.0) > 0.1)[0]
-    row = {"mean": float(after.mean()), "min": float(after.min()), "max": float(after.max()),
-           "in_band_from": int(out_band[-1] + 1) if len(out_band) else 0,
-           "steps_out_after_20": int(np.sum(np.abs(after - 1.0) > 0.1)),
-           "imbalance_last": float(imb[max(steps - 100, steps // 2):].mean())}
-    if stream_name == "scale":
-        for at in (steps // 3, 2 * steps // 3):
-            seg = d[at:at + steps // 3]
-            bad = np.nonzero(np.abs(seg - 1.0) > 0.1)[0]
-            row[f"recovery_{at}"] = int(bad[-1] + 1) if len(bad) else 0
-    return row
+def summarise(ratio, imb, empty, skip=20):
+    a = ratio[skip:]
+    return {"in_band": float(np.mean(np.abs(a - 1.0) <= 0.1)), "mean": float(a.mean()), "min": float(a.min()),
+            "max": float(a.max()), "imbalance_median": float(np.median(imb[skip:])),
+            "first": float(ratio[0]), "empty_steps": int(empty)}
 
 
 def main():
-    ap = parser(__doc__, numel=1 << 20, density=0.001, steps=400, seed=0, out="out/density", raw=True)
-    ap.add_argument("--streams", default="stationary,scale,skewed")
+    ap = parser(__doc__, numel=1 << 20, density=0.001, steps=120, seed=0, out="out/density", raw=True)
+    ap.add_argument("--streams", default=",".join(corpus.SYNTHETIC + ("cnn16", "cnn48", "mlp")))
+    ap.add_argument("--controllers", default=",".join(CONTROLLERS))
+    ap.add_argument("--min-k", type=int, default=1000, help="recorded streams: raise the density to this k")
     a = ap.parse_args()
-    comm, rank, _ = world(a)
-    results, curves = {}, {}
-    t0 = time.perf_counter()
+    comm, rank, P = world(a)
+    rows, t_start = [], time.perf_counter()
     for s in a.streams.split(","):
-        for name, opts in CONFIGS:
-            if name.endswith("faithful-balance") and s != "skewed":
-                continue
-            d, imb = run(name, opts, s, a, comm)
-            results[f"{s}/{name}"] = summarise(d, imb, a.steps, s)
-            curves[f"{s}/{name}"] = d.tolist()
+        if s in corpus.RECORDED:
+            if rank == 0:
+                corpus.ensure(s, P)
+            comm.Barrier()
+        for ctl in a.controllers.split(","):
+            t0 = time.perf_counter()
+            numel = a.numel
+            if s in corpus.RECORDED:
+                numel = corpus.Recorded(s, 0, 1).numel
+            d = max(a.density, a.min_k / numel) if s in corpus.RECORDED else a.density
+            steps = a.steps
+            if s in corpus.RECORDED:
+                steps = min(steps, corpus.Recorded(s, 0, 1).steps)
+            numel, k, ratio, imb, empty = run(s, ctl, numel, d, steps, comm, a.seed)
+            row = {"stream": s, "controller": ctl, "numel": numel, "density": d, "k": k, "steps": steps,
+                   **summarise(ratio, imb, empty), "seconds": time.perf_counter() - t0}
+            rows.append(row)
+            if rank == 0:
+                print(f"[{s}/{ctl}] {row['seconds']:.0f} s", file=sys.stderr, flush=True)
     if rank:
         return
-    print(f"ExDyna density bench: P={comm.Get_size()} numel={a.numel} density={a.density} steps={a.steps} "
-          f"({time.perf_counter() - t0:.0f} s)")
-    hdr = ("stream/controller", "mean", "min", "max", "in band from", "out after 20", "recovery",
-           "imbalance")
+    print(f"ExDyna density bench: P={P}, synthetic numel={a.numel} density={a.density}, up to {a.steps} steps "
+          f"({time.perf_counter() - t_start:.0f} s). After step 20: steps within +-10 % of k, selected / k "
+          "mean, min, max; median imbalance.")
+    hdr = ("stream", "k", "controller", "in band", "mean", "min", "max", "imbalance (median)", "empty steps")
     print("| " + " | ".join(hdr) + " |")
     print("|" + "---|" * len(hdr))
-    for key, r in results.items():
-        rec = " / ".join(str(v) for k, v in r.items() if k.startswith("recovery")) or "-"
-        print(f"| {key} | {r['mean']:.3f} | {r['min']:.3f} | {r['max']:.3f} | {r['in_band_from']} | "
-              f"{r['steps_out_after_20']} | {rec} | {r['imbalance_last']:.3f} |")
+    for r in rows:
+        print(f"| {r['stream']} | {r['k']} | {r['controller']} | {100 * r['in_band']:.0f} % | {r['mean']:.3f} | "
+              f"{r['min']:.3f} | {r['max']:.3f} | {r['imbalance_median']:.3f} | {r['empty_steps']} |")
     os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "density_bench.json"), "w") as f:
-        json.dump({"args": vars(a), "results": results, "curves": curves}, f)
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot")
-        return
-    streams = a.streams.split(",")
-    fig, axes = plt.subplots(len(streams), 1, figsize=(9, 3 * len(streams)), squeeze=False)
-    for ax, s in zip(axes[:, 0], streams):
-        for name, _ in CONFIGS:
-            if f"{s}/{name}" not in curves:
-                continue
-            ax.semilogy(curves[f"{s}/{name}"], label=name, lw=0.8)
-        ax.axhspan(0.9, 1.1, color="g", alpha=0.15)
-        ax.set_title(s)
-        ax.set_ylabel("density / target")
-        ax.legend()
-    axes[-1, 0].set_xlabel("step")
-    fig.tight_layout()
-    fig.savefig(os.path.join(a.out, "density_bench.png"), dpi=110)
-    print("wrote", os.path.join(a.out, "density_bench.png"))
+    path = os.path.join(a.out, f"density_bench_P{P}.json")
+    with open(path, "w") as f:
+        json.dump({"args": vars(a), "nranks": P, "rows": rows}, f, indent=1)
+    print("wrote", path)
 
 
 if __name__ == "__main__":

@@ -186,6 +186,135 @@ def host_accumulate_select_hist(residual, grad, acc, lo, hi, thr, idx, shift, ke
     return int(c), int(bad)
 
 
+@njit(cache=True, nogil=True)
+def hist_band(bits, lo, hi, sign_off, shift, key0, hist, scratch):
+    """``hist_range`` for a narrow window (a zoom): the values below bucket 1 (nearly all) are only
+    counted; the others are compacted per chunk into ``scratch`` and bucketed. Same counts."""
+    top = hist.shape[0] - 1
+    low = (key0 + 1) << shift
+    below = 0
+    for s in range(lo, hi, _CHUNK):
+        e = min(s + _CHUNK, hi)
+        bs = bits[s:e]
+        c = 0
+        for i in range(e - s):
+            if (bs[i] & sign_off) >= low:
+                scratch[c] = i
+                c += 1
+        for q in range(c):
+            j = ((bs[scratch[q]] & sign_off) >> shift) - key0
+            hist[j if j < top else top] += 1
+        below += (e - s) - c
+    hist[0] += below
+
+
 def host_hist_range(x, lo, hi, shift, key0, hist):
     bits, sign_off = int_view(x)
-    hist_range(bits, lo, hi, sign_off, bits.dtype.type(shift), bits.dtype.type(key0), hist)
+    ity = bits.dtype.type
+    mb = 23 if x.dtype == np.float32 else 52
+    narrow = hist.shape[0] <= (2 << max(mb - int(shift), 0))     # the window spans at most 2 octaves
+    if narrow and hist.shape[0] > 1 and (int(key0) + 1) << int(shift) > 0:
+        hist_band(bits, lo, hi, sign_off, ity(shift), ity(key0), hist, np.empty(_CHUNK, np.int32))
+    else:
+        hist_range(bits, lo, hi, sign_off, ity(shift), ity(key0), hist)
+
+
+# ---------------------------------------------------------------------------- the measuring pass
+@njit(cache=True, nogil=True)
+def _add_max(r, g, acc, bits, sign_off):
+    # acc = r + g, and the largest |acc| bit pattern (>= the exponent mask: a non-finite value)
+    n = acc.shape[0]
+    mx = 0
+    for s in range(0, n, _CHUNK):
+        e = min(s + _CHUNK, n)
+        rs = r[s:e]
+        gs = g[s:e]
+        a = acc[s:e]
+        bs = bits[s:e]
+        for i in range(e - s):
+            a[i] = rs[i] + gs[i]
+        for i in range(e - s):
+            b = bs[i] & sign_off
+            mx = b if b > mx else mx
+    return mx
+
+
+@njit(cache=True, nogil=True)
+def accumulate_measure(residual, grad, acc, bits, lo, hi, sign_off, shift, key0, hist, stride, shift_f, key0_f,
+                       hist_f, low_f, scratch):
+    """The measuring pass: ``acc = residual + grad`` everywhere, and over the owned range ``[lo, hi)``
+    the histograms of ``|acc|`` that ``accumulate_select_hist`` (``predict=False``) makes: ``hist``
+    counts every ``stride``-th element (global index), ``hist_f`` every element (bucket 0: all below
+    its first edge, bit pattern ``low_f``; an empty ``hist_f``: none). Returns the largest
+    ``|acc|`` bit pattern: non-finite values exist iff it reaches the exponent mask.
+
+    Per chunk: the add and the max vectorise; the few values at or above ``low_f`` are compacted
+    (a compare that rarely fires) into ``scratch`` and only they touch the fine histogram; the
+    coarse one reads one element in ``stride``.
+    """
+    mx = _add_max(residual[:lo], grad[:lo], acc[:lo], bits[:lo], sign_off)
+    m2 = _add_max(residual[hi:], grad[hi:], acc[hi:], bits[hi:], sign_off)
+    mx = m2 if m2 > mx else mx
+    top = hist.shape[0] - 1
+    top_f = hist_f.shape[0] - 1
+    n_f = 0
+    for s0 in range(lo, hi, _CHUNK):
+        e0 = min(s0 + _CHUNK, hi)
+        m = e0 - s0
+        rs = residual[s0:e0]
+        gs = grad[s0:e0]
+        a = acc[s0:e0]
+        bs = bits[s0:e0]
+        for i in range(m):
+            a[i] = rs[i] + gs[i]
+        for i in range(m):
+            b = bs[i] & sign_off
+            mx = b if b > mx else mx
+        if top_f >= 0:
+            c = 0
+            for i in range(m):
+                if (bs[i] & sign_off) >= low_f:    # on the bits: NaN goes to the top, as on CUDA
+                    scratch[c] = i
+                    c += 1
+            for q in range(c):
+                j = ((bs[scratch[q]] & sign_off) >> shift_f) - key0_f
+                hist_f[j if j < top_f else top_f] += 1
+            n_f += c
+        first = (stride - s0 % stride) % stride
+        for i in range(first, m, stride):
+            j = ((bs[i] & sign_off) >> shift) - key0
+            if j < 0:
+                j = 0
+            elif j > top:
+                j = top
+            hist[j] += 1
+    if top_f >= 0:
+        hist_f[0] += (hi - lo) - n_f
+    return mx
+
+
+@njit(cache=True, nogil=True)
+def count_nonfinite(x):
+    bad = 0
+    for i in range(x.shape[0]):
+        if x[i] - x[i] != 0:
+            bad += 1
+    return bad
+
+
+def host_accumulate_measure(residual, grad, acc, lo, hi, coarse, fine, stride):
+    """HostOps wrapper: fills the host histograms ``coarse = (shift, key0, hist)`` and ``fine`` (or
+    None); returns the number of non-finite values of ``acc``."""
+    bits, sign_off = int_view(acc)
+    ity = bits.dtype.type
+    shift, key0, hist = coarse
+    if fine is not None:
+        shift_f, key0_f, hist_f = fine
+        low_f = ity((int(key0_f) + 1) << int(shift_f))
+    else:
+        shift_f, key0_f, hist_f, low_f = 0, 0, np.zeros(0, np.int64), sign_off
+    scratch = np.empty(_CHUNK, np.int32)
+    mx = accumulate_measure(residual, grad, acc, bits, lo, hi, sign_off, ity(shift), ity(key0), hist, int(stride),
+                            ity(shift_f), ity(key0_f), hist_f, low_f, scratch)
+    exp_mask = 0x7F800000 if acc.dtype == np.float32 else 0x7FF0000000000000
+    return int(count_nonfinite(acc)) if int(mx) >= exp_mask else 0

@@ -3,7 +3,8 @@
 - ``layout``: ExDyna's block partitions, their rotation (``partition_of``, ``owners``) and
   rebalancing (``BlockLayout``, ``EqualLayout`` for MiCRO).
 - ``controllers``: the threshold-controller protocol (``Controller``, ``PassPlan``) and its
-  implementations (``faithful``, ``symmetric``, ``histogram``; ``DenseController`` at density 1).
+  implementations (``measured``, the default; ``faithful``, ``symmetric``, ``histogram``;
+  ``DenseController`` at density 1).
 
 Touches no per-element data and makes no MPI call.
 """

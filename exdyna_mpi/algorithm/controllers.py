@@ -37,12 +37,18 @@ class PassPlan:
     rank owns at that step (None: the range it selects in); ``stride``: coarse histogram stride.
     """
 
-    __slots__ = ("t", "dtype", "threshold", "hist", "fine", "predict", "forecast_step", "stride")
+    __slots__ = ("t", "dtype", "threshold", "hist", "fine", "predict", "forecast_step", "stride", "measure",
+                 "expected")
 
-    def __init__(self, t, dtype, threshold, hist=None, fine=None, predict=False, forecast_step=None, stride=1):
+    def __init__(self, t, dtype, threshold, hist=None, fine=None, predict=False, forecast_step=None, stride=1,
+                 measure=False):
         self.t, self.dtype, self.threshold = t, np.dtype(dtype), threshold
         self.hist, self.fine, self.predict = hist, fine, predict
         self.forecast_step, self.stride = forecast_step, stride
+        # measure: the pass only accumulates and histograms |acc| over the owned range; the words
+        # are summed over ranks (one Allreduce) and ``resolve`` sets the threshold from them
+        self.measure = measure
+        self.expected = None    # measure: the total count the chosen threshold selects (exact)
 
     @property
     def n_words(self):
@@ -63,7 +69,8 @@ class FusedPass:
     ``run(plan) -> (count, nonfinite, words)`` the pass; ``rerun(plan) -> words``: the pass again on
     the same ``acc`` and a second exchange of the new count and words (``counts`` then holds the
     gathered counts); ``histogram(spec) -> host int64 array`` of ``|acc|`` over the owned range;
-    ``agree(words) -> (P, n)``: one extra small collective; ``sec``: phase timings.
+    ``agree(words) -> (P, n)``: one extra small collective; ``sum(words) -> (n,)``: one extra small
+    Allreduce (the same exact integer sums on every rank); ``sec``: phase timings.
     """
 
 
@@ -379,10 +386,181 @@ class HistogramController(Controller):
         self.pending = None if q is None else float(q)
 
 
-CONTROLLERS = {c.name: c for c in (FaithfulController, SymmetricController, HistogramController)}
+class MeasuredController(Controller):
+    """Measures this step's accumulator instead of forecasting it: the default controller.
+
+    The step's one pass over the vector (``acc = residual + grad``) also histograms ``|acc|`` over
+    the partition this rank owns *this* step; the owned ranges tile the vector, so the histograms
+    summed over ranks (one Allreduce of a fixed number of int32 words, the same exact integer sums
+    on every rank) count every element of the vector exactly once, as its owner will compare it.
+    The threshold is then a bucket edge: ``|acc| >= edge`` selects exactly the summed count above
+    that edge, known before anything is selected. Nothing is forecast, so correlated, constant or
+    rotating streams and changes of scale are measured like any other.
+
+    Buckets (exact integer logic on the IEEE bits, kernels/cpu_controller.py): the pass fills a
+    coarse window (``N_COARSE`` buckets, 8 per octave, counting every ``stride``-th element) and a
+    fine one (``N_FINE``, 256 per octave, every element) both centred on the previous threshold. If the k-th largest ``|acc|`` lies inside the fine
+    window the threshold is picked there (no extra work). Otherwise ``resolve`` zooms: the coarse
+    bucket that holds it (and its neighbours: the coarse counts are a sample) is re-histogrammed
+    over the owned range only (``2**ZOOM_BITS`` sub-buckets each, an O(N/P) read and one more
+    small Allreduce) until the resolution is 256 per octave or the count at an edge is within
+    ``TOL`` of k; outside the coarse window (and at step 0) it starts from one bucket per octave
+    over 2**-40 .. 2**24, every element. Of the two edges around the k-th value it takes
+    the one whose count is nearer to k in ratio, never one that selects nothing while the
+    accumulator holds a value above 2**-40.
+
+    ``balance_rule`` is ``"blocks"``: exact per-block counts of this step, taken from the gathered
+    union of indices (no extra words), set next step's partition boundaries.
+    """
+
+    name = "measured"
+    balance_rule = "blocks"
+    N_COARSE, COARSE_BITS = 64, 3     # 8 octaves around the previous threshold
+    N_FINE, FINE_BITS = 64, 8         # +-8.8 % around it, 0.27 % per bucket
+    ZOOM_BITS = 5                     # a zoom splits a coarse bucket into 32: the fine resolution
+    WIDE_LOW, N_WIDE = -40, 64        # step 0 / out of window: one bucket per octave, 2**-40 .. 2**24
+    TOL = 0.01                        # stop zooming when an edge's count is this close to k,
+    FINE_TOL = 0.03                   # or this close at the fine resolution (else a pile of equal
+    DEEP_BITS = 13                    # values: zoom into the fine bucket, down to 8192 per octave)
+    SAMPLE = 1 << 16                  # the coarse window counts about this many elements per rank
+    MAX_STRIDE = 64                   # (every stride-th): it only locates the k-th value
+    MAX_ZOOMS = 8
+
+    def __init__(self, numel, density, nranks=1):
+        self.k = target_count(density, numel)
+        self.numel = numel
+        self.threshold = 1.0 / (2.0 * math.sqrt(self.k))   # a placeholder until step 0 is measured
+        self.seen = False
+        stride = 1
+        while stride < self.MAX_STRIDE and numel // (nranks * stride * 2) >= self.SAMPLE:
+            stride *= 2
+        self.stride = stride      # the same on every rank: numel and P are
+        self.expected = None      # the total count the last threshold selects (exact, from the sums)
+        self.zooms = 0            # extra owned-range passes of the last step (a diagnostic)
+        self.zoom_words = []      # and the words each of them summed
+
+    # ------------------------------------------------------------------ geometry
+    _mantissa_bits = staticmethod(HistogramController._mantissa_bits)
+    _key = staticmethod(HistogramController._key)
+    _edges = staticmethod(HistogramController._edges)
+
+    def wide_spec(self, dtype):
+        mb = self._mantissa_bits(dtype)
+        bias = 127 if mb == 23 else 1023
+        return self.N_WIDE, mb, bias + self.WIDE_LOW
+
+    def window_specs(self, dtype):
+        """The coarse and fine windows of the fused pass, centred on the previous threshold."""
+        mb = self._mantissa_bits(dtype)
+        cs, fs = mb - self.COARSE_BITS, mb - self.FINE_BITS
+        coarse = (self.N_COARSE, cs, self._key(self.threshold, dtype, cs) - self.N_COARSE // 2)
+        fine = (self.N_FINE, fs, self._key(self.threshold, dtype, fs) - self.N_FINE // 2)
+        return coarse, fine
+
+    # ------------------------------------------------------------------ the protocol
+    def plan(self, t, dtype):
+        if not self.seen:
+            return PassPlan(t, dtype, math.inf, self.wide_spec(dtype), stride=self.stride, measure=True)
+        coarse, fine = self.window_specs(dtype)
+        return PassPlan(t, dtype, math.inf, coarse, fine, stride=self.stride, measure=True)
+
+    def _locate(self, hist):
+        """``j`` with ``above[j] >= k > above[j + 1]`` among the exact edges 1..nb-1 of an open-ended
+        histogram: 0 when the k-th value lies below edge 1, nb - 1 when at or above the top edge."""
+        above = np.cumsum(np.asarray(hist, dtype=np.int64)[::-1])[::-1]
+        ok = np.nonzero(above[1:] >= self.k)[0]
+        return (int(ok[-1]) + 1 if ok.size else 0), above
+
+    def _pick(self, above, j, edges):
+        """Edge j (count >= k) or edge j + 1 (count < k), whichever is nearer to k in ratio; never
+        an edge that selects nothing when the other selects something."""
+        a, b = int(above[j]), int(above[j + 1])
+        if b == 0 or a * b == 0 or math.log(a / self.k) <= math.log(self.k / b):
+            return float(edges[j]), a
+        return float(edges[j + 1]), b
+
+    def resolve(self, plan, words, fused):
+        """Set ``plan.threshold`` (and ``plan.expected``) from the summed histograms ``words``.
+
+        The fine window's counts are exact; the coarse ones come from every ``COARSE_STRIDE``-th
+        element, so they only locate the k-th value: the zoom that follows counts every element of
+        the owned range over the coarse bucket that holds it and its two neighbours. A zoom whose
+        exact counts put the k-th value outside it starts again from the wide window, exact.
+        """
+        words = np.asarray(words, dtype=np.int64)
+        dtype, mb = plan.dtype, self._mantissa_bits(plan.dtype)
+        nb = plan.hist[0]
+        self.zooms, self.zoom_words = 0, []
+        spec, hist, exact = plan.hist, words[:nb] * plan.stride, plan.stride == 1
+        if plan.fine is not None:
+            j, _ = self._locate(words[nb:])
+            if 0 < j < plan.fine[0] - 1:     # the fine window holds the k-th value: start there
+                spec, hist, exact = plan.fine, words[nb:], True
+        wide_spec = self.wide_spec(dtype)
+        wide = spec == wide_spec
+        best = None
+        for _ in range(self.MAX_ZOOMS):
+            n, shift, key0 = spec
+            j, above = self._locate(hist)
+            edges = self._edges(dtype, shift, key0, n)
+            if exact:
+                best = self._pick(above, min(max(j, 1), n - 2), edges)
+            if (j == 0 or j == n - 1) and (exact or not wide):
+                if not wide:      # outside this window: one bucket per octave, every element
+                    spec, wide, exact = wide_spec, True, True
+                    hist = self._zoom(fused, spec)
+                    continue
+                if j == 0 and above[1] == 0:     # (nearly) nothing above 2**-40: select what is there
+                    return self._done(plan, float(edges[1]), 0)
+                return self._done(plan, *best)
+            if exact:
+                thr, count = best
+                miss = abs(count / self.k - 1.0)
+                if (miss <= self.TOL or (shift <= mb - self.FINE_BITS and miss <= self.FINE_TOL)
+                        or shift <= mb - self.DEEP_BITS):
+                    return self._done(plan, thr, count)
+                a, b = j, j + 1                  # zoom into the bucket that holds the k-th value
+            else:
+                a, b = max(j - 1, 1), min(j + 2, n - 1)   # a sampled count: that bucket and its neighbours
+            z = min(self.ZOOM_BITS, shift)
+            spec = (((b - a) << z) + 2, shift - z, ((key0 + a) << z) - 1)   # below | sub-buckets | above
+            wide, exact = False, True
+            hist = self._zoom(fused, spec)
+        return self._done(plan, *best)
+
+    def _zoom(self, fused, spec):
+        """One more read of the owned range and one more small Allreduce: ``spec``'s summed histogram."""
+        self.zooms += 1
+        self.zoom_words.append(spec[0])
+        return fused.sum(fused.histogram(spec))
+
+    def _done(self, plan, thr, count):
+        plan.threshold, plan.expected = thr, count
+        self.threshold, self.seen, self.expected = thr, True, count
+        return plan, None
+
+    def update(self, counts_prev, words=None, plan=None):
+        """Nothing to learn: ``resolve`` measured this step's threshold. Without histograms (e.g. a
+        count-only model) a multiplicative step toward k keeps the next window centred."""
+        if plan is None or not plan.measure:
+            n = float(sum(int(c) for c in counts_prev))
+            self.threshold *= math.exp(max(-1.0, min(1.0, math.log(max(n, 0.5) / self.k))) / 4.0)
+
+    def state(self):
+        return {"threshold": self.threshold, "seen": self.seen}
+
+    def load_state(self, d):
+        self.threshold = float(d["threshold"])
+        self.seen = bool(d.get("seen", True))
 
 
-def make_controller(name, numel, density):
+CONTROLLERS = {c.name: c for c in (FaithfulController, SymmetricController, HistogramController,
+                                   MeasuredController)}
+
+
+def make_controller(name, numel, density, nranks=1):
     if density >= 1.0:
         return DenseController(numel, density)
+    if name == MeasuredController.name:
+        return MeasuredController(numel, density, nranks)
     return CONTROLLERS[name](numel, density)

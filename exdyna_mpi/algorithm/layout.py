@@ -123,8 +123,39 @@ class BlockLayout:
             load[partition_of(r, t - 1, n)] = int(counts_prev[r])
         part = np.asarray(self.blk_part, dtype=np.int64)
         obs = np.repeat((load << self.FIX) // np.maximum(part, 1), part)
+        self._cut(obs, self.EMA_SHIFT)
+
+    #: ``rebalance_blocks``: the per-block estimate moves 1/2**BLOCKS_EMA_SHIFT of the way per step
+    BLOCKS_EMA_SHIFT = 2
+    #: ``rebalance_blocks`` moves boundaries only with at least this many blocks per partition
+    MIN_BLOCKS_PER_PART = 8
+
+    def block_counts(self, union):
+        """Selections per block from the step's union of element indices (the remainder of
+        ``numel`` counts in the last block, as it sits in the last partition)."""
+        b = np.asarray(union, dtype=np.int64) // self.sz_blk
+        np.minimum(b, self.n_blocks - 1, out=b)
+        return np.bincount(b, minlength=self.n_blocks)
+
+    def rebalance_blocks(self, union, t):
+        """Boundaries for step ``t`` from the exact per-block counts of step ``t - 1``.
+
+        ``union``: the indices every rank selected at step ``t - 1`` (gathered anyway, identical on
+        every rank: no extra words). Where the selection sits inside a partition is known to the
+        block, so on streams whose load stays put from one step to the next (real gradients:
+        layers) one cut equalises it; a short moving average (``BLOCKS_EMA_SHIFT``) damps the count
+        noise of a stationary stream. Same cut and limits as ``rebalance_adaptive``.
+        """
+        if self.nparts < 2 or self.n_blocks < self.MIN_BLOCKS_PER_PART * self.nparts:
+            return   # a few blocks per partition: a cut moves whole shares of the load; keep the layout
+        self._cut(self.block_counts(union).astype(np.int64) << self.FIX, self.BLOCKS_EMA_SHIFT)
+
+    def _cut(self, obs, ema_shift):
+        """Fold ``obs`` (fixed-point load per block) into the moving estimate and cut it into P
+        equal shares, each partition keeping at least ``min_blocks_adaptive()`` blocks."""
+        n = self.nparts
         w = getattr(self, "_blk_load", None)
-        w = obs if w is None else w + ((obs - w) >> self.EMA_SHIFT)
+        w = obs if w is None else w + ((obs - w) >> ema_shift)
         self._blk_load = w
         total = int(w.sum())
         if total == 0:

@@ -32,6 +32,19 @@ def _scratch_here():
     return s
 
 
+_no_idx = {}
+
+
+def _measure_idx():
+    """A one-element index buffer: a NaN threshold compares false for every value, so the histogram
+    pass selects nothing and writes no index."""
+    key = BACKEND.device_key()
+    b = _no_idx.get(key)
+    if b is None:
+        b = _no_idx[key] = CudaOps.empty(1, np.int32)
+    return b
+
+
 def _totals(scratch):
     """``[count, nonfinite]`` as host ints: the one device->host read of a selection."""
     host = BACKEND.read_words(scratch.totals)
@@ -115,6 +128,14 @@ class CudaOps:
         hist += w[2:2 + nh]
         hist_f += w[2 + nh:2 + nh + nf]
         return int(w[0]), int(w[1])
+
+    @staticmethod
+    def accumulate_measure(residual, grad, acc, lo, hi, coarse, fine, stride):
+        # composed for now: the histogram pass (its words do not depend on the threshold without
+        # ``predict``) with a NaN threshold, which selects nothing
+        _, bad = CudaOps.accumulate_select_hist(residual, grad, acc, lo, hi, acc.dtype.type(np.nan), _measure_idx(),
+                                                coarse[0], coarse[1], coarse[2], fine=fine, stride=stride)
+        return bad
 
     @staticmethod
     def hist_range(x, lo, hi, shift, key0, hist):

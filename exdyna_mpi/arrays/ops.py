@@ -59,6 +59,12 @@ class Ops(Protocol):
     def hist_range(self, x, lo, hi, shift, key0, hist):
         """``hist += histogram(|x[lo:hi]|)`` (read only; ``hist`` a host int64 array)."""
 
+    def accumulate_measure(self, residual, grad, acc, lo, hi, coarse, fine, stride):
+        """``acc = residual + grad``; over [lo, hi) the histograms ``accumulate_select_hist`` makes of
+        ``|acc|`` with an infinite threshold (``coarse``/``fine``: ``(shift, key0, host int64 hist)``,
+        the coarse one every ``stride``-th element, ``fine`` may be None); selects nothing. Returns the
+        number of non-finite values of ``acc``. The measured controller's pass."""
+
     def to_host(self, x):
         """A host (NumPy) view or copy of ``x``."""
 
@@ -125,6 +131,11 @@ class HostOps:
     @staticmethod
     def hist_range(x, lo, hi, shift, key0, hist):
         _kc.host_hist_range(x, lo, hi, shift, key0, hist)
+
+    @staticmethod
+    def accumulate_measure(residual, grad, acc, lo, hi, coarse, fine, stride):
+        # one fused kernel on the host (kernels/cpu_controller.py: accumulate_measure)
+        return _kc.host_accumulate_measure(residual, grad, acc, lo, hi, coarse, fine, stride)
 
     @staticmethod
     def to_host(x):

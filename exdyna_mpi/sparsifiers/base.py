@@ -186,19 +186,31 @@ class Sparsifier(Selector):
             sec["select"] = time.perf_counter() - t0
             if sel.nonfinite:
                 err = (InputCode.NONFINITE, sel.nonfinite)
-        t0 = time.perf_counter()
-        report = list(sel.words) if err is None else [0] * self.report_size(step)
-        words = self.exchange.agree(StepWords.make(sel.count if err is None else 0, err, code) + report)
-        sec["counts"] = time.perf_counter() - t0
         acc = sel.acc if sel is not None else None
-        try:
-            skip = StepWords.check(words, self.name, self.numel, self.nonfinite)
-        except Exception:
-            self.memory.keep(acc)
-            raise
-        if skip:
-            self.memory.keep(acc)
-            return self._skip(inp, out)
+        n_sum = self.sum_size(step)
+        if n_sum:   # a summed first collective: measure, agree, then choose (roles.Selector.sum_size)
+            t0 = time.perf_counter()
+            sums = list(sel.sums) if err is None else [0] * n_sum
+            summed = self._host_exchange().sum_words(StepWords.flags(err, code) + sums, self._word_dtype())
+            sec["sum_words"] = time.perf_counter() - t0
+            if not StepWords.flags_ok(summed, self.nranks):
+                words = self.exchange.agree(StepWords.make(0, err, code))   # the error path: details
+                if self._refused(words, acc):
+                    return self._skip(inp, out)
+                raise AssertionError("summed flags and gathered words disagree")  # pragma: no cover
+            t0 = time.perf_counter()
+            sel = self.choose(step, sel, summed[3:])
+            sec["choose"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            words = self.exchange.agree([sel.count] + list(sel.words))
+            sec["counts"] = time.perf_counter() - t0
+        else:
+            t0 = time.perf_counter()
+            report = list(sel.words) if err is None else [0] * self.report_size(step)
+            words = self.exchange.agree(StepWords.make(sel.count if err is None else 0, err, code) + report)
+            sec["counts"] = time.perf_counter() - t0
+            if self._refused(words, acc):
+                return self._skip(inp, out)
         res, st = self.combine(step, sel, words)
         loads = st.pop("loads", st["counts"])
         self.stats = Stats(iteration=step.t, bytes_sent=self.exchange.bytes_sent,
@@ -207,6 +219,26 @@ class Sparsifier(Selector):
         self.iteration = step.t + 1
         sec["total"] = time.perf_counter() - t_start
         return inp.wrap(res)
+
+    def _refused(self, words, acc):
+        """Raise the same StepError on every rank, or return True for a step skipped everywhere,
+        with the state untouched (``acc`` kept for reuse); False: the step goes on."""
+        try:
+            skip = StepWords.check(words, self.name, self.numel, self.nonfinite)
+        except Exception:
+            self.memory.keep(acc)
+            raise
+        if skip:
+            self.memory.keep(acc)
+        return skip
+
+    def _host_exchange(self):
+        """The host ``Exchange`` (a ``DeviceExchange`` wraps one): summed words are host words."""
+        return getattr(self.exchange, "host", self.exchange)
+
+    def _word_dtype(self):
+        """int32 for summed words while any sum of per-element counts fits (numel < 2**31)."""
+        return np.int32 if self.numel < 2**31 else np.int64
 
     def _skip(self, inp, out):
         """A step skipped on every rank: zero update, nothing else changes."""

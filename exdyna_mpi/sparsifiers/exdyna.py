@@ -22,8 +22,8 @@ def _is_bool(v):
 
 
 def _balance(v):
-    ok = isinstance(v, (bool, np.bool_)) or v in ("faithful", "adaptive")
-    return None if ok else "must be True, False, 'faithful' or 'adaptive'"
+    ok = isinstance(v, (bool, np.bool_)) or v in ("faithful", "adaptive", "blocks")
+    return None if ok else "must be True, False, 'faithful', 'adaptive' or 'blocks'"
 
 
 def _controller_name(v):
@@ -55,19 +55,19 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
 
     name = "exdyna"
     OPTIONS = {
-        "controller": ("histogram", _controller_name),
+        "controller": ("measured", _controller_name),
         "balance": (True, _balance),
         "n_blocks": (1024, _positive_int),
         "block_align": (32, _positive_int),
         **_deadline.OPTIONS,
     }
 
-    def __init__(self, numel, density, comm=None, *, controller="histogram", balance=True,
+    def __init__(self, numel, density, comm=None, *, controller="measured", balance=True,
                  n_blocks=1024, block_align=32, device="auto", nonfinite="raise", **unknown):
         super().__init__(numel, density, comm, device=device, nonfinite=nonfinite, controller=controller,
                          balance=balance, n_blocks=n_blocks, block_align=block_align, **unknown)
         self.layout = self._make_layout()
-        self.controller = make_controller(self.options["controller"], self.numel, self.density)
+        self.controller = make_controller(self.options["controller"], self.numel, self.density, self.nranks)
         self._index_dtype = np.dtype(np.int32) if self.numel < 2**31 else np.dtype(np.int64)
         self._idx = None
 
@@ -77,7 +77,8 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
 
     @property
     def threshold(self):
-        """The threshold the next step will use."""
+        """The threshold the next step will use (the measured controller: the last one used, the
+        centre of the next step's histogram windows; the next step measures its own)."""
         return self.controller.threshold
 
     def _range_at(self, t):
@@ -91,36 +92,68 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
 
     # ------------------------------------------------------------------ the selector
     def report_size(self, step):
-        """The controller's words (its histograms, if any) ride in the first collective."""
-        return self.controller.plan(step.t, step.dtype).n_words
+        """The controller's words (its histograms, if any) ride in the first collective, gathered;
+        a measuring controller's are summed instead (``sum_size``)."""
+        plan = self.controller.plan(step.t, step.dtype)
+        return 0 if plan.measure else plan.n_words
+
+    def sum_size(self, step):
+        """A measuring controller's histograms, summed over ranks in the first collective."""
+        plan = self.controller.plan(step.t, step.dtype)
+        return plan.n_words if plan.measure else 0
 
     def select(self, step, grad, acc):
         """acc = residual + grad; select ``|acc| >= threshold`` in the owned partition, in one pass
-        that also fills whatever the controller's plan asks for."""
+        that also fills whatever the controller's plan asks for. A measuring plan selects nothing
+        here: the pass histograms ``|acc|`` over the owned range, ``choose`` selects."""
         lo, hi = self._range_at(step.t)
         fused = _FusedPass(self, grad, acc, lo, hi, step.sec)
         count, bad, words = fused.run(self.controller.plan(step.t, step.dtype))
+        if fused.plan.measure:
+            return Selection(acc, 0, (), bad, sums=words, fused=fused)
         return Selection(acc, count, words, bad, fused=fused)
+
+    def choose(self, step, sel, sums):
+        """The threshold from the summed histograms (the controller may zoom: owned-range reads and
+        small Allreduces), then select in the owned range (an O(N/P) read)."""
+        fused = sel.fused
+        plan, _ = self.controller.resolve(fused.plan, sums, fused)
+        fused.plan = plan
+        t0 = time.perf_counter()
+        thr = threshold_for(plan.threshold, plan.dtype)
+        idx = self._idx_buffer(fused.hi - fused.lo)
+        fused.count = sel.count = self.ops.select_range(sel.acc, fused.lo, fused.hi, thr, idx)
+        step.sec["select_range"] = time.perf_counter() - t0
+        sel.words = ()
+        return sel
 
     def combine(self, step, sel, words):
         t, fused = step.t, sel.fused
         fused.counts = words[:, 0].copy()
-        plan, cwords = self.controller.resolve(fused.plan, words[:, StepWords.N:], fused)
+        if fused.plan.measure:
+            plan, cwords = fused.plan, None
+        else:
+            plan, cwords = self.controller.resolve(fused.plan, words[:, StepWords.N:], fused)
         counts = fused.counts
         t0 = time.perf_counter()
         idx = self._idx[:fused.count]
         union, report = self.gather_union(t, sel.acc, idx, counts, lambda: self.exchange.allgatherv(idx, counts))
         step.sec["indices"] = time.perf_counter() - t0
-        res = self.average_at(sel.acc, union, step.out, step.sec)
-        selected = int(counts.sum())
-        stats = dict(counts=counts, selected=selected, density=selected / self.numel, threshold=plan.threshold,
-                     bounds=self.layout.bounds(), owned=np.array(owners(t, self.nranks)))
-        if report is not None:
-            stats["deadline"] = report
-        self.controller.update(counts, cwords, plan)
+        bounds = self.layout.bounds()   # this step's, before any rebalancing
         bal = self.options.get("balance", False)
         if bal is True:   # True: the controller's own partner rule; the authors' for theirs
             bal = self.controller.balance_rule
+        if bal == "blocks":   # exact per-block counts of this step, from the union (before it is reused)
+            t0 = time.perf_counter()
+            self.layout.rebalance_blocks(self.ops.to_host(union), t + 1)
+            step.sec["balance"] = time.perf_counter() - t0
+        res = self.average_at(sel.acc, union, step.out, step.sec)
+        selected = int(counts.sum())
+        stats = dict(counts=counts, selected=selected, density=selected / self.numel, threshold=plan.threshold,
+                     bounds=bounds, owned=np.array(owners(t, self.nranks)))
+        if report is not None:
+            stats["deadline"] = report
+        self.controller.update(counts, cwords, plan)
         if bal == "faithful":
             self.layout.rebalance_faithful(counts, t + 1)
         elif bal == "adaptive":
@@ -151,7 +184,13 @@ class _FusedPass:
         idx = sp._idx_buffer(self.hi - self.lo)
         thr = threshold_for(plan.threshold, plan.dtype)
         hist = np.zeros(plan.n_words, dtype=np.int64)
-        if plan.hist is None:
+        if plan.measure:   # the measuring pass: acc and the owned range's histograms, no selection
+            nb = plan.hist[0]
+            fine = (plan.fine[1], plan.fine[2], hist[nb:]) if plan.fine else None
+            bad = ops.accumulate_measure(sp.memory.residual, self.grad, self.acc, self.lo, self.hi,
+                                         (plan.hist[1], plan.hist[2], hist[:nb]), fine, plan.stride)
+            count = 0
+        elif plan.hist is None:
             count, bad = ops.accumulate_select(sp.memory.residual, self.grad, self.acc, self.lo, self.hi, thr, idx)
         else:   # the same pass also histograms |acc| (or the forecast) for the controller
             nb = plan.hist[0]
@@ -177,6 +216,9 @@ class _FusedPass:
     def agree(self, words):
         return self.sp.exchange.agree(words)
 
+    def sum(self, words):
+        return self.sp._host_exchange().sum_words(words, self.sp._word_dtype())
+
 
 class MiCRO(ExDyna):
     """MiCRO: ExDyna without blocks or rebalancing (P fixed, equal element partitions)."""
@@ -189,7 +231,7 @@ class MiCRO(ExDyna):
         Sparsifier.__init__(self, numel, density, comm, device=device, nonfinite=nonfinite,
                             controller=controller, **unknown)
         self.layout = self._make_layout()
-        self.controller = make_controller(self.options["controller"], self.numel, self.density)
+        self.controller = make_controller(self.options["controller"], self.numel, self.density, self.nranks)
         self._index_dtype = np.dtype(np.int32) if self.numel < 2**31 else np.dtype(np.int64)
         self._idx = None
 

@@ -28,13 +28,13 @@ class ErrorFeedback:
     """The error-feedback memory of one rank: ``residual`` (length ``numel``) and a spare buffer.
 
     Buffers live on the bound ``ops``' device; two of them rotate (``acc`` becomes the residual, the
-    old residual becomes the next output or spare), so a step allocates nothing.
+    old residual the next step's ``acc``); the output is a fresh zero buffer (or the caller's ``out``).
 
     Example::
 
         >>> mem = ErrorFeedback(numel); mem.bind(HostOps, np.dtype(np.float32))
         >>> acc = mem.take()                 # fill with residual + grad
-        >>> out = mem.commit(acc, None)      # acc is the residual now; out is zeroed
+        >>> out = mem.commit(acc, None)      # acc is the residual now; out is a fresh zero buffer
     """
 
     def __init__(self, numel):
@@ -65,13 +65,14 @@ class ErrorFeedback:
 
     def commit(self, acc, out):
         """After a good step: ``acc`` becomes the residual; return the zeroed output buffer
-        (``out`` when given, else the old residual)."""
+        (``out`` when given, else a fresh one); the old residual is kept for the next ``take``."""
         old = self.residual
         self.residual = acc
+        self._spare = old     # the next step's acc: no allocation, its pages already mapped
         if out is None:
-            out = old
-        else:
-            self._spare = old
+            # a fresh zero buffer (the caller owns it): on the host its pages are zero-filled by the
+            # OS when first written, so no pass over the vector here
+            return self.ops.zeros(self.numel, self.dtype)
         self.ops.fill_zero(out)
         return out
 
@@ -118,9 +119,22 @@ class Selector:
         """Words this rank adds to the first collective (a refusing rank sends that many zeros)."""
         return 0
 
+    def sum_size(self, step):
+        """Words this rank adds to a *summed* first collective (an Allreduce whose size does not
+        grow with P). 0 (the default): the first collective is the ``StepWords`` Allgather after
+        ``select``. > 0: ``select`` only measures (``Selection.sums``), the template sums the words
+        of every rank with the error flags, then ``choose`` selects and the counts are gathered."""
+        return 0
+
     def select(self, step, grad, acc):
         """``acc = residual + grad`` (via ``ops``), and this rank's choice: a ``Selection``.
         Must not change state: the step may still be refused."""
+        raise NotImplementedError
+
+    def choose(self, step, sel, sums):
+        """Only with ``sum_size`` > 0, after every rank agreed: select with ``sums`` (the summed
+        words, the same on every rank); set ``sel.count`` (and ``sel.words``); return ``sel``. May
+        run further collectives (every rank does, with the same arguments)."""
         raise NotImplementedError
 
     def combine(self, step, sel, words):
@@ -157,6 +171,19 @@ class StepWords:
             raise StepError(f"{name}: step refused on all ranks, state unchanged: "
                             f"ranks pass different dtypes ({names})")
         return False
+
+    @staticmethod
+    def flags(err, dtype_code):
+        """The error words of a summed first collective: [refusing ranks, code, code squared]."""
+        c = int(dtype_code)
+        return [0 if err is None else 1, c, c * c]
+
+    @staticmethod
+    def flags_ok(summed, nranks):
+        """No rank refused and every rank passed the same dtype (P * sum c^2 == (sum c)^2 holds
+        exactly when all codes are equal)."""
+        n_bad, s1, s2 = (int(x) for x in summed[:3])
+        return n_bad == 0 and nranks * s2 == s1 * s1
 
 
 def _fingerprint(text):

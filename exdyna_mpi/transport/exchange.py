@@ -72,6 +72,18 @@ class Exchange:
         self._account_allgather(np.full(self.size, send.shape[0]), send.itemsize)
         return recv
 
+    def sum_words(self, words, dtype=np.int64):
+        """Allreduce (sum) of a fixed number of integer words: the same exact sum on every rank
+        (integer addition is associative). ``dtype`` int32 where the sums fit. Returns a 1-D array."""
+        send = np.ascontiguousarray(words, dtype=dtype)
+        recv = np.empty_like(send)
+        if self.size == 1:
+            recv[:] = send
+            return recv
+        self.comm.Allreduce(send, recv, op=MPI.SUM)
+        self._account_reduce(send.shape[0], send.itemsize)
+        return recv
+
     def gather_objects(self, obj):
         """Every rank's picklable ``obj`` as a list in rank order (error texts; not on the hot path)."""
         return self.comm.allgather(obj)

@@ -229,17 +229,20 @@ def test_too_many_buckets_refused():
         kc.hist_range(x, 0, 10, 20, 0, np.zeros(kc.HIST_MAX + 1, np.int64))
 
 
+@pytest.mark.parametrize("controller", ["measured", "histogram"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_exdyna_default_controller_matches_cpu(monkeypatch, dtype):
-    """ExDyna (histogram controller) through CudaOps equals the CPU ExDyna over 5 steps at P=1,
-    through a drop of gradient scale, and the device path runs the CUDA histogram kernel."""
+def test_exdyna_histogram_controllers_match_cpu(monkeypatch, dtype, controller):
+    """ExDyna (the default measured controller, and the forecasting one) through CudaOps equals
+    the CPU ExDyna over 5 steps at P=1, through a drop of gradient scale, and the device path runs
+    the CUDA histogram kernel."""
     launches = []
     real = kc.accumulate_select_hist_async
     monkeypatch.setattr(kc, "accumulate_select_hist_async", lambda *a, **k: launches.append(1) or real(*a, **k))
     n = 1500
-    ref = exdyna_mpi.ExDyna(n, 0.02, MPI.COMM_SELF, device="cpu", n_blocks=16, block_align=32)
-    dev = simulated(exdyna_mpi.ExDyna, n, 0.02, MPI.COMM_SELF, n_blocks=16, block_align=32)
-    assert ref.options["controller"] == "histogram"
+    opts = {} if controller == "measured" else {"controller": controller}
+    ref = exdyna_mpi.ExDyna(n, 0.02, MPI.COMM_SELF, device="cpu", n_blocks=16, block_align=32, **opts)
+    dev = simulated(exdyna_mpi.ExDyna, n, 0.02, MPI.COMM_SELF, n_blocks=16, block_align=32, **opts)
+    assert ref.options["controller"] == controller
     rng = np.random.default_rng(5)
     for step in range(5):
         g = (rng.standard_normal(n) * (0.04 if step < 3 else 0.004)).astype(dtype)
@@ -261,3 +264,28 @@ def test_hist_kernels_compile_for_sm90():
         pytest.skip(p.stdout.strip())
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     assert "PTX HIST OK" in p.stdout
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_accumulate_measure_matches_hostops(dtype):
+    """The measured controller's pass: CudaOps (composed) gives HostOps' (fused) acc, words and
+    non-finite count."""
+    from exdyna_mpi.algorithm.controllers import MeasuredController
+    from exdyna_mpi.arrays import HostOps
+    from exdyna_mpi.arrays.cuda_ops import CudaOps
+
+    rng = np.random.default_rng(9)
+    n, lo, hi = 700, 130, 610
+    r = (rng.standard_normal(n) * 0.05).astype(dtype)
+    g = (rng.standard_normal(n) * 0.05).astype(dtype)
+    g[[3, 400]] = [np.inf, np.nan]
+    c = MeasuredController(n, 0.02)
+    c.threshold, c.seen = 0.08, True
+    (nb, cs, ck), (nf, fs, fk) = c.window_specs(dtype)
+    words = {}
+    for ops in (HostOps, CudaOps):
+        h, f = np.zeros(nb, np.int64), np.zeros(nf, np.int64)
+        acc = ops.empty(n, dtype)
+        bad = ops.accumulate_measure(ops.from_host(r), ops.from_host(g), acc, lo, hi, (cs, ck, h), (fs, fk, f), 4)
+        words[ops.device] = (np.array(ops.to_host(acc)).tobytes(), h.tolist(), f.tolist(), bad)
+    assert words["cpu"] == words["cuda"] and words["cpu"][3] == 2

@@ -1,0 +1,101 @@
+"""The measured controller (ExDyna's default) and its host kernels, at P=1, against NumPy."""
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import exdyna_mpi
+from exdyna_mpi.algorithm.controllers import MeasuredController
+from exdyna_mpi.arrays.ops import HostOps
+from exdyna_mpi.kernels import cpu_controller as kc
+
+
+def _vec(rng, n, dtype):
+    x = (rng.standard_t(3, n) * 0.01).astype(dtype)
+    x[:: 97] = 0
+    return x
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("stride", [1, 16])
+def test_measuring_pass_equals_the_histogram_pass_it_replaces(dtype, stride):
+    """accumulate_measure gives the words of accumulate_select_hist(thr=inf) (what CUDA runs)."""
+    rng = np.random.default_rng(1)
+    n, lo, hi = 50_001, 7_003, 31_777
+    r, g = _vec(rng, n, dtype), _vec(rng, n, dtype)
+    c = MeasuredController(n, 0.01)
+    c.threshold, c.seen = 0.05, True
+    coarse, fine = c.window_specs(dtype)
+    a1, a2 = np.empty(n, dtype), np.empty(n, dtype)
+    h1, f1 = np.zeros(coarse[0], np.int64), np.zeros(fine[0], np.int64)
+    h2, f2 = np.zeros(coarse[0], np.int64), np.zeros(fine[0], np.int64)
+    bad1 = HostOps.accumulate_measure(r, g, a1, lo, hi, (coarse[1], coarse[2], h1), (fine[1], fine[2], f1), stride)
+    idx = np.empty(n, np.int32)
+    _, bad2 = HostOps.accumulate_select_hist(r, g, a2, lo, hi, dtype(np.inf), idx, coarse[1], coarse[2], h2,
+                                             fine=(fine[1], fine[2], f2), stride=stride)
+    assert a1.tobytes() == a2.tobytes() == (r + g).tobytes()
+    assert bad1 == bad2 == 0
+    assert (h1 == h2).all() and (f1 == f2).all()
+    assert f1.sum() == hi - lo and h1.sum() == len(range(-(-lo // stride) * stride, hi, stride))
+    g[[3, 40_000]] = np.inf
+    g[20_000] = np.nan
+    assert HostOps.accumulate_measure(r, g, a1, lo, hi, (coarse[1], coarse[2], h1), None, stride) == 3
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_band_histogram_equals_the_plain_one(dtype):
+    rng = np.random.default_rng(2)
+    x = _vec(rng, 30_000, dtype)
+    x[[5, 6]] = [np.nan, -np.inf]
+    bits, sign_off = kc.int_view(x)
+    mb = 23 if dtype == np.float32 else 52
+    key = int(np.array([0.02], dtype).view(bits.dtype)[0])
+    for nb, shift in ((66, mb - 9), (194, mb - 9), (66, mb - 6), (64, mb - 3)):
+        key0 = (key >> shift) - nb // 2
+        want, got = np.zeros(nb, np.int64), np.zeros(nb, np.int64)
+        kc.hist_range(bits, 11, 29_000, sign_off, bits.dtype.type(shift), bits.dtype.type(key0), want)
+        HostOps.hist_range(x, 11, 29_000, shift, key0, got)
+        assert (want == got).all(), (nb, shift)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_threshold_selects_exactly_the_measured_count_near_k(dtype):
+    """P=1: every step selects the count the summed histogram gave, within 3 % of k on a smooth
+    vector (the pile error feedback leaves after a drop of scale can put ~2 % of k in one fine
+    bucket), whether the fine window holds the k-th value or a zoom is needed (scale x0.1, x30)."""
+    n, d = 200_000, 0.005
+    sp = exdyna_mpi.ExDyna(n, d, MPI.COMM_SELF)
+    rng = np.random.default_rng(3)
+    k = int(n * d)
+    for t, scale in enumerate((1, 1, 1, 0.1, 0.1, 30, 30, 1)):
+        g = (rng.standard_normal(n) * scale).astype(dtype)
+        acc = sp.residual + g
+        sp.step(g)
+        s = sp.stats
+        assert s.selected == sp.controller.expected == int(np.count_nonzero(np.abs(acc) >= s.threshold)), t
+        assert abs(s.selected / k - 1) <= 0.03, (t, s.selected / k, sp.controller.zooms)
+
+
+def test_sparse_and_zero_accumulators():
+    """Fewer non-zeros than k: all of them are selected; an all-zero vector selects nothing."""
+    n = 10_000
+    sp = exdyna_mpi.ExDyna(n, 0.01, MPI.COMM_SELF)           # k = 100
+    g = np.zeros(n, np.float32)
+    g[[3, 500, 9_000]] = [1e-3, -2.0, 7e5]
+    sp.step(g)
+    assert sp.stats.selected == 3
+    sp.step(np.zeros(n, np.float32))
+    assert sp.stats.selected == 0
+
+
+def test_state_round_trip_resumes_bit_exactly():
+    n = 20_000
+    rng = np.random.default_rng(4)
+    grads = [rng.standard_normal(n).astype(np.float32) for _ in range(6)]
+    a = exdyna_mpi.ExDyna(n, 0.01, MPI.COMM_SELF)
+    for g in grads[:3]:
+        a.step(g)
+    b = exdyna_mpi.ExDyna(n, 0.01, MPI.COMM_SELF)
+    b.load_state_dict(a.state_dict())
+    for g in grads[3:]:
+        assert a.step(g).tobytes() == b.step(g).tobytes()
+        assert a.stats.threshold == b.stats.threshold
