@@ -30,6 +30,7 @@ import torch
 from mpi4py import MPI
 
 import models  # jobs/models.py, beside this script
+from common import cores
 from exdyna_mpi.adapters.torch import DistributedOptimizer, GroupAveragingOptimizer
 
 METHODS = ("allreduce", "local", "wagma-sync", "wagma-wa")
@@ -141,9 +142,8 @@ def main(argv=None):
     bad = [m for m in methods if m not in METHODS]
     if bad:
         raise SystemExit(f"unknown methods {bad}; choose from {METHODS}")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     if rank == 0:
-        print(f"straggler bench: digits CNN width {args.width}, {nranks} ranks on {cores} cores, "
+        print(f"straggler bench: digits CNN width {args.width}, {nranks} ranks on {cores()} cores, "
               f"{args.steps} steps, batch {args.batch_size}/rank, {args.stragglers} {args.straggler} "
               f"straggler(s), delay min({args.delay_max_ms:g}, {args.delay_scale_ms:g} * Pareto({args.pareto_shape:g})) ms, "
               f"WAGMA S={args.group_size} T={args.sync_every}", flush=True)

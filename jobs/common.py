@@ -73,6 +73,25 @@ def set_threads(n):
         numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
 
 
+def cores():
+    """CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def set_torch_threads(comm, requested=0):
+    """torch's threads per rank: ``requested``, or cores / ranks on this node (at least 1), so
+    ranks that fill the node's cores do not fight over them. Returns the number set."""
+    import torch
+    from mpi4py import MPI
+
+    if not requested:
+        local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        requested = max(1, cores() // local.Get_size())
+        local.Free()
+    torch.set_num_threads(requested)
+    return requested
+
+
 def world(args=None):
     """``(COMM_WORLD, rank, size)``; applies ``args.threads`` when present."""
     from mpi4py import MPI

@@ -207,22 +207,6 @@ WORKLOADS = {"lstm": LSTMWork, "cnn": CNNWork}
 # Training
 
 
-def set_threads(comm, requested):
-    import torch
-    from mpi4py import MPI
-
-    if requested:
-        torch.set_num_threads(requested)
-        return requested
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    here = local.Get_size()
-    local.Free()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    n = max(1, cores // here)
-    torch.set_num_threads(n)
-    return n
-
-
 def plan(args):
     names = [n.strip() for n in args.sparsifiers.split(",") if n.strip()]
     dens = [float(d) for d in args.densities.split(",") if d.strip()]
@@ -479,9 +463,11 @@ def main(argv=None):
         return 0
     from mpi4py import MPI
 
+    from common import set_torch_threads
+
     comm = MPI.COMM_WORLD
     rank, P = comm.Get_rank(), comm.Get_size()
-    threads = set_threads(comm, args.threads)
+    threads = set_torch_threads(comm, args.threads)
     runs = plan(args)
     wls = [w.strip() for w in args.workloads.split(",") if w.strip()]
     bad = [w for w in wls if w not in WORKLOADS]

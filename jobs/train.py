@@ -37,7 +37,7 @@ from mpi4py import MPI
 
 import checkpoint  # jobs/checkpoint.py, jobs/common.py, jobs/models.py: beside this script
 import models
-from common import abort_on_exception
+from common import abort_on_exception, set_torch_threads
 from exdyna_mpi import available as sparsifier_names
 from exdyna_mpi.adapters.torch import DistributedOptimizer, GroupAveragingOptimizer
 
@@ -159,20 +159,6 @@ def parse_options(items):
         except (ValueError, SyntaxError):
             opts[key] = val
     return opts
-
-
-def set_threads(comm, requested):
-    """One torch thread per rank when ranks fill the node's cores (else they fight over them)."""
-    if requested:
-        torch.set_num_threads(requested)
-        return requested
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    ranks_here = local.Get_size()
-    local.Free()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    n = max(1, cores // ranks_here)
-    torch.set_num_threads(n)
-    return n
 
 
 def params_hash(model):
@@ -485,7 +471,7 @@ def main(argv=None):
     comm = MPI.COMM_WORLD
     abort_on_exception(comm)
     rank, nranks = comm.Get_rank(), comm.Get_size()
-    threads = set_threads(comm, args.threads)
+    threads = set_torch_threads(comm, args.threads)
     todo = plan(args)
     job = Job(args, comm, todo, None)
     try:

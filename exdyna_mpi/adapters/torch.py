@@ -41,6 +41,18 @@ def _unique_params(params):
     return out
 
 
+def _flat_layout(params, who):
+    """The distinct parameters that require grad, and their total size; one dtype and device."""
+    params = _unique_params(params)
+    if not params:
+        raise ValueError(f"{who}: no parameters that require grad")
+    dtypes = {p.dtype for p in params}
+    devices = {p.device for p in params}
+    if len(dtypes) != 1 or len(devices) != 1:
+        raise ValueError(f"{who}: parameters must share one dtype and device, got {dtypes}, {devices}")
+    return params, sum(p.numel() for p in params)
+
+
 def broadcast_parameters(tensors, comm=None, root=0):
     """Copy ``root``'s values of ``tensors`` (parameters, buffers) to every rank. Collective.
 
@@ -76,14 +88,7 @@ class FlatGrad:
 
     def __init__(self, params):
         torch = _torch()
-        self.params = _unique_params(params)
-        if not self.params:
-            raise ValueError("FlatGrad: no parameters that require grad")
-        dtypes = {p.dtype for p in self.params}
-        devices = {p.device for p in self.params}
-        if len(dtypes) != 1 or len(devices) != 1:
-            raise ValueError(f"FlatGrad: parameters must share one dtype and device, got {dtypes}, {devices}")
-        self.numel = sum(p.numel() for p in self.params)
+        self.params, self.numel = _flat_layout(params, "FlatGrad")
         self.flat = torch.zeros(self.numel, dtype=self.params[0].dtype, device=self.params[0].device)
         self._views, self._ptrs = [], []
         off = 0

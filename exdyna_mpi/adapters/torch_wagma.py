@@ -16,7 +16,7 @@ the wrapped optimizer (momentum, weight decay act on the local gradient), then a
 import exdyna_mpi
 from exdyna_mpi import transport
 
-from .torch import _torch, _unique_params, broadcast_parameters
+from .torch import _flat_layout, _torch, broadcast_parameters
 
 __all__ = ["GroupAveragingOptimizer", "FlatParams"]
 
@@ -26,14 +26,7 @@ class FlatParams:
 
     def __init__(self, params):
         torch = _torch()
-        self.params = _unique_params(params)
-        if not self.params:
-            raise ValueError("FlatParams: no parameters that require grad")
-        dtypes = {p.dtype for p in self.params}
-        devices = {p.device for p in self.params}
-        if len(dtypes) != 1 or len(devices) != 1:
-            raise ValueError(f"FlatParams: parameters must share one dtype and device, got {dtypes}, {devices}")
-        self.numel = sum(p.numel() for p in self.params)
+        self.params, self.numel = _flat_layout(params, "FlatParams")
         with torch.no_grad():
             self.flat = torch.cat([p.detach().reshape(-1) for p in self.params]).contiguous()
             off = 0
