@@ -13,6 +13,7 @@ Example::
     comm, rank, P = world(args)
 """
 import argparse
+import ast
 import json
 import os
 import sys
@@ -63,6 +64,19 @@ def parser(doc, *, numel=_UNSET, density=_UNSET, steps=_UNSET, warmup=_UNSET, se
     if threads:
         ap.add_argument("--threads", type=int, default=0, help="Numba threads per rank (0: Numba's default)")
     return ap
+
+
+def key_values(items):
+    """``["a=1", "b=x"]`` -> ``{"a": 1, "b": "x"}``: values read as Python literals where they are
+    one (numbers, True, None, tuples), else kept as text."""
+    out = {}
+    for item in items:
+        key, _, val = item.partition("=")
+        try:
+            out[key] = ast.literal_eval(val)
+        except (ValueError, SyntaxError):
+            out[key] = val
+    return out
 
 
 def set_threads(n):

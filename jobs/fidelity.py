@@ -22,7 +22,6 @@ evaluation and per run), ``<out>/fidelity.md`` (one table per workload, Pareto f
 same label), so after a library change only the affected rows need re-running.
 """
 import argparse
-import ast
 import hashlib
 import json
 import math
@@ -71,16 +70,10 @@ def parse_args(argv=None):
 
 
 def parse_kv(text):
-    out = {}
-    for item in [t for t in text.replace(" ", ",").split(",") if t.strip()]:
-        if item == "none":
-            continue
-        key, _, val = item.partition("=")
-        try:
-            out[key] = ast.literal_eval(val)
-        except (ValueError, SyntaxError):
-            out[key] = val
-    return out
+    """``"a=1,b=x"`` (or space-separated; ``none`` for nothing) as a dict of options."""
+    from common import key_values
+
+    return key_values(t for t in text.replace(" ", ",").split(",") if t.strip() and t != "none")
 
 
 # ---------------------------------------------------------------------------------------------

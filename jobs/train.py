@@ -22,7 +22,6 @@ complete one. After a SIGUSR1 (Slurm's ``--signal=USR1@T``) the job checkpoints 
 and exits with status 75 (EX_TEMPFAIL: "requeue me"), see jobs/slurm_train.sbatch.
 """
 import argparse
-import ast
 import hashlib
 import json
 import os
@@ -37,7 +36,7 @@ from mpi4py import MPI
 
 import checkpoint  # jobs/checkpoint.py, jobs/common.py, jobs/models.py: beside this script
 import models
-from common import abort_on_exception, set_torch_threads
+from common import abort_on_exception, key_values, set_torch_threads
 from exdyna_mpi import available as sparsifier_names
 from exdyna_mpi.adapters.torch import DistributedOptimizer, GroupAveragingOptimizer
 
@@ -101,7 +100,7 @@ def build_optimizer(name, density, args, model, comm):
                                        mode=args.wagma_mode, comm=comm)
     if name == "local":
         return GroupAveragingOptimizer(opt, model, group_size=1, sync_every=args.sync_every, mode="sync", comm=comm)
-    extra = parse_options(args.opt) if name != "dense" else {}
+    extra = key_values(args.opt) if name != "dense" else {}
     if name == "exdyna":   # --deadline-ms / --max-loss: exdyna runs only
         if args.deadline_ms is not None:
             extra["deadline_ms"] = args.deadline_ms if args.deadline_ms == "auto" else float(args.deadline_ms)
@@ -148,17 +147,6 @@ class StopRequest:
 
     def _handler(self, signum, frame):
         self.requested = True
-
-
-def parse_options(items):
-    opts = {}
-    for item in items:
-        key, _, val = item.partition("=")
-        try:
-            opts[key] = ast.literal_eval(val)
-        except (ValueError, SyntaxError):
-            opts[key] = val
-    return opts
 
 
 def params_hash(model):

@@ -53,6 +53,18 @@ def _flat_layout(params, who):
     return params, sum(p.numel() for p in params)
 
 
+def _wrapped_params(optimizer, model, comm, who):
+    """``(comm, the optimizer's parameters)``, after checking that they all belong to ``model``."""
+    comm = transport.world() if comm is None else comm
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if model is not None:
+        in_model = {id(p) for p in model.parameters()}
+        missing = [p for p in params if id(p) not in in_model]
+        if missing:
+            raise ValueError(f"{who}: {len(missing)} optimizer parameters are not in the model")
+    return comm, params
+
+
 def broadcast_parameters(tensors, comm=None, root=0):
     """Copy ``root``'s values of ``tensors`` (parameters, buffers) to every rank. Collective.
 
@@ -262,13 +274,7 @@ def DistributedOptimizer(optimizer, model=None, *, sparsifier="exdyna", density=
         ...     opt.step()
         >>> opt.stats.density, opt.stats.bytes_sent
     """
-    comm = transport.world() if comm is None else comm
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    if model is not None:
-        in_model = {id(p) for p in model.parameters()}
-        missing = [p for p in params if id(p) not in in_model]
-        if missing:
-            raise ValueError(f"DistributedOptimizer: {len(missing)} optimizer parameters are not in the model")
+    comm, params = _wrapped_params(optimizer, model, comm, "DistributedOptimizer")
     grads = FlatGrad(params)
     recipe = TrainingOptions(grads.params, grads.numel, comm, clip_norm=clip_norm, warmup_steps=warmup_steps,
                              momentum_correction=momentum_correction, momentum_masking=momentum_masking)

@@ -14,9 +14,8 @@ the wrapped optimizer (momentum, weight decay act on the local gradient), then a
 ``state_dict()`` holds the wrapped optimizer's state plus the averager's (``"group_averager"``).
 """
 import exdyna_mpi
-from exdyna_mpi import transport
 
-from .torch import _flat_layout, _torch, broadcast_parameters
+from .torch import _flat_layout, _torch, _wrapped_params, broadcast_parameters
 
 __all__ = ["GroupAveragingOptimizer", "FlatParams"]
 
@@ -88,13 +87,7 @@ def GroupAveragingOptimizer(optimizer, model=None, *, group_size=2, sync_every=1
     place of the original. ``opt.averager`` is the ``exdyna_mpi.GroupAverager``; ``opt.stats`` its
     last stats. Collective over ``comm``.
     """
-    comm = transport.world() if comm is None else comm
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    if model is not None:
-        in_model = {id(p) for p in model.parameters()}
-        missing = [p for p in params if id(p) not in in_model]
-        if missing:
-            raise ValueError(f"GroupAveragingOptimizer: {len(missing)} optimizer parameters are not in the model")
+    comm, params = _wrapped_params(optimizer, model, comm, "GroupAveragingOptimizer")
     if broadcast:
         tensors = list(model.parameters()) + list(model.buffers()) if model is not None else params
         broadcast_parameters(tensors, comm)
