@@ -30,7 +30,7 @@ import torch
 from mpi4py import MPI
 
 import models  # jobs/models.py, beside this script
-from common import cores
+from common import cores as node_cores
 from exdyna_mpi.adapters.torch import DistributedOptimizer, GroupAveragingOptimizer
 
 METHODS = ("allreduce", "local", "wagma-sync", "wagma-wa")
@@ -143,7 +143,7 @@ def main(argv=None):
     if bad:
         raise SystemExit(f"unknown methods {bad}; choose from {METHODS}")
     if rank == 0:
-        print(f"straggler bench: digits CNN width {args.width}, {nranks} ranks on {cores()} cores, "
+        print(f"straggler bench: digits CNN width {args.width}, {nranks} ranks on {node_cores()} cores, "
               f"{args.steps} steps, batch {args.batch_size}/rank, {args.stragglers} {args.straggler} "
               f"straggler(s), delay min({args.delay_max_ms:g}, {args.delay_scale_ms:g} * Pareto({args.pareto_shape:g})) ms, "
               f"WAGMA S={args.group_size} T={args.sync_every}", flush=True)
@@ -166,7 +166,7 @@ def main(argv=None):
         os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, f"P{nranks}_{args.straggler}{args.stragglers}.json")
         with open(path, "w") as f:
-            json.dump({"args": vars(args), "cores": cores, "rows": rows}, f, indent=1)
+            json.dump({"args": vars(args), "cores": node_cores(), "rows": rows}, f, indent=1)
         print(f"wrote {path}", flush=True)
 
 
