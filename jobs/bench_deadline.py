@@ -55,17 +55,6 @@ def parse():
     return ap.parse_args()
 
 
-def evaluate(model, data, comm):
-    rank, p = comm.Get_rank(), comm.Get_size()
-    x, y = data.x_test[rank::p], data.y_test[rank::p]
-    with torch.no_grad():
-        logits = model(x)
-        local = np.array([float((logits.argmax(1) == y).sum()), float(len(y))])
-    tot = np.empty_like(local)
-    comm.Allreduce(local, tot, op=MPI.SUM)
-    return tot[0] / tot[1]
-
-
 def run(label, options, delayed, args, comm):
     rank, P = comm.Get_rank(), comm.Get_size()
     src = args.slow_src % P
@@ -96,7 +85,7 @@ def run(label, options, delayed, args, comm):
             deferred.append(float(rep.get("deferred", 0.0)))
             waited.append(bool(rep.get("waited", False)))
             dms.append(float(rep.get("ms", float("nan"))))
-    acc = evaluate(model, data, comm)
+    acc, _ = models.evaluate(model, data, comm)
     dl = opt.sparsifier.deadline
     pending = dl.pending_requests if dl is not None else 0
     opt.sparsifier.close()

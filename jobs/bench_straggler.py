@@ -79,16 +79,6 @@ def build(method, args, model, comm):
     return GroupAveragingOptimizer(opt, model, group_size=S, sync_every=args.sync_every, mode=mode, comm=comm)
 
 
-def evaluate(model, data, comm):
-    rank, p = comm.Get_rank(), comm.Get_size()
-    x, y = data.x_test[rank::p], data.y_test[rank::p]
-    with torch.no_grad():
-        local = np.array([float((model(x).argmax(1) == y).sum()), float(len(y))])
-    tot = np.empty_like(local)
-    comm.Allreduce(local, tot, op=MPI.SUM)
-    return tot[0] / tot[1]
-
-
 def run(method, args, comm):
     rank, nranks = comm.Get_rank(), comm.Get_size()
     model, data = models.build("cnn", args.width, args.seed, rank, nranks)
@@ -121,7 +111,7 @@ def run(method, args, comm):
     if method != "allreduce":
         opt.synchronize_model()
         opt.close()
-    acc = evaluate(model, data, comm)
+    acc, _ = models.evaluate(model, data, comm)
     worst = comm.allreduce(max(stale) if stale else 0, op=MPI.MAX)
     delay_total = comm.allreduce(sum(delays), op=MPI.MAX)
     return {"method": method, "ranks": nranks, "steps": args.steps, "wall_s": wall, "fastest_rank_s": fast,

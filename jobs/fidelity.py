@@ -135,18 +135,10 @@ class CNNWork(Workload):
         return torch.nn.functional.cross_entropy(model(x), y)
 
     def evaluate(self, model, comm):
-        import torch
-        from mpi4py import MPI
+        import models
 
-        rank, p = comm.Get_rank(), comm.Get_size()
-        x, y = self.data.x_test[rank::p], self.data.y_test[rank::p]
-        with torch.no_grad():
-            logits = model(x)
-            local = np.array([float((logits.argmax(1) == y).sum()),
-                              float(torch.nn.functional.cross_entropy(logits, y, reduction="sum")), float(len(y))])
-        tot = np.empty_like(local)
-        comm.Allreduce(local, tot, op=MPI.SUM)
-        return {"test_acc": tot[0] / tot[2], "test_loss": tot[1] / tot[2]}
+        acc, loss = models.evaluate(model, self.data, comm)
+        return {"test_acc": acc, "test_loss": loss}
 
 
 class LSTMWork(Workload):

@@ -59,6 +59,22 @@ class Dataset:
             yield self.x_train[idx], self.y_train[idx]
 
 
+def evaluate(model, data, comm):
+    """``(test accuracy, mean test cross-entropy)`` over the whole test set, split across the ranks of
+    ``comm`` (one Allreduce); the same numbers on every rank."""
+    from mpi4py import MPI
+
+    rank, p = comm.Get_rank(), comm.Get_size()
+    x, y = data.x_test[rank::p], data.y_test[rank::p]
+    with torch.no_grad():
+        logits = model(x)
+        local = np.array([float((logits.argmax(1) == y).sum()),
+                          float(torch.nn.functional.cross_entropy(logits, y, reduction="sum")), float(len(y))])
+    tot = np.empty_like(local)
+    comm.Allreduce(local, tot, op=MPI.SUM)
+    return tot[0] / tot[2], tot[1] / tot[2]
+
+
 def _shard(x, y, n_test, seed, rank, nranks):
     perm = np.random.default_rng(seed).permutation(x.shape[0])
     test, train = perm[:n_test], perm[n_test:]

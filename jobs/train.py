@@ -156,19 +156,6 @@ def params_hash(model):
     return h.hexdigest()
 
 
-def evaluate(model, data, comm):
-    """Test accuracy and loss over the whole test set, split across ranks."""
-    rank, p = comm.Get_rank(), comm.Get_size()
-    x, y = data.x_test[rank::p], data.y_test[rank::p]
-    with torch.no_grad():
-        logits = model(x)
-        local = np.array([float((logits.argmax(1) == y).sum()),
-                          float(torch.nn.functional.cross_entropy(logits, y, reduction="sum")), float(len(y))])
-    tot = np.empty_like(local)
-    comm.Allreduce(local, tot, op=MPI.SUM)
-    return tot[0] / tot[2], tot[1] / tot[2]
-
-
 def imbalance_of(stats):
     imb = getattr(stats, "imbalance", None)
     if imb is not None:
@@ -255,7 +242,7 @@ class Run:
         self.numel, self.steps_per_epoch = numel, steps
         first_epoch, skip = 0, 0
         if resume is None:
-            acc0, loss0 = evaluate(model, data, comm)
+            acc0, loss0 = models.evaluate(model, data, comm)
             self.initial = {"test_acc": acc0, "test_loss": loss0}
         else:
             self.restore(resume)
@@ -318,7 +305,7 @@ class Run:
             model.eval()
             if self.name in MODEL_AVERAGING:
                 opt.synchronize_model()  # evaluate (and end with) one model: the global average
-            acc, tloss = evaluate(model, data, comm)
+            acc, tloss = models.evaluate(model, data, comm)
             ep = self._epoch_record(epoch, self.steps[first:], acc, tloss, time.perf_counter() - t_start)
             self.epochs.append(ep)
             self.log(ep)

@@ -65,6 +65,22 @@ def _wrapped_params(optimizer, model, comm, who):
     return comm, params
 
 
+def _broadcast_model(model, params, comm):
+    """Rank 0's parameters and buffers of ``model`` (or ``params`` without a model) on every rank."""
+    broadcast_parameters(list(model.parameters()) + list(model.buffers()) if model is not None else params, comm)
+
+
+def _wrap(optimizer, mixin, prefix, **attrs):
+    """An instance of ``mixin`` + the optimizer's class sharing the optimizer's state (so LR
+    schedulers accept it), with ``attrs`` set on it."""
+    base = optimizer.__class__
+    cls = type(f"{prefix}{base.__name__}", (mixin, base), {})
+    wrapped = cls.__new__(cls)
+    wrapped.__dict__.update(optimizer.__dict__)
+    wrapped.__dict__.update(attrs)
+    return wrapped
+
+
 def broadcast_parameters(tensors, comm=None, root=0):
     """Copy ``root``'s values of ``tensors`` (parameters, buffers) to every rank. Collective.
 
@@ -280,17 +296,10 @@ def DistributedOptimizer(optimizer, model=None, *, sparsifier="exdyna", density=
                              momentum_correction=momentum_correction, momentum_masking=momentum_masking)
     recipe.check_optimizer(optimizer)
     if broadcast:
-        tensors = list(model.parameters()) + list(model.buffers()) if model is not None else grads.params
-        broadcast_parameters(tensors, comm)
+        _broadcast_model(model, grads.params, comm)
     sp = exdyna_mpi.make(sparsifier, grads.numel, density, comm, **options)
-    base = optimizer.__class__
-    cls = type(f"Distributed{base.__name__}", (_DistributedMixin, base), {})
-    wrapped = cls.__new__(cls)
-    wrapped.__dict__.update(optimizer.__dict__)
-    wrapped._exdyna_grads = grads
-    wrapped.sparsifier = sp
-    wrapped._exdyna_options = recipe
-    return wrapped
+    return _wrap(optimizer, _DistributedMixin, "Distributed", _exdyna_grads=grads, sparsifier=sp,
+                 _exdyna_options=recipe)
 
 
 from .torch_wagma import FlatParams, GroupAveragingOptimizer  # noqa: E402,F401  (WAGMA-SGD wrapper)

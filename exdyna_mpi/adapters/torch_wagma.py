@@ -15,7 +15,7 @@ the wrapped optimizer (momentum, weight decay act on the local gradient), then a
 """
 import exdyna_mpi
 
-from .torch import _flat_layout, _torch, _wrapped_params, broadcast_parameters
+from .torch import _broadcast_model, _flat_layout, _torch, _wrap, _wrapped_params
 
 __all__ = ["GroupAveragingOptimizer", "FlatParams"]
 
@@ -89,14 +89,7 @@ def GroupAveragingOptimizer(optimizer, model=None, *, group_size=2, sync_every=1
     """
     comm, params = _wrapped_params(optimizer, model, comm, "GroupAveragingOptimizer")
     if broadcast:
-        tensors = list(model.parameters()) + list(model.buffers()) if model is not None else params
-        broadcast_parameters(tensors, comm)
+        _broadcast_model(model, params, comm)
     flat = FlatParams(params)
     ga = exdyna_mpi.GroupAverager(flat.numel, comm, group_size=group_size, sync_every=sync_every, mode=mode)
-    base = optimizer.__class__
-    cls = type(f"GroupAveraging{base.__name__}", (_GroupAveragingMixin, base), {})
-    wrapped = cls.__new__(cls)
-    wrapped.__dict__.update(optimizer.__dict__)
-    wrapped._wagma_params = flat
-    wrapped.averager = ga
-    return wrapped
+    return _wrap(optimizer, _GroupAveragingMixin, "GroupAveraging", _wagma_params=flat, averager=ga)
