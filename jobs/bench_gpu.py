@@ -32,7 +32,12 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5, help="steps before timing (compile, controller settling)")
     p.add_argument("--no-topk", action="store_true", help="skip the top-k baselines")
+    p.add_argument("--controller", default="measured",
+                   help="comma-separated ExDyna controllers to time (measured is the default; histogram is "
+                        "the one-pass forecasting one)")
     p.add_argument("--check", action="store_true", help="format fake rows; needs no GPU")
+    p.add_argument("--profile", action="store_true",
+                   help="cProfile of the timed steps (host time per function, waits included), per numel")
     return p.parse_args(argv)
 
 
@@ -47,7 +52,18 @@ KERNEL_BYTES = {"acc_select_hist": 12.0, "scan": 0.0, "compact": 0.125, "fill_ze
 STEP_FLOOR = 16.0
 
 
-def row(numel, density, peak_gbs, step_ms, kernels, baselines, selected=None):
+def copy_bandwidth_gbs(cp, nbytes=2 << 30, reps=10):
+    """Measured ceiling: a device-to-device copy, bytes read plus bytes written per second."""
+    a = cp.empty(nbytes // 4, cp.float32)
+    a.fill(1.0)
+    b = cp.empty_like(a)
+    ms = _time_ms(cp, lambda: b.__setitem__(Ellipsis, a), reps, warmup=2)
+    del a, b
+    cp.get_default_memory_pool().free_all_blocks()
+    return 2.0 * nbytes / (ms * 1e-3) / 1e9
+
+
+def row(numel, density, peak_gbs, step_ms, kernels, baselines, selected=None, controller="measured"):
     """One table row. ``kernels``: {name: ms}; ``baselines``: {name: ms or None}."""
     per = {}
     for name, ms in kernels.items():
@@ -55,7 +71,7 @@ def row(numel, density, peak_gbs, step_ms, kernels, baselines, selected=None):
         frac = (b * numel / (ms * 1e-3) / 1e9 / peak_gbs) if (b and ms and peak_gbs) else None
         per[name] = {"ms": ms, "bytes_per_element": b, "fraction_of_peak": frac}
     floor_ms = STEP_FLOOR * numel / (peak_gbs * 1e9) * 1e3 if peak_gbs else None
-    return {"numel": int(numel), "density": density, "selected": selected, "step_ms": step_ms,
+    return {"numel": int(numel), "density": density, "controller": controller, "selected": selected, "step_ms": step_ms,
             "step_floor_ms": floor_ms, "step_of_floor": (floor_ms / step_ms) if floor_ms and step_ms else None,
             "kernels": per, "baselines": baselines,
             "speedup_vs_torch_topk": (baselines.get("torch_topk") / step_ms)
@@ -66,8 +82,8 @@ def table(rows, device, peak):
     def f(v, fmt):
         return "-" if v is None else format(v, fmt)
 
-    lines = [f"device: {device}, peak DRAM bandwidth {peak:.0f} GB/s; step floor {STEP_FLOOR:g} B/element",
-             f"{'numel':>11} {'density':>8} {'selected':>10} {'step ms':>8} {'of floor':>8} "
+    lines = [f"device: {device}, DRAM bandwidth {peak:.0f} GB/s (measured copy); step floor {STEP_FLOOR:g} B/element",
+             f"{'numel':>11} {'density':>8} {'ctrl':>5} {'selected':>10} {'step ms':>8} {'of floor':>8} "
              f"{'pass ms':>8} {'of peak':>7} {'scan ms':>7} {'compact':>8} {'fill ms':>7} {'of peak':>7} "
              f"{'cupy sel':>9} {'torch topk':>10} {'x torch':>7}"]
     for r in rows:
@@ -76,7 +92,8 @@ def table(rows, device, peak):
         def km(n, key="ms", fmt=".3f"):
             return f(k.get(n, {}).get(key), fmt)
 
-        lines.append(f"{r['numel']:>11,} {r['density']:>8g} {f(r['selected'], 'd'):>10} {f(r['step_ms'], '.3f'):>8} "
+        lines.append(f"{r['numel']:>11,} {r['density']:>8g} {r.get('controller', 'measured')[:5]:>5} "
+                     f"{f(r['selected'], 'd'):>10} {f(r['step_ms'], '.3f'):>8} "
                      f"{f(r['step_of_floor'], '.0%'):>8} {km('acc_select_hist'):>8} "
                      f"{km('acc_select_hist', 'fraction_of_peak', '.0%'):>7} {km('scan'):>7} {km('compact'):>8} "
                      f"{km('fill_zero'):>7} {km('fill_zero', 'fraction_of_peak', '.0%'):>7} "
@@ -126,7 +143,7 @@ def _torch_topk(r, g, k, reps):
     return start.elapsed_time(stop) / reps
 
 
-def measure(numel, density, reps, warmup, topk=True):
+def measure(numel, density, reps, warmup, topk=True, profile=False, controller="measured"):
     import cupy as cp
     import numpy as np
 
@@ -136,9 +153,25 @@ def measure(numel, density, reps, warmup, topk=True):
     n = int(numel)
     rng = cp.random.default_rng(0)
     grad = rng.standard_normal(n, dtype=cp.float32) * 0.01
-    sp = exdyna_mpi.ExDyna(n, density, device="cuda")
+    sp = exdyna_mpi.ExDyna(n, density, device="cuda", controller=controller)
     step_ms = _time_ms(cp, lambda: sp.step(grad), reps, warmup=warmup)
     selected = int(sp.stats.selected)
+    if profile:
+        import cProfile
+        import io
+        import pstats
+
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(reps):
+            sp.step(grad)
+        cp.cuda.get_current_stream().synchronize()
+        pr.disable()
+        buf = io.StringIO()
+        st = pstats.Stats(pr, stream=buf)
+        st.sort_stats("tottime").print_stats(25)
+        st.sort_stats("cumulative").print_stats(30)
+        print(f"--- profile, numel {n:,}, density {density}, {reps} steps\n{buf.getvalue()}", flush=True)
 
     # each kernel alone, on buffers of the step's shape, the plan the controller asks for now
     res = rng.standard_normal(n, dtype=cp.float32) * 0.01
@@ -221,18 +254,24 @@ def main(argv=None):
             sys.exit("bench_gpu: no CUDA device visible to CuPy (use --check to test the script)")
         props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
         device = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
-        peak = peak_bandwidth_gbs(props)
+        spec = peak_bandwidth_gbs(props)  # 0 where CUDA 13 no longer reports the memory clock
+        copy = copy_bandwidth_gbs(cp)
+        print(f"DRAM: datasheet-style peak {spec:.0f} GB/s (from device properties), "
+              f"measured device-to-device copy {copy:.0f} GB/s (read + write); fractions use the copy")
+        peak = copy
         free = cp.cuda.Device().mem_info[0]
         for n in numels:
             if 28 * n > free:  # grad, residual, acc, out, idx, the kernels' copies, the baselines' temporaries
                 print(f"skip numel {n:,}: needs ~{28 * n / 2**30:.1f} GiB, {free / 2**30:.1f} free")
                 continue
             for d in densities:
-                step_ms, kernels, baselines, sel = measure(n, d, a.reps, a.warmup, topk=not a.no_topk)
-                rows.append(row(n, d, peak, step_ms, kernels, baselines, sel))
-                print(table(rows[-1:], device, peak).splitlines()[-1], flush=True)
+                for c in a.controller.split(","):
+                    step_ms, kernels, baselines, sel = measure(n, d, a.reps, a.warmup, topk=not a.no_topk,
+                                                               profile=a.profile, controller=c)
+                    rows.append(row(n, d, peak, step_ms, kernels, baselines, sel, c))
+                    print(table(rows[-1:], device, peak).splitlines()[-1], flush=True)
     print(table(rows, device, peak))
-    doc = {"device": device, "peak_GBs": peak, "host": platform.node(), "time": time.time(),
+    doc = {"device": device, "peak_GBs": peak, "peak_is": "measured device-to-device copy", "host": platform.node(), "time": time.time(),
            "reps": a.reps, "warmup": a.warmup, "bytes_per_element_floor": STEP_FLOOR, "rows": rows, "command": command()}
     if a.json:
         print(f"wrote {write_json(a.json, doc)}")

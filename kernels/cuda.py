@@ -54,6 +54,13 @@ except ImportError:  # pragma: no cover - numba's deprecated built-in CUDA targe
 #: True when the Numba CUDA simulator runs these kernels (NUMBA_ENABLE_CUDASIM=1 before import).
 SIMULATOR = bool(_config.ENABLE_CUDASIM)
 
+# Seen on an H100 node whose numba-cuda's import hook had not run: numba's deprecated built-in target
+# fails on these kernels with "Signature mismatch" deep in type inference. Say what to install instead.
+if getattr(cuda, "implementation", "NVIDIA") == "Built-in" and not SIMULATOR:
+    raise ImportError("exdyna_mpi's CUDA kernels need NVIDIA's numba-cuda package, and numba.cuda is numba's "
+                      "deprecated built-in target here: pip install 'numba-cuda[cu12]' (or [cu13]); if it is "
+                      "installed, its .pth redirect did not run (a site dir added without site.addsitedir?)")
+
 NB_MAX = 1024          # most blocks a selection uses; the scan runs one block of up to NB_MAX threads
 HIST_MAX = 1024        # most buckets (coarse + fine) a histogram pass fills: one shared int64 array per block
 WARPS_MAX = 32         # blockDim <= 1024
@@ -606,17 +613,31 @@ def new_scratch():
     return Scratch(_zeros(Scratch.size(), np.int64))
 
 
+_views = {}
+
+
 def _dev(a):
     """What to hand a kernel: CAI producers (CuPy) become Numba views without a stream sync.
 
     The caller launches on the producer's stream (CuPy's current stream), so ordering holds and
     Numba's default sync on the CAI ``stream`` key would only add a host round trip per launch.
+
+    Views are kept by (pointer, shape, strides, dtype), without a reference to ``a``: building one
+    costs tens of microseconds of host time (on an H100 the step was host-bound, with ~30 of them
+    per step), and a view whose key matches the caller's live array describes exactly that memory.
     """
     if SIMULATOR or not hasattr(a, "__cuda_array_interface__"):
         return a
     if type(a).__module__.startswith("numba"):  # already a Numba device array
         return a
-    return cuda.as_cuda_array(a, sync=False)
+    cai = a.__cuda_array_interface__
+    key = (cai["data"][0], cai["shape"], cai.get("strides"), cai["typestr"])
+    got = _views.get(key)
+    if got is None:
+        if len(_views) > 1024:
+            _views.clear()
+        got = _views[key] = cuda.from_cuda_array_interface(cai, owner=None, sync=False)
+    return got
 
 
 _configs = {}
