@@ -48,7 +48,7 @@ def summarise(ratio, imb, empty, skip=20):
 
 def main():
     ap = parser(__doc__, numel=1 << 20, density=0.001, steps=120, seed=0, out="out/density", raw=True)
-    ap.add_argument("--streams", default=",".join(corpus.SYNTHETIC + ("cnn16", "cnn48", "mlp")))
+    ap.add_argument("--streams", default=",".join(corpus.SYNTHETIC + tuple(corpus.RECORDED)))
     ap.add_argument("--controllers", default=",".join(CONTROLLERS))
     ap.add_argument("--min-k", type=int, default=1000, help="recorded streams: raise the density to this k")
     a = ap.parse_args()

@@ -19,8 +19,9 @@ Every synthetic stream mixes a part shared by all ranks (the true gradient) with
 rank's own (its minibatch noise), ``SHARED`` of the variance shared, as data-parallel gradients do.
 
 Recorded (from real training with the project's models, dense data-parallel SGD simulated in one
-process, every rank's gradient kept): ``cnn16``, ``cnn48``, ``mlp``, and ``lstm`` once jobs/models.py
-has the language model. Recordings live under ``out/streams/`` (not in git) and are made on first
+process, every rank's gradient kept): ``cnn16``, ``cnn48``, ``mlp``, and ``lstm`` (the fidelity
+benchmark's byte-level LSTM on the standard library's source: 2.04M parameters, its embedding rows
+touched only by the bytes in the batch, so the gradient is sparse by row). Recordings live under ``out/streams/`` (not in git) and are made on first
 use, deterministically::
 
     python jobs/streams.py record cnn48 --ranks 8 --steps 200   # out/streams/cnn48.npy
@@ -44,7 +45,7 @@ RECORDED = {
     "cnn16": ("cnn", 16, 32, 0.1, 200, 8),
     "cnn48": ("cnn", 48, 32, 0.1, 150, 8),
     "mlp": ("big", 1, 64, 0.05, 100, 8),
-    "lstm": ("lstm", 0, 16, 1.0, 120, 8),
+    "lstm": ("lstm", 0, 16, 1.0, 60, 8),   # 3.9 GB at 8 ranks x 60 steps
 }
 
 
@@ -146,34 +147,49 @@ def record(name, ranks=None, steps=None, seed=0, out=None, quiet=False):
     model_name, width, batch, lr, d_steps, d_ranks = RECORDED[name]
     ranks, steps = ranks or d_ranks, steps or d_steps
     torch.set_num_threads(1)
-    model, _ = models.build(model_name, width, seed, 0, ranks)
-    shards = [models.build(model_name, width, seed, r, ranks)[1] for r in range(ranks)]
+    if model_name == "lstm":   # fidelity.py's LSTM workload: seq 64, SGD lr 1.0, momentum 0.9, clip 0.25
+        torch.manual_seed(seed)
+        model, clip = models.CharLSTM(), 0.25
+        text = models.TextData(*models.stdlib_corpus(), seq=64)
+
+        def minibatches(r):
+            for t in range(steps):
+                yield text.batch(t, batch, seed, r)
+
+        def loss(out, y):
+            return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+        iters = [minibatches(r) for r in range(ranks)]
+        per_epoch = steps
+    else:
+        model, _ = models.build(model_name, width, seed, 0, ranks)
+        shards = [models.build(model_name, width, seed, r, ranks)[1] for r in range(ranks)]
+        clip, loss = None, torch.nn.functional.cross_entropy
+        per_epoch = max(1, min(s.x_train.shape[0] for s in shards) // batch)
+        iters = [None] * ranks
     params = [p for p in model.parameters() if p.requires_grad]
     numel = sum(p.numel() for p in params)
-    opt = torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=1e-4)
+    opt = torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=0.0 if clip else 1e-4)
     path = out or recording_path(name)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".tmp.npy"
     data = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32, shape=(ranks, steps, numel))
-    per_epoch = max(1, min(s.x_train.shape[0] for s in shards) // batch)
-    lossf = getattr(models, "loss_fn", None)
-    lossf = lossf(model_name) if lossf else torch.nn.functional.cross_entropy
-    iters = [None] * ranks
     for t in range(steps):
         epoch, s = divmod(t, per_epoch)
         total = [torch.zeros_like(p) for p in params]
-        for r, shard in enumerate(shards):
-            if s == 0:
-                iters[r] = shard.batches(epoch, batch, per_epoch, seed, r)
+        for r in range(ranks):
+            if s == 0 and model_name != "lstm":
+                iters[r] = shards[r].batches(epoch, batch, per_epoch, seed, r)
             x, y = next(iters[r])
             model.zero_grad()
-            lossf(model(x), y).backward()
+            loss(model(x), y).backward()
             flat = torch.cat([p.grad.reshape(-1) for p in params])
             data[r, t] = flat.numpy()
             for acc, p in zip(total, params):
                 acc += p.grad
         for acc, p in zip(total, params):
             p.grad = acc / ranks
+        if clip:
+            torch.nn.utils.clip_grad_norm_(params, clip)
         opt.step()
         if not quiet and (t % 20 == 0 or t == steps - 1):
             print(f"[record {name}] step {t + 1}/{steps}", file=sys.stderr, flush=True)
