@@ -49,7 +49,6 @@ def _add_select_hist(r, g, gn, g_end, acc, thr, idx, base, sign_off, shift, key0
     # ``base + i``), the fine one every element, but those below its window (nearly all) only in a
     # scalar, so few elements touch either histogram in memory.
     n = acc.shape[0]
-    top = hist.shape[0] - 1
     top_f = hist_f.shape[0] - 1
     below_f = 0
     if top_f >= 0:
@@ -92,21 +91,28 @@ def _add_select_hist(r, g, gn, g_end, acc, thr, idx, base, sign_off, shift, key0
                 else:
                     j = (b >> shift_f) - key0_f
                     hist_f[j if j < top_f else top_f] += 1
-        first = (stride - (base + s) % stride) % stride
-        for i in range(first, m, stride):
-            j = ((pbits[i] & sign_off) >> shift) - key0
-            if j < 0:
-                j = 0
-            elif j > top:
-                j = top
-            hist[j] += 1
+        _hist_every(pbits, (stride - (base + s) % stride) % stride, m, stride, sign_off, shift, key0, hist)
     if top_f >= 0:
         hist_f[0] += below_f
     return c, bad
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _hist_every(bits, first, m, stride, sign_off, shift, key0, hist):
+    """The clamped histogram of ``bits[first:m:stride]`` (the coarse window's sample of a chunk)."""
+    top = hist.shape[0] - 1
+    for i in range(first, m, stride):
+        j = ((bits[i] & sign_off) >> shift) - key0
+        if j < 0:
+            j = 0
+        elif j > top:
+            j = top
+        hist[j] += 1
+
+
 @njit(cache=True, nogil=True)
 def _hist(bits, sign_off, shift, key0, hist):
+    # _hist_every(bits, 0, n, 1, ...) computes the same, but measured 17 % slower over 2**24 elements
     top = hist.shape[0] - 1
     for i in range(bits.shape[0]):
         j = ((bits[i] & sign_off) >> shift) - key0
@@ -255,7 +261,6 @@ def accumulate_measure(residual, grad, acc, bits, lo, hi, sign_off, shift, key0,
     mx = _add_max(residual[:lo], grad[:lo], acc[:lo], bits[:lo], sign_off)
     m2 = _add_max(residual[hi:], grad[hi:], acc[hi:], bits[hi:], sign_off)
     mx = m2 if m2 > mx else mx
-    top = hist.shape[0] - 1
     top_f = hist_f.shape[0] - 1
     n_f = 0
     for s0 in range(lo, hi, _CHUNK):
@@ -280,14 +285,7 @@ def accumulate_measure(residual, grad, acc, bits, lo, hi, sign_off, shift, key0,
                 j = ((bs[scratch[q]] & sign_off) >> shift_f) - key0_f
                 hist_f[j if j < top_f else top_f] += 1
             n_f += c
-        first = (stride - s0 % stride) % stride
-        for i in range(first, m, stride):
-            j = ((bs[i] & sign_off) >> shift) - key0
-            if j < 0:
-                j = 0
-            elif j > top:
-                j = top
-            hist[j] += 1
+        _hist_every(bs, (stride - s0 % stride) % stride, m, stride, sign_off, shift, key0, hist)
     if top_f >= 0:
         hist_f[0] += (hi - lo) - n_f
     return mx
