@@ -16,7 +16,6 @@ the references need no per-step collective (which would hide wait-avoidance).
 - the torch wrapper: local step, then the group average of the locally stepped models.
 """
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -28,10 +27,10 @@ from mpi4py import MPI
 from exdyna_mpi import GroupAverager, StepError
 from exdyna_mpi.averaging import wagma
 from tests.conftest import allgather_array, mpi_assert
+from tests.launch import MPIEXEC, ROOT, child_env
 
 pytestmark = pytest.mark.mpi
 N = 1003
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
 def x_of(rank, t, dtype=np.float32):
@@ -340,16 +339,13 @@ def test_torch_wrapper_local_step_then_group_average(wcomm):
 def _launch(n, *args, timeout=120):
     if MPI.COMM_WORLD.Get_size() > 1:
         pytest.skip("launches its own mpiexec: serial lane only")
-    exe = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    exe = MPIEXEC
     if exe is None:
         pytest.skip("no mpiexec on PATH")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPI_LOCAL"))}
-    env.setdefault("MPIR_CVAR_CH4_PROGRESS_THROTTLE", "1")
-    env.setdefault("MPIR_CVAR_CH4_PROGRESS_THROTTLE_NO_PROGRESS_COUNT", "16")
     cmd = ["timeout", "-k", "5", str(timeout), exe, "-n", str(n), sys.executable, "-m", "mpi4py",
            os.path.join(ROOT, "tests", "mpi", "wagma_job.py"), *args]
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    p = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, stdin=subprocess.DEVNULL)
     assert p.returncode == 0, f"rc {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
     return p.stdout, time.perf_counter() - t0
 

@@ -3,7 +3,6 @@
 """
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -13,17 +12,8 @@ pytest.importorskip("torch", reason="PyTorch is not installed")
 pytest.importorskip("sklearn", reason="scikit-learn is not installed")
 pytest.importorskip("matplotlib", reason="matplotlib is not installed")
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+from tests.launch import MPIEXEC, ROOT, child_env  # noqa: E402
 JOB = os.path.join(ROOT, "jobs", "fidelity.py")
-
-
-def _env():
-    """The child starts its own MPI world: no PMI variables of an enclosing launch."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPI_LOCAL"))}
-    env.setdefault("MPIR_CVAR_CH4_PROGRESS_THROTTLE", "1")
-    env.setdefault("MPIR_CVAR_CH4_PROGRESS_THROTTLE_NO_PROGRESS_COUNT", "16")
-    return env
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +24,7 @@ def quick_run(tmp_path_factory):
     cmd = ["timeout", "-k", "5", "300", MPIEXEC, "-n", "2", sys.executable, "-m", "mpi4py", JOB, "--quick",
            "--sparsifiers", "dense,exdyna", "--lstm-steps", "3", "--cnn-steps", "4", "--evals", "2",
            "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=320)
+    proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=320)
     assert proc.returncode == 0, f"rc {proc.returncode}\n" + proc.stdout[-3000:] + proc.stderr[-3000:]
     recs = [json.loads(line) for line in (out / "fidelity.jsonl").read_text().splitlines()]
     return proc, out, recs

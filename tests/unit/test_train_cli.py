@@ -8,7 +8,6 @@ import glob
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -19,15 +18,7 @@ pytest.importorskip("torch", reason="PyTorch is not installed")
 pytest.importorskip("sklearn", reason="scikit-learn is not installed")
 pytest.importorskip("matplotlib", reason="matplotlib is not installed")
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-
-
-def _env():
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPI_LOCAL"))}
-    env.setdefault("MPIR_CVAR_CH4_PROGRESS_THROTTLE", "1")
-    env.setdefault("MPIR_CVAR_CH4_PROGRESS_THROTTLE_NO_PROGRESS_COUNT", "16")
-    return env
+from tests.launch import MPIEXEC, ROOT, child_env  # noqa: E402
 
 
 def _launch(out, *args, n=2, expect=0):
@@ -36,7 +27,7 @@ def _launch(out, *args, n=2, expect=0):
         pytest.skip("no mpiexec on PATH")
     cmd = ["timeout", "-k", "5", "300", MPIEXEC, "-n", str(n), sys.executable, "-m", "mpi4py",
            os.path.join(ROOT, "jobs", "train.py"), "--out", str(out), "--no-progress", *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=320)
+    proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=320)
     if expect is not None:
         assert proc.returncode == expect, f"rc {proc.returncode}\n" + proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
@@ -87,7 +78,7 @@ TINY = ("--width", "4", "--epochs", "2", "--max-steps", "5", "--compare", "dense
 def test_a_failing_rank_ends_the_job_through_the_launcher(tmp_path):
     """The README's launcher, 3 ranks, rank 1 raises at step 2: the job ends non-zero, fast, and the
     output carries that rank's traceback (without the abort the others would wait in a collective)."""
-    env = _env()
+    env = child_env()
     env.update(NP="3", TRAIN_TIMEOUT="120")
     t0 = time.monotonic()
     proc = subprocess.run(["bash", os.path.join(ROOT, "jobs", "run_train.sh"), "--out", str(tmp_path / "out"),

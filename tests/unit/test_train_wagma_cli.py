@@ -1,37 +1,19 @@
 """jobs/train.py --compare dense,wagma,local on 2 ranks, and jobs/bench_straggler.py runs end to end."""
 import json
-import os
-import shutil
-import subprocess
-import sys
 
 import pytest
 
 pytest.importorskip("torch", reason="PyTorch is not installed")
 pytest.importorskip("sklearn", reason="scikit-learn is not installed")
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-
-
-def _mpiexec(n, script, *args):
-    if MPIEXEC is None:
-        pytest.skip("no mpiexec on PATH")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPI_LOCAL"))}
-    env.setdefault("MPIR_CVAR_CH4_PROGRESS_THROTTLE", "1")
-    env.setdefault("MPIR_CVAR_CH4_PROGRESS_THROTTLE_NO_PROGRESS_COUNT", "16")
-    cmd = ["timeout", "-k", "5", "240", MPIEXEC, "-n", str(n), sys.executable, "-m", "mpi4py",
-           os.path.join(ROOT, "jobs", script), *args]
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return p.stdout
+from tests.launch import run_job  # noqa: E402
 
 
 def test_train_compare_dense_wagma_local(tmp_path):
     out = tmp_path / "out"
-    stdout = _mpiexec(2, "train.py", "--compare", "dense,wagma,local", "--epochs", "2", "--max-steps", "3",
-                      "--width", "2", "--sync-every", "4", "--group-size", "2", "--no-progress", "--no-plot",
-                      "--out", str(out))
+    stdout = run_job(2, "train.py", "--compare", "dense,wagma,local", "--epochs", "2", "--max-steps", "3",
+                     "--width", "2", "--sync-every", "4", "--group-size", "2", "--no-progress", "--no-plot",
+                     "--out", str(out))
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     runs = [r for r in recs if r["kind"] == "run"]
     assert [r["sparsifier"] for r in runs] == ["dense", "wagma", "local"]
@@ -41,8 +23,8 @@ def test_train_compare_dense_wagma_local(tmp_path):
 
 
 def test_bench_straggler_runs(tmp_path):
-    stdout = _mpiexec(2, "bench_straggler.py", "--steps", "12", "--width", "2", "--sync-every", "4",
-                      "--out", str(tmp_path))
+    stdout = run_job(2, "bench_straggler.py", "--steps", "12", "--width", "2", "--sync-every", "4",
+                     "--out", str(tmp_path))
     rows = json.loads((tmp_path / "P2_rotating1.json").read_text())["rows"]
     assert [r["method"] for r in rows] == ["allreduce", "local", "wagma-sync", "wagma-wa"]
     assert all(r["steps"] == 12 and r["steps_per_s"] > 0 and 0 <= r["test_acc"] <= 1 for r in rows)
