@@ -35,6 +35,9 @@ def parse_args(argv=None):
     p.add_argument("--controller", default="measured",
                    help="comma-separated ExDyna controllers to time (measured is the default; histogram is "
                         "the one-pass forecasting one)")
+    p.add_argument("--stream", default="ar", choices=("ar", "constant"),
+                   help="gradients: ar = AR(0.9), a new one each step, generated outside the timed step and "
+                        "synchronised before it (default); constant = one gradient every step, back to back")
     p.add_argument("--check", action="store_true", help="format fake rows; needs no GPU")
     p.add_argument("--profile", action="store_true",
                    help="cProfile of the timed steps (host time per function, waits included), per numel")
@@ -143,7 +146,7 @@ def _torch_topk(r, g, k, reps):
     return start.elapsed_time(stop) / reps
 
 
-def measure(numel, density, reps, warmup, topk=True, profile=False, controller="measured"):
+def measure(numel, density, reps, warmup, topk=True, profile=False, controller="measured", gen="ar"):
     import cupy as cp
     import numpy as np
 
@@ -154,7 +157,22 @@ def measure(numel, density, reps, warmup, topk=True, profile=False, controller="
     rng = cp.random.default_rng(0)
     grad = rng.standard_normal(n, dtype=cp.float32) * 0.01
     sp = exdyna_mpi.ExDyna(n, density, device="cuda", controller=controller)
-    step_ms = _time_ms(cp, lambda: sp.step(grad), reps, warmup=warmup)
+    zooms = []
+    if gen == "constant":   # the same gradient every step (the controller's hardest case)
+        step_ms = _time_ms(cp, lambda: sp.step(grad), reps, warmup=warmup)
+    else:                      # AR(0.9): g = 0.9 g + 0.44 noise, generated outside the timed steps
+        noise = cp.empty_like(grad)
+        times = []
+        for t in range(warmup + reps):
+            rng.standard_normal(dtype=cp.float32, out=noise)
+            grad *= 0.9
+            grad += noise * np.float32(0.01 * 0.4359)
+            cp.cuda.get_current_stream().synchronize()   # the step's own host time is all exposed
+            ms = _time_ms(cp, lambda: sp.step(grad), 1, warmup=0)
+            if t >= warmup:
+                times.append(ms)
+                zooms.append(getattr(sp.controller, "zooms", 0))
+        step_ms = float(np.median(times))
     selected = int(sp.stats.selected)
     if profile:
         import cProfile
@@ -229,7 +247,42 @@ def measure(numel, density, reps, warmup, topk=True, profile=False, controller="
         baselines["torch_topk"] = _torch_topk(res, grad, max(1, int(n * density)), max(1, reps // 4))
     del sp, res, grad, acc, idx, out, vals
     cp.get_default_memory_pool().free_all_blocks()
-    return step_ms, kernels, baselines, selected
+    return step_ms, kernels, baselines, selected, {"zoom_steps": sum(1 for z in zooms if z), "steps": len(zooms)}
+
+
+def launch_costs(cp, kc, stream, reps=300):
+    """Host microseconds per launch of a tiny kernel, Numba's dispatcher against ``kc._go``'s fast
+    path: the two-argument word zeroing, and the 21-argument histogram pass on 4096 elements."""
+    import numpy as np
+
+    w = cp.zeros(64, cp.int64)
+    x = cp.ones(4096, cp.float32)
+    acc = cp.empty_like(x)
+    s = kc.Scratch(cp.zeros(kc.Scratch.size(), cp.int64), zeros=lambda m, dt: cp.zeros(m, dt))
+    mask = s.mask_for(4096)
+    kcount, _ = kc._hist_kernels(np.float32)
+    hist_args = (x, x, acc, 0, 4096, np.float32(np.nan), 4096, s.block_counts, s.block_bad, mask, 0, 4096, False,
+                 20, 100, 4, 15, 30000, 4, s.hist, 1)
+    dw = [kc._dev(a) for a in (w,)]
+    dh = [kc._dev(a) if hasattr(a, "shape") else a for a in hist_args]
+    out = {}
+    for name, numba_call, fast_call in (
+            ("zero_words", lambda: kc._launch(kc._zero_words, 1, 32, stream)(dw[0], 64),
+             lambda: kc._go(kc._zero_words, 1, 32, stream, w, 64)),
+            ("hist_pass", lambda: kc._launch(kcount, 1, 256, stream)(*dh),
+             lambda: kc._go(kcount, 1, 256, stream, *hist_args))):
+        for label, fn in (("numba", numba_call), ("fast", fast_call)):
+            for _ in range(5):
+                fn()
+            cp.cuda.get_current_stream().synchronize()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            host = (time.perf_counter() - t0) / reps * 1e6
+            cp.cuda.get_current_stream().synchronize()
+            out[f"{name}_{label}"] = host
+    print("host us per launch: " + ", ".join(f"{k} {v:.1f}" for k, v in out.items()), flush=True)
+    return out
 
 
 def main(argv=None):
@@ -259,6 +312,9 @@ def main(argv=None):
         print(f"DRAM: datasheet-style peak {spec:.0f} GB/s (from device properties), "
               f"measured device-to-device copy {copy:.0f} GB/s (read + write); fractions use the copy")
         peak = copy
+        from exdyna_mpi.kernels import cuda as kc
+
+        launch_us = launch_costs(cp, kc, kc.cuda.external_stream(cp.cuda.get_current_stream().ptr))
         free = cp.cuda.Device().mem_info[0]
         for n in numels:
             if 28 * n > free:  # grad, residual, acc, out, idx, the kernels' copies, the baselines' temporaries
@@ -266,13 +322,15 @@ def main(argv=None):
                 continue
             for d in densities:
                 for c in a.controller.split(","):
-                    step_ms, kernels, baselines, sel = measure(n, d, a.reps, a.warmup, topk=not a.no_topk,
-                                                               profile=a.profile, controller=c)
+                    step_ms, kernels, baselines, sel, extra = measure(n, d, a.reps, a.warmup, topk=not a.no_topk,
+                                                                      profile=a.profile, controller=c, gen=a.stream)
                     rows.append(row(n, d, peak, step_ms, kernels, baselines, sel, c))
+                    rows[-1].update(extra, stream=a.stream)
                     print(table(rows[-1:], device, peak).splitlines()[-1], flush=True)
     print(table(rows, device, peak))
     doc = {"device": device, "peak_GBs": peak, "peak_is": "measured device-to-device copy", "host": platform.node(), "time": time.time(),
-           "reps": a.reps, "warmup": a.warmup, "bytes_per_element_floor": STEP_FLOOR, "rows": rows, "command": command()}
+           "reps": a.reps, "warmup": a.warmup, "stream": a.stream,
+           "launch_us": None if a.check else launch_us, "bytes_per_element_floor": STEP_FLOOR, "rows": rows, "command": command()}
     if a.json:
         print(f"wrote {write_json(a.json, doc)}")
     return doc

@@ -38,6 +38,7 @@ small int64 buffers so nothing is allocated per step. The ``*_async`` forms leav
 ``scratch.totals`` (and histograms in ``scratch.hist``) on the device; the plain forms copy those
 words to the host and return them, like ``kernels.cpu`` / ``kernels.cpu_controller``.
 """
+import ctypes
 import math
 import os
 import warnings
@@ -221,6 +222,36 @@ def _count(x, lo, hi, thr, cs, block_counts, block_bad, mask, marks):
             if marks:
                 _mark(mask, i, lo)
         i += bd
+    _block_total2(cnt, 0, block_counts, block_bad)
+
+
+@cuda.jit
+def _filter_marks(x, lo, hi, thr, cs, block_counts, block_bad, mask):
+    """Keep the marked elements of this block's chunk of [lo, hi) with ``|x| >= thr``, clear the
+    others' bits, count the kept ones per block: the select of ``select_marked``, which reads the
+    mask (1/32 of the bytes of ``x``) and ``x`` only where a bit is set."""
+    t = cuda.threadIdx.x
+    b = cuda.blockIdx.x
+    s = b * cs
+    e = min(s + cs, hi - lo)
+    q = (s >> 5) + t
+    w1 = (e + 31) >> 5 if e > s else s >> 5
+    cnt = 0
+    while q < w1:
+        word = mask[q]
+        if word != 0:
+            keep = np.uint32(0)
+            rest = np.int64(word)
+            at = lo + (q << 5)
+            while rest != 0:
+                low = rest & -rest
+                bit = cuda.popc(low - 1)
+                if abs(x[at + bit]) >= thr:
+                    keep |= np.uint32(1) << np.uint32(bit)
+                rest ^= low
+            mask[q] = keep
+            cnt += cuda.popc(keep)
+        q += cuda.blockDim.x
     _block_total2(cnt, 0, block_counts, block_bad)
 
 
@@ -427,27 +458,65 @@ def _make_hist_kernels(bits, sign_off):
         return v + nbv
 
     @cuda.jit(device=True)
+    def _visit(v, i, lo, thr, mask, f0, f1, g, n, predict, sh, shift, key0, nh, shift_f, key0_f, nf, rem, cnt,
+               bad, low, low_f):
+        """One element of the pass, after ``acc[i] = v``: non-finite, selection (and its mark), the
+        histograms where i is in [f0, f1) (the coarse one when ``rem == 0``)."""
+        if v - v != 0:  # inf and NaN give NaN; the CPU kernel uses the same test
+            bad += 1
+        sel = abs(v) >= thr
+        if sel:
+            cnt += 1
+            _mark(mask, i, lo)
+        if f0 <= i and i < f1:  # p needs sel, known only here
+            low, low_f = _put(_forecast(v, sel, i, g, n, predict), sh, shift, key0, nh, shift_f, key0_f, nf,
+                              low, low_f, rem == 0)
+        return cnt, bad, low, low_f
+
+    @cuda.jit(device=True)
+    def _visit_rest(v, i, flo, fhi, g, n, predict, sh, shift, key0, nh, shift_f, key0_f, nf, rem, bad, low, low_f):
+        """``_visit`` outside the selection range: nothing is selected there."""
+        if v - v != 0:
+            bad += 1
+        if flo <= i and i < fhi:
+            low, low_f = _put(_forecast(v, False, i, g, n, predict), sh, shift, key0, nh, shift_f, key0_f, nf,
+                              low, low_f, rem == 0)
+        return bad, low, low_f
+
+    @cuda.jit(device=True)
     def _rest(a, z, r, g, acc, n, flo, fhi, predict, sh, shift, key0, nh, shift_f, key0_f, nf, cstride, bad, low,
               low_f):
         """acc = r + g over [a, z) (nothing selected there), grid-stride, with the forecast histograms.
 
-        ``rem`` counts ``i % cstride`` down without a division per element."""
+        ``rem`` counts ``i % cstride`` down without a division per element. Two elements per trip,
+        both loads issued before either is used: one element in flight per thread left the pass at
+        half the copy bandwidth on an H100 (occupancy is register-bound)."""
         stride = cuda.gridDim.x * cuda.blockDim.x
         i = a + cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
         rem = i % cstride
         step = stride % cstride
-        while i < z:
+        while i + stride < z:
+            i2 = i + stride
             v = r[i] + g[i]
+            v2 = r[i2] + g[i2]
             acc[i] = v
-            if v - v != 0:
-                bad += 1
-            if flo <= i and i < fhi:
-                low, low_f = _put(_forecast(v, False, i, g, n, predict), sh, shift, key0, nh, shift_f, key0_f, nf,
-                                  low, low_f, rem == 0)
+            acc[i2] = v2
+            bad, low, low_f = _visit_rest(v, i, flo, fhi, g, n, predict, sh, shift, key0, nh, shift_f, key0_f, nf,
+                                          rem, bad, low, low_f)
             rem += step
             if rem >= cstride:
                 rem -= cstride
-            i += stride
+            bad, low, low_f = _visit_rest(v2, i2, flo, fhi, g, n, predict, sh, shift, key0, nh, shift_f, key0_f, nf,
+                                          rem, bad, low, low_f)
+            rem += step
+            if rem >= cstride:
+                rem -= cstride
+            i += 2 * stride
+        if i < z:
+            v = r[i] + g[i]
+            acc[i] = v
+            bad, low, low_f = _visit_rest(v, i, flo, fhi, g, n, predict, sh, shift, key0, nh, shift_f, key0_f, nf,
+                                          rem, bad, low, low_f)
         return bad, low, low_f
 
     @cuda.jit
@@ -475,22 +544,28 @@ def _make_hist_kernels(bits, sign_off):
         # the forecast window inside this chunk: [f0, f1)
         f0 = max(flo, lo + b * cs)
         f1 = min(fhi, e)
-        while i < e:  # this block's chunk of the selection range, as in _acc_count
+        while i + bd < e:  # this block's chunk of the selection range, two elements per trip (see _rest)
+            i2 = i + bd
             v = r[i] + g[i]
+            v2 = r[i2] + g[i2]
             acc[i] = v
-            if v - v != 0:
-                bad += 1
-            sel = abs(v) >= thr
-            if sel:
-                cnt += 1
-                _mark(mask, i, lo)
-            if f0 <= i and i < f1:  # p needs sel, known only here
-                low, low_f = _put(_forecast(v, sel, i, g, n, predict), sh, shift, key0, nh, shift_f, key0_f, nf,
-                                  low, low_f, rem == 0)
+            acc[i2] = v2
+            cnt, bad, low, low_f = _visit(v, i, lo, thr, mask, f0, f1, g, n, predict, sh, shift, key0, nh, shift_f,
+                                          key0_f, nf, rem, cnt, bad, low, low_f)
             rem += step
             if rem >= cstride:
                 rem -= cstride
-            i += bd
+            cnt, bad, low, low_f = _visit(v2, i2, lo, thr, mask, f0, f1, g, n, predict, sh, shift, key0, nh,
+                                          shift_f, key0_f, nf, rem, cnt, bad, low, low_f)
+            rem += step
+            if rem >= cstride:
+                rem -= cstride
+            i += 2 * bd
+        if i < e:
+            v = r[i] + g[i]
+            acc[i] = v
+            cnt, bad, low, low_f = _visit(v, i, lo, thr, mask, f0, f1, g, n, predict, sh, shift, key0, nh, shift_f,
+                                          key0_f, nf, rem, cnt, bad, low, low_f)
         bad, low, low_f = _rest(0, lo, r, g, acc, n, flo, fhi, predict, sh, shift, key0, nh, shift_f, key0_f, nf,
                                 cstride, bad, low, low_f)
         bad, low, low_f = _rest(hi, n, r, g, acc, n, flo, fhi, predict, sh, shift, key0, nh, shift_f, key0_f, nf,
@@ -592,14 +667,28 @@ class Scratch:
         self.totals_hist = words[3 * NB_MAX:3 * NB_MAX + 2 + HIST_MAX]
         self._zeros = zeros or _zeros
         self.mask = None
+        self.marked = None  # (lo, hi, mark) while the mask holds a measuring pass's marks
 
-    def mask_for(self, m):
-        """The hit mask for a selection range of ``m`` elements (grown, never shrunk)."""
+    def mask_for(self, m, keep_marks=False):
+        """The hit mask for a selection range of ``m`` elements (grown, never shrunk), all zero
+        unless ``keep_marks`` (marks left by ``accumulate_measure_async`` that nobody consumed, a
+        step that stopped after its measuring pass, are cleared here first)."""
+        if self.marked is not None and not keep_marks:
+            self.clear_marks()
         nw = max((m + 31) // 32, 1)
         if self.mask is None or self.mask.shape[0] < nw:
             grown = nw if self.mask is None else max(nw, 2 * self.mask.shape[0])
             self.mask = self._zeros(grown, np.uint32)
         return self.mask
+
+
+    def clear_marks(self):
+        """Zero the mask words the marks may use (queued on the stream of the pass that set them)."""
+        lo, hi, _, stream = self.marked
+        self.marked = None
+        nw = (hi - lo + 31) // 32
+        if nw:
+            _go(_zero_words, *_shape(nw), stream, self.mask, nw)
 
 
 def _zeros(n, dtype):
@@ -661,6 +750,109 @@ def _launch(kernel, nb, bd, stream):
     return got[0]
 
 
+# ---------------------------------------------------------------------------- the launch path
+# numba-cuda's ``kernel[cfg](*args)`` types every argument, wraps every array (``to_device``) and
+# builds a launch config on every call: about 100 us of host time per launch on an H100 node, which
+# made the step host-bound (docs/gpu.md). ``_go`` does that once per (kernel, shape, stream,
+# argument kinds), then marshals the arguments exactly as numba's ``_Kernel._prepare_args`` does
+# (an array is meminfo, parent, size, itemsize, data, shape, strides; a scalar a ctypes value of its
+# Numba type) and calls ``cuda.core.launch`` itself. Anything it does not know takes Numba's path.
+_FAST = os.environ.get("EXDYNA_CUDA_LAUNCH", "fast").strip().lower() != "numba"
+_fast = {}
+_CTYPES = {"int64": ctypes.c_int64, "int32": ctypes.c_int32, "uint32": ctypes.c_uint32,
+           "uint64": ctypes.c_uint64, "float32": ctypes.c_float, "float64": ctypes.c_double}
+
+
+def _kind(a):
+    """What decides the compiled overload and the marshalling: a cheap key per argument."""
+    t = type(a)
+    if t is int or t is bool or t is float:
+        return t
+    dt = getattr(a, "dtype", None)
+    return (t, dt.char if dt is not None else None)
+
+
+class _FastLaunch:
+    """One compiled overload, one launch shape, one stream: the arguments marshalled by hand."""
+
+    def __init__(self, kernel, args, nb, bd, stream):
+        from cuda.core import LaunchConfig, launch
+        from numba.cuda import types as nt
+
+        argtypes = tuple(kernel.typeof_pyval(a) for a in args)
+        kern = kernel.overloads[argtypes]
+        self.fn = kern._codelibrary.get_cufunc().kernel
+        try:
+            from numba.cuda._compat import CUDA_CORE_GE_1_0
+        except ImportError:  # pragma: no cover - older numba-cuda
+            CUDA_CORE_GE_1_0 = True
+        coop = "is_cooperative" if CUDA_CORE_GE_1_0 else "cooperative_launch"
+        self.config = LaunchConfig(grid=nb, block=bd, shmem_size=0, **{coop: False})
+        self.launch, self.stream = launch, stream
+        self.plan = []
+        for ty in kern.argument_types:
+            if isinstance(ty, nt.Array) and ty.ndim == 1:
+                self.plan.append(ty.layout)   # "C": the code assumes unit stride
+            elif isinstance(ty, nt.Integer) or ty in (nt.float32, nt.float64):
+                self.plan.append(_CTYPES[str(ty)])
+            elif ty == nt.boolean:
+                self.plan.append(bool)
+            else:
+                raise NotImplementedError(f"fast launch: argument type {ty}")
+
+    def __call__(self, args):
+        """Launch; False (nothing launched) for a strided array where the overload wants unit stride."""
+        ka = []
+        for how, v in zip(self.plan, args):
+            if how.__class__ is str:
+                ptr, n, stride, item = _array_fields(v)
+                if stride != item and how == "C" and n > 1:
+                    return False
+                ka += (0, 0, n, item, ptr, n, stride)
+            elif how is bool:
+                ka.append(bool(v))
+            else:
+                ka.append(how(v))
+        self.launch(self.stream, self.config, self.fn, *ka)
+        return True
+
+
+def _array_fields(a):
+    """(device pointer, length, stride in bytes, itemsize) of a 1-D device array."""
+    data = getattr(a, "data", None)
+    ptr = getattr(data, "ptr", None)
+    if ptr is not None:  # CuPy
+        return ptr, a.shape[0], a.strides[0], a.itemsize
+    cai = a.__cuda_array_interface__
+    item = np.dtype(cai["typestr"]).itemsize
+    strides = cai.get("strides")
+    return cai["data"][0], cai["shape"][0], strides[0] if strides else item, item
+
+
+def _go(kernel, nb, bd, stream, *args):
+    """``kernel[nb, bd, stream](*args)``: arrays as the caller holds them (CuPy, Numba, or NumPy
+    under the simulator). The first call of a kind goes through Numba (it compiles); later ones
+    take ``_FastLaunch``."""
+    if SIMULATOR or not _FAST or not stream:
+        _launch(kernel, nb, bd, stream)(*[_dev(a) if hasattr(a, "shape") else a for a in args])
+        return
+    key = (id(kernel), nb, bd, id(stream)) + tuple(_kind(a) for a in args)
+    f = _fast.get(key)
+    if f is None:
+        _launch(kernel, nb, bd, stream)(*[_dev(a) if hasattr(a, "shape") else a for a in args])
+        try:
+            f = _FastLaunch(kernel, [_dev(a) if hasattr(a, "shape") else a for a in args], nb, bd, stream)
+        except Exception as e:  # pragma: no cover - a numba-cuda whose internals moved
+            warnings.warn(f"exdyna_mpi: Numba's launch path for {kernel.__name__}: {e!r}", RuntimeWarning)
+            f = False
+        if len(_fast) > 4096:
+            _fast.clear()
+        _fast[key] = f
+        return
+    if f is False or not f(args):
+        _launch(kernel, nb, bd, stream)(*[_dev(a) if hasattr(a, "shape") else a for a in args])
+
+
 def _shape(n_work, block=None):
     """(blocks, threads) for ``n_work`` elements: enough blocks for ITEMS elements per thread."""
     bd = block or BLOCK
@@ -696,11 +888,10 @@ def _read_totals(scratch, stream):
 
 
 def _scan_compact(scratch, nb, lo, hi, cs, mask, idx, stream, variant):
-    bc, bb, off, tot = (_dev(scratch.block_counts), _dev(scratch.block_bad), _dev(scratch.offsets),
-                        _dev(scratch.totals))
-    _launch(_scan, 1, min(SCAN_THREADS, _round32(nb)), stream)(bc, bb, nb, off, tot)
+    _go(_scan, 1, min(SCAN_THREADS, _round32(nb)), stream, scratch.block_counts, scratch.block_bad, nb,
+        scratch.offsets, scratch.totals)
     if hi > lo:
-        _launch(_compact_kernel(variant), nb, BLOCK, stream)(mask, lo, hi, cs, off, _dev(idx))
+        _go(_compact_kernel(variant), nb, BLOCK, stream, mask, lo, hi, cs, scratch.offsets, idx)
 
 
 def accumulate_select_async(residual, grad, acc, lo, hi, thr, idx, scratch, stream=0, variant=None):
@@ -709,9 +900,9 @@ def accumulate_select_async(residual, grad, acc, lo, hi, thr, idx, scratch, stre
     m = hi - lo
     nb, bd = _shape(n)
     cs = _chunk(m, nb, bd)
-    mask = _dev(scratch.mask_for(m))
-    _launch(_acc_count, nb, bd, stream)(_dev(residual), _dev(grad), _dev(acc), lo, hi, thr, cs,
-                                        _dev(scratch.block_counts), _dev(scratch.block_bad), mask)
+    mask = scratch.mask_for(m)
+    _go(_acc_count, nb, bd, stream, residual, grad, acc, lo, hi, thr, cs, scratch.block_counts, scratch.block_bad,
+        mask)
     _scan_compact(scratch, nb, lo, hi, cs, mask, idx, stream, variant)
 
 
@@ -720,9 +911,27 @@ def select_range_async(x, lo, hi, thr, idx, scratch, stream=0, variant=None):
     m = hi - lo
     nb, bd = _shape(m)
     cs = _chunk(m, nb, bd)
-    mask = _dev(scratch.mask_for(m))
-    _launch(_count, nb, bd, stream)(_dev(x), lo, hi, thr, cs, _dev(scratch.block_counts),
-                                    _dev(scratch.block_bad), mask, True)
+    mask = scratch.mask_for(m)
+    _go(_count, nb, bd, stream, x, lo, hi, thr, cs, scratch.block_counts, scratch.block_bad, mask, True)
+    _scan_compact(scratch, nb, lo, hi, cs, mask, idx, stream, variant)
+
+
+def select_marked_async(x, lo, hi, thr, idx, scratch, stream=0, variant=None):
+    """``select_range_async`` after ``accumulate_measure_async(..., mark)`` over the same ``[lo, hi)``
+    with ``mark <= thr``: every hit is marked, so this reads the mask and ``x`` at the marks only.
+    Anything else (no marks, another range, ``thr < mark``) is a plain ``select_range_async``: marks
+    are then hits, and setting a set bit again changes nothing."""
+    marked = scratch.marked
+    if marked is None or marked[:2] != (lo, hi) or not thr >= marked[2]:
+        if marked is not None and marked[:2] == (lo, hi) and thr < marked[2]:
+            scratch.marked = None  # every marked element is a hit: the select sets those bits anyway
+        return select_range_async(x, lo, hi, thr, idx, scratch, stream, variant)  # (else: cleared first)
+    scratch.marked = None
+    m = hi - lo
+    nb, bd = _shape(m)
+    cs = _chunk(m, nb, bd)
+    mask = scratch.mask_for(m, keep_marks=True)
+    _go(_filter_marks, nb, bd, stream, x, lo, hi, thr, cs, scratch.block_counts, scratch.block_bad, mask)
     _scan_compact(scratch, nb, lo, hi, cs, mask, idx, stream, variant)
 
 
@@ -731,10 +940,9 @@ def count_range_async(x, lo, hi, thr, scratch, stream=0):
     m = hi - lo
     nb, bd = _shape(m)
     cs = _chunk(m, nb, bd)
-    bc, bb, off, tot = (_dev(scratch.block_counts), _dev(scratch.block_bad), _dev(scratch.offsets),
-                        _dev(scratch.totals))
-    _launch(_count, nb, bd, stream)(_dev(x), lo, hi, thr, cs, bc, bb, _dev(scratch.mask_for(1)), False)
-    _launch(_scan, 1, min(SCAN_THREADS, _round32(nb)), stream)(bc, bb, nb, off, tot)
+    bc, bb = scratch.block_counts, scratch.block_bad
+    _go(_count, nb, bd, stream, x, lo, hi, thr, cs, bc, bb, scratch.mask_for(1), False)
+    _go(_scan, 1, min(SCAN_THREADS, _round32(nb)), stream, bc, bb, nb, scratch.offsets, scratch.totals)
 
 
 def _round32(n):
@@ -766,7 +974,7 @@ def _elementwise(kernel, n, stream, *args):
     if n == 0:
         return
     nb, bd = _shape(n)
-    _launch(kernel, nb, bd, stream)(*[_dev(a) if hasattr(a, "shape") else a for a in args])
+    _go(kernel, nb, bd, stream, *args)
 
 
 def gather(src, idx, out, stream=0):
@@ -803,7 +1011,7 @@ def _hist_words(scratch, nw):
         raise ValueError(f"{nw} histogram buckets: at most HIST_MAX = {HIST_MAX}")
     if scratch.hist.shape[0] < nw:
         raise ValueError("scratch has no histogram region (allocate Scratch.size() words)")
-    return _dev(scratch.hist)
+    return scratch.hist
 
 
 def accumulate_select_hist_async(residual, grad, acc, lo, hi, thr, idx, shift, key0, nh, scratch, stream=0,
@@ -824,22 +1032,46 @@ def accumulate_select_hist_async(residual, grad, acc, lo, hi, thr, idx, shift, k
     hw = _hist_words(scratch, nh + nf)
     nb, bd = _shape(n)
     cs = _chunk(m, nb, bd)
-    mask = _dev(scratch.mask_for(m))
-    _launch(_zero_words, 1, max(1, min(BLOCK, _round32(nh + nf))), stream)(hw, nh + nf)
-    _launch(kcount, nb, bd, stream)(_dev(residual), _dev(grad), _dev(acc), lo, hi, thr, cs,
-                                    _dev(scratch.block_counts), _dev(scratch.block_bad), mask, int(flo), int(fhi),
-                                    bool(predict), int(shift), int(key0), int(nh), int(shift_f), int(key0_f), int(nf),
-                                    hw, int(stride))
+    mask = scratch.mask_for(m)
+    _go(_zero_words, 1, max(1, min(BLOCK, _round32(nh + nf))), stream, hw, nh + nf)
+    _go(kcount, nb, bd, stream, residual, grad, acc, lo, hi, thr, cs, scratch.block_counts, scratch.block_bad, mask,
+        int(flo), int(fhi), bool(predict), int(shift), int(key0), int(nh), int(shift_f), int(key0_f), int(nf), hw,
+        int(stride))
     _scan_compact(scratch, nb, lo, hi, cs, mask, idx, stream, variant)
+
+
+def accumulate_measure_async(residual, grad, acc, lo, hi, mark, shift, key0, nh, scratch, stream=0,
+                             fine=(0, 0, 0), stride=1):
+    """The measuring pass: ``acc = residual + grad`` with the histograms of ``|acc|`` over [lo, hi)
+    (``accumulate_select_hist_async`` without a forecast) and, instead of a selection, a mark in the
+    hit mask on every element with ``|acc| >= mark`` (``mark`` NaN: none), kept for
+    ``select_marked_async``. ``scratch.totals_hist`` holds ``[marked, nonfinite, hist...]`` when it
+    completes. Three launches: zero the words, the pass, the scan (for the totals)."""
+    n = acc.shape[0]
+    m = hi - lo
+    shift_f, key0_f, nf = fine
+    kcount, _ = _hist_kernels(acc.dtype)
+    hw = _hist_words(scratch, nh + nf)
+    nb, bd = _shape(n)
+    cs = _chunk(m, nb, bd)
+    mask = scratch.mask_for(m)
+    _go(_zero_words, 1, max(1, min(BLOCK, _round32(nh + nf))), stream, hw, nh + nf)
+    _go(kcount, nb, bd, stream, residual, grad, acc, lo, hi, mark, cs, scratch.block_counts, scratch.block_bad, mask,
+        int(lo), int(hi), False, int(shift), int(key0), int(nh), int(shift_f), int(key0_f), int(nf), hw,
+        int(stride))
+    _go(_scan, 1, min(SCAN_THREADS, _round32(nb)), stream, scratch.block_counts, scratch.block_bad, nb,
+        scratch.offsets, scratch.totals)
+    if mark == mark and m > 0:
+        scratch.marked = (lo, hi, mark, stream)
 
 
 def hist_range_async(x, lo, hi, shift, key0, nh, scratch, stream=0):
     """Launch ``hist_range``; ``scratch.hist[:nh]`` holds the counts when it completes."""
     _, khist = _hist_kernels(x.dtype)
     hw = _hist_words(scratch, nh)
-    _launch(_zero_words, 1, max(1, min(BLOCK, _round32(nh))), stream)(hw, nh)
+    _go(_zero_words, 1, max(1, min(BLOCK, _round32(nh))), stream, hw, nh)
     nb, bd = _shape(max(hi - lo, 1))
-    _launch(khist, nb, bd, stream)(_dev(x), int(lo), int(hi), int(shift), int(key0), int(nh), hw)
+    _go(khist, nb, bd, stream, x, int(lo), int(hi), int(shift), int(key0), int(nh), hw)
 
 
 def read_totals_hist(scratch, nw, stream=0):

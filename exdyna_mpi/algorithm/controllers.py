@@ -88,6 +88,12 @@ class Controller:
     def resolve(self, plan, words, fused):
         return plan, words
 
+    def mark(self, plan):   # only measuring plans (MeasuredController) use these two
+        return None
+
+    def local_count(self, plan, words):
+        return None
+
     def update(self, counts_prev, words=None, plan=None):  # pragma: no cover - abstract
         raise NotImplementedError
 
@@ -527,6 +533,29 @@ class MeasuredController(Controller):
             wide, exact = False, True
             hist = self._zoom(fused, spec)
         return self._done(plan, *best)
+
+    def mark(self, plan):
+        """The lowest edge of the fine window (None without one): the select that follows a
+        measuring pass is at or above it unless a zoom went lower, so the pass may mark every element
+        from there up (``Ops.accumulate_measure``'s ``mark``)."""
+        if plan.fine is None:
+            return None
+        n, shift, key0 = plan.fine
+        return float(self._edges(plan.dtype, shift, key0, 2)[1])
+
+    def local_count(self, plan, words):
+        """This rank's count at ``plan.threshold`` from its own words of the measuring pass, exact
+        when the threshold is an edge of the fine window (every element of the owned range is in
+        that histogram, and ``|x| >= edge j`` is ``bucket >= j`` for finite x); else None."""
+        if plan.fine is None or words is None:
+            return None
+        n, shift, key0 = plan.fine
+        edges = self._edges(plan.dtype, shift, key0, n)
+        j = np.flatnonzero(edges[1:n] == plan.threshold)
+        if j.size == 0:
+            return None
+        nb = plan.hist[0]
+        return int(np.asarray(words[nb + 1 + int(j[0]):nb + n], dtype=np.int64).sum())
 
     def _zoom(self, fused, spec):
         """One more read of the owned range and one more small Allreduce: ``spec``'s summed histogram."""

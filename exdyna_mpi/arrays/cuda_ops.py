@@ -32,19 +32,6 @@ def _scratch_here():
     return s
 
 
-_no_idx = {}
-
-
-def _measure_idx():
-    """A one-element index buffer: a NaN threshold compares false for every value, so the histogram
-    pass selects nothing and writes no index."""
-    key = BACKEND.device_key()
-    b = _no_idx.get(key)
-    if b is None:
-        b = _no_idx[key] = CudaOps.empty(1, np.int32)
-    return b
-
-
 def _totals(scratch):
     """``[count, nonfinite]`` as host ints: the one device->host read of a selection."""
     host = BACKEND.read_words(scratch.totals)
@@ -130,12 +117,26 @@ class CudaOps:
         return int(w[0]), int(w[1])
 
     @staticmethod
-    def accumulate_measure(residual, grad, acc, lo, hi, coarse, fine, stride):
-        # composed for now: the histogram pass (its words do not depend on the threshold without
-        # ``predict``) with a NaN threshold, which selects nothing
-        _, bad = CudaOps.accumulate_select_hist(residual, grad, acc, lo, hi, acc.dtype.type(np.nan), _measure_idx(),
-                                                coarse[0], coarse[1], coarse[2], fine=fine, stride=stride)
-        return bad
+    def accumulate_measure(residual, grad, acc, lo, hi, coarse, fine, stride, mark=None):
+        # the histogram pass with the marks (hit-mask bits) of |acc| >= mark instead of a selection
+        s = _scratch_here()
+        shift_f, key0_f, hist_f = fine if fine is not None else (0, 0, np.zeros(0, np.int64))
+        nh, nf = coarse[2].shape[0], hist_f.shape[0]
+        thr = acc.dtype.type(np.nan if mark is None else mark)
+        _k.accumulate_measure_async(residual, grad, acc, int(lo), int(hi), thr, coarse[0], coarse[1], nh, s,
+                                    BACKEND.stream(), (shift_f, key0_f, nf), stride)
+        w = _words(s, nh + nf)
+        coarse[2][:] += w[2:2 + nh]
+        hist_f += w[2 + nh:2 + nh + nf]
+        return int(w[1])
+
+    @staticmethod
+    def select_marked(x, lo, hi, thr, idx, expect=None):
+        # the marks of the measuring pass over [lo, hi) hold every hit when thr >= mark: read the
+        # mask, not x; ``expect`` (the count the caller knows exactly) spares the host a wait
+        s = _scratch_here()
+        _k.select_marked_async(x, int(lo), int(hi), thr, idx, s, BACKEND.stream())
+        return int(expect) if expect is not None else _totals(s)[0]
 
     @staticmethod
     def hist_range(x, lo, hi, shift, key0, hist):

@@ -59,11 +59,17 @@ class Ops(Protocol):
     def hist_range(self, x, lo, hi, shift, key0, hist):
         """``hist += histogram(|x[lo:hi]|)`` (read only; ``hist`` a host int64 array)."""
 
-    def accumulate_measure(self, residual, grad, acc, lo, hi, coarse, fine, stride):
+    def accumulate_measure(self, residual, grad, acc, lo, hi, coarse, fine, stride, mark=None):
         """``acc = residual + grad``; over [lo, hi) the histograms ``accumulate_select_hist`` makes of
         ``|acc|`` with an infinite threshold (``coarse``/``fine``: ``(shift, key0, host int64 hist)``,
         the coarse one every ``stride``-th element, ``fine`` may be None); selects nothing. Returns the
-        number of non-finite values of ``acc``. The measured controller's pass."""
+        number of non-finite values of ``acc``. The measured controller's pass. ``mark``: the backend
+        may remember where ``|acc| >= mark`` for the ``select_marked`` that follows."""
+
+    def select_marked(self, x, lo, hi, thr, idx, expect=None):
+        """``select_range`` right after ``accumulate_measure`` over the same range (the same result;
+        a backend that kept the marks reads only those when ``thr >= mark``). ``expect``: the count,
+        when the caller knows it exactly (a backend may return it without reading its own)."""
 
     def to_host(self, x):
         """A host (NumPy) view or copy of ``x``."""
@@ -133,9 +139,14 @@ class HostOps:
         _kc.host_hist_range(x, lo, hi, shift, key0, hist)
 
     @staticmethod
-    def accumulate_measure(residual, grad, acc, lo, hi, coarse, fine, stride):
-        # one fused kernel on the host (kernels/cpu_controller.py: accumulate_measure)
+    def accumulate_measure(residual, grad, acc, lo, hi, coarse, fine, stride, mark=None):
+        # one fused kernel on the host (kernels/cpu_controller.py: accumulate_measure); no marks:
+        # the select that follows reads acc[lo:hi], which a core streams at the rate a mask would cost
         return _kc.host_accumulate_measure(residual, grad, acc, lo, hi, coarse, fine, stride)
+
+    @staticmethod
+    def select_marked(x, lo, hi, thr, idx, expect=None):
+        return HostOps.select_range(x, lo, hi, thr, idx)
 
     @staticmethod
     def to_host(x):

@@ -122,7 +122,8 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
         t0 = time.perf_counter()
         thr = threshold_for(plan.threshold, plan.dtype)
         idx = self._idx_buffer(fused.hi - fused.lo)
-        fused.count = sel.count = self.ops.select_range(sel.acc, fused.lo, fused.hi, thr, idx)
+        expect = self.controller.local_count(plan, fused.local) if fused.mark is not None else None
+        fused.count = sel.count = self.ops.select_marked(sel.acc, fused.lo, fused.hi, thr, idx, expect)
         step.sec["select_range"] = time.perf_counter() - t0
         sel.words = ()
         return sel
@@ -177,6 +178,7 @@ class _FusedPass:
     def __init__(self, sp, grad, acc, lo, hi, sec):
         self.sp, self.grad, self.acc, self.lo, self.hi, self.sec = sp, grad, acc, lo, hi, sec
         self.plan, self.count, self.counts = None, 0, None
+        self.mark, self.local = None, None   # a measuring pass's mark and this rank's own words
 
     def run(self, plan):
         sp, ops = self.sp, self.sp.ops
@@ -187,8 +189,10 @@ class _FusedPass:
         if plan.measure:   # the measuring pass: acc and the owned range's histograms, no selection
             nb = plan.hist[0]
             fine = (plan.fine[1], plan.fine[2], hist[nb:]) if plan.fine else None
+            self.mark = sp.controller.mark(plan)
             bad = ops.accumulate_measure(sp.memory.residual, self.grad, self.acc, self.lo, self.hi,
-                                         (plan.hist[1], plan.hist[2], hist[:nb]), fine, plan.stride)
+                                         (plan.hist[1], plan.hist[2], hist[:nb]), fine, plan.stride, self.mark)
+            self.local = hist
             count = 0
         elif plan.hist is None:
             count, bad = ops.accumulate_select(sp.memory.residual, self.grad, self.acc, self.lo, self.hi, thr, idx)
