@@ -142,8 +142,11 @@ class CudaOps:
     def hist_range(x, lo, hi, shift, key0, hist):
         s = _scratch_here()
         nh = hist.shape[0]
-        _k.hist_range_async(x, int(lo), int(hi), shift, key0, nh, s, BACKEND.stream())
-        hist += _words(s, nh)[2:2 + nh]
+        marks = _k.hist_range_async(x, int(lo), int(hi), shift, key0, nh, s, BACKEND.stream())
+        w = _words(s, nh)[2:2 + nh]
+        if marks:   # read the marks only: bucket 0 is the rest of the range (every value is finite here)
+            w[0] = (int(hi) - int(lo)) - w[1:].sum()
+        hist += w
 
     @staticmethod
     def to_host(x):

@@ -88,3 +88,34 @@ def test_local_count_is_exact_at_fine_edges(dtype):
     plan.threshold = float(edges[5]) * 1.0001
     assert ctl.local_count(plan, words) is None
     assert ctl.mark(plan) == float(edges[1])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("where", ["above", "at", "below"])
+def test_zoom_histogram_from_marks_equals_hist_range(dtype, where):
+    """A zoom whose window starts at or above the mark histograms the marked elements only
+    (bucket 0 from the range's length); one that starts below reads the range. Either way the
+    histogram equals ``hist_range`` over the range, and the marks are still there for the select."""
+    n, lo, hi = 3000, 200, 2700
+    x = (np.random.default_rng(7).standard_normal(n) * 0.1).astype(dtype)
+    mb = 23 if dtype == np.float32 else 52
+    ity = np.int32 if dtype == np.float32 else np.int64
+    mark = dtype(np.quantile(np.abs(x[lo:hi]), 0.95))
+    shift = mb - 10
+    key_mark = int(np.array([mark], dtype).view(ity)[0]) >> shift
+    key0 = {"above": key_mark + 3, "at": key_mark, "below": key_mark - 40}[where]   # bucket 1 at key0 + 1
+    nh = 40
+    want = np.zeros(nh, np.int64)
+    kc.hist_range(x, lo, hi, shift, key0, want)
+    s = kc.new_scratch()
+    kc.accumulate_measure_async(np.zeros_like(x), x.copy(), x.copy(), lo, hi, mark, 10, 100, 4, s)
+    got = np.zeros(nh, np.int64)
+    used = kc._marks_cover(s, x, lo, hi, shift, key0)
+    assert used == (where != "below")
+    kc.hist_range(x, lo, hi, shift, key0, got, scratch=s)
+    assert np.array_equal(got, want)
+    assert s.marked is not None
+    idx = np.empty(hi - lo, np.int32)
+    kc.select_marked_async(x, lo, hi, mark, idx, s)
+    c = int(s.totals[0])
+    assert np.array_equal(idx[:c], _ref(x, lo, hi, mark)) and not s.mask.any()
