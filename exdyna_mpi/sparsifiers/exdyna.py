@@ -117,6 +117,8 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
         """The threshold from the summed histograms (the controller may zoom: owned-range reads and
         small Allreduces), then select in the owned range (an O(N/P) read)."""
         fused = sel.fused
+        if self.ops.device != "cpu":   # grad is consumed: the device zeroes the output while the host resolves
+            self.memory.output(step.out)
         plan, _ = self.controller.resolve(fused.plan, sums, fused)
         fused.plan = plan
         t0 = time.perf_counter()

@@ -43,6 +43,7 @@ class ErrorFeedback:
         self.dtype = None
         self.residual = None
         self._spare = None
+        self._out = None      # this step's zeroed output, when made early (``output``)
 
     @property
     def bound(self):
@@ -56,6 +57,7 @@ class ErrorFeedback:
     def take(self):
         """A buffer for ``acc`` (the spare, or a fresh one)."""
         acc, self._spare = self._spare, None
+        self._out = None
         return acc if acc is not None else self.ops.empty(self.numel, self.dtype)
 
     def keep(self, acc):
@@ -63,12 +65,26 @@ class ErrorFeedback:
         if acc is not None:
             self._spare = acc
 
+    def output(self, out):
+        """This step's zeroed output buffer, made now (``out`` zeroed, or a fresh one; ``commit``
+        returns it): a selector that knows the gradient is consumed may queue the zeroing where the
+        device would otherwise wait for the host (an O(N) write on the critical path otherwise)."""
+        if self._out is None:
+            self._out = self.ops.zeros(self.numel, self.dtype) if out is None else out
+            if out is not None:
+                self.ops.fill_zero(out)
+        return self._out
+
     def commit(self, acc, out):
         """After a good step: ``acc`` becomes the residual; return the zeroed output buffer
-        (``out`` when given, else a fresh one); the old residual is kept for the next ``take``."""
+        (``out`` when given, else a fresh one; the one ``output`` made, if it did); the old residual
+        is kept for the next ``take``."""
         old = self.residual
         self.residual = acc
         self._spare = old     # the next step's acc: no allocation, its pages already mapped
+        made, self._out = self._out, None
+        if made is not None:
+            return made
         if out is None:
             # a fresh zero buffer (the caller owns it): on the host its pages are zero-filled by the
             # OS when first written, so no pass over the vector here
