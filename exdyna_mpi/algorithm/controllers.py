@@ -426,7 +426,7 @@ class MeasuredController(Controller):
     ZOOM_BITS = 5                     # a zoom splits a coarse bucket into 32: the fine resolution
     WIDE_LOW, N_WIDE = -40, 64        # step 0 / out of window: one bucket per octave, 2**-40 .. 2**24
     TOL = 0.01                        # stop zooming when an edge's count is this close to k,
-    FINE_TOL = 0.03                   # or this close at the fine resolution (else a pile of equal
+    FINE_TOL = 0.05                   # or this close at the fine resolution (else a pile of equal
     DEEP_BITS = 13                    # values: zoom into the fine bucket, down to 8192 per octave)
     SAMPLE = 1 << 16                  # the coarse window counts about this many elements per rank
     MAX_STRIDE = 64                   # (every stride-th): it only locates the k-th value

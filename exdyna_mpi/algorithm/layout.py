@@ -130,25 +130,32 @@ class BlockLayout:
     #: ``rebalance_blocks`` moves boundaries only with at least this many blocks per partition
     MIN_BLOCKS_PER_PART = 8
 
-    def block_counts(self, union):
+    def block_counts(self, union, xp=np):
         """Selections per block from the step's union of element indices (the remainder of
-        ``numel`` counts in the last block, as it sits in the last partition)."""
-        b = np.asarray(union, dtype=np.int64) // self.sz_blk
-        np.minimum(b, self.n_blocks - 1, out=b)
-        return np.bincount(b, minlength=self.n_blocks)
+        ``numel`` counts in the last block, as it sits in the last partition), computed where
+        ``union`` lives (``xp``: NumPy or CuPy; a device union stays there, only the counts move)."""
+        b = union.astype(xp.int64) // self.sz_blk
+        xp.minimum(b, self.n_blocks - 1, out=b)
+        return xp.bincount(b, minlength=self.n_blocks)
 
-    def rebalance_blocks(self, union, t):
+    def moves_blocks(self):
+        """Whether ``rebalance_blocks`` moves anything (enough partitions and blocks)."""
+        return self.nparts >= 2 and self.n_blocks >= self.MIN_BLOCKS_PER_PART * self.nparts
+
+    def rebalance_blocks(self, union, t, counts=None):
         """Boundaries for step ``t`` from the exact per-block counts of step ``t - 1``.
 
         ``union``: the indices every rank selected at step ``t - 1`` (gathered anyway, identical on
-        every rank: no extra words). Where the selection sits inside a partition is known to the
+        every rank: no extra words), or ``counts``: ``block_counts(union)`` already made. Where the selection sits inside a partition is known to the
         block, so on streams whose load stays put from one step to the next (real gradients:
         layers) one cut equalises it; a short moving average (``BLOCKS_EMA_SHIFT``) damps the count
         noise of a stationary stream. Same cut and limits as ``rebalance_adaptive``.
         """
-        if self.nparts < 2 or self.n_blocks < self.MIN_BLOCKS_PER_PART * self.nparts:
+        if not self.moves_blocks():
             return   # a few blocks per partition: a cut moves whole shares of the load; keep the layout
-        self._cut(self.block_counts(union).astype(np.int64) << self.FIX, self.BLOCKS_EMA_SHIFT)
+        if counts is None:
+            counts = self.block_counts(np.asarray(union))
+        self._cut(np.asarray(counts, dtype=np.int64) << self.FIX, self.BLOCKS_EMA_SHIFT)
 
     def _cut(self, obs, ema_shift):
         """Fold ``obs`` (fixed-point load per block) into the moving estimate and cut it into P

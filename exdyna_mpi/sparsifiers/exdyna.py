@@ -146,9 +146,10 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
         bal = self.options.get("balance", False)
         if bal is True:   # True: the controller's own partner rule; the authors' for theirs
             bal = self.controller.balance_rule
-        if bal == "blocks":   # exact per-block counts of this step, from the union (before it is reused)
-            t0 = time.perf_counter()
-            self.layout.rebalance_blocks(self.ops.to_host(union), t + 1)
+        if bal == "blocks" and self.layout.moves_blocks():   # exact per-block counts of this step, from
+            t0 = time.perf_counter()                          # the union, where it lives (KBs move, not k)
+            counts_blk = self.ops.to_host(self.layout.block_counts(union, self.ops.xp))
+            self.layout.rebalance_blocks(None, t + 1, counts=counts_blk)
             step.sec["balance"] = time.perf_counter() - t0
         res = self.average_at(sel.acc, union, step.out, step.sec)
         selected = int(counts.sum())
