@@ -314,7 +314,8 @@ def main(argv=None):
         peak = copy
         from exdyna_mpi.kernels import cuda as kc
 
-        launch_us = launch_costs(cp, kc, kc.cuda.external_stream(cp.cuda.get_current_stream().ptr))
+        launch_us = (launch_costs(cp, kc, kc.cuda.external_stream(cp.cuda.get_current_stream().ptr))
+                     if hasattr(kc, "_go") else None)   # (an older exdyna_mpi on PYTHONPATH: before/after runs)
         free = cp.cuda.Device().mem_info[0]
         for n in numels:
             if 28 * n > free:  # grad, residual, acc, out, idx, the kernels' copies, the baselines' temporaries
