@@ -153,7 +153,7 @@ class _WholeVector:
 
 def local_compute(P, args):
     """Seconds of one rank's per-element work, measured here (best of 5): ExDyna's measuring pass
-    over ``numel`` with the owned range numel/P and the select in it; top-k's add + argpartition."""
+    over ``numel`` with the owned range numel/P and the select from its marks; top-k's add + argpartition."""
     n = args.numel
     rng = np.random.default_rng(0)
     r, g = rng.standard_normal(n, dtype=np.float32), rng.standard_normal(n, dtype=np.float32)
@@ -167,8 +167,8 @@ def local_compute(P, args):
         w = np.zeros(plan.n_words, np.int64)
         nb = plan.hist[0]
         HostOps.accumulate_measure(r, g, acc, 0, n // P, (plan.hist[1], plan.hist[2], w[:nb]),
-                                   (plan.fine[1], plan.fine[2], w[nb:]), plan.stride)
-        HostOps.select_range(acc, 0, n // P, np.float32(3.0), idx)
+                                   (plan.fine[1], plan.fine[2], w[nb:]), plan.stride, ctl.mark(plan))
+        HostOps.select_marked(acc, 0, n // P, np.float32(3.0), idx)
 
     def topk():
         a = r + g

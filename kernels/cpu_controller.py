@@ -245,23 +245,30 @@ def _add_max(r, g, acc, bits, sign_off):
     return mx
 
 
+_GROUP = 64  # elements per max-test group of the measuring pass's owned range
+
+
 @njit(cache=True, nogil=True)
 def accumulate_measure(residual, grad, acc, bits, lo, hi, sign_off, shift, key0, hist, stride, shift_f, key0_f,
-                       hist_f, low_f, scratch):
+                       hist_f, low_f, scratch, marks):
     """The measuring pass: ``acc = residual + grad`` everywhere, and over the owned range ``[lo, hi)``
     the histograms of ``|acc|`` that ``accumulate_select_hist`` (``predict=False``) makes: ``hist``
     counts every ``stride``-th element (global index), ``hist_f`` every element (bucket 0: all below
     its first edge, bit pattern ``low_f``; an empty ``hist_f``: none). Returns the largest
-    ``|acc|`` bit pattern: non-finite values exist iff it reaches the exponent mask.
+    ``|acc|`` bit pattern (non-finite values exist iff it reaches the exponent mask) and the number
+    of elements at or above ``low_f``, whose indices go to ``marks`` in ascending order when it is
+    not empty (capacity ``hi - lo``: the select and the zooms that follow read only those).
 
-    Per chunk: the add and the max vectorise; the few values at or above ``low_f`` are compacted
-    (a compare that rarely fires) into ``scratch`` and only they touch the fine histogram; the
-    coarse one reads one element in ``stride``.
+    Per chunk: the add vectorises; then per group of 64 elements a vectorised max, and only a
+    group whose max reaches ``low_f`` (the largest 1e-3..1e-2 of the values: a few groups in ten)
+    is scanned; those few values touch the fine histogram; the coarse one reads one element in
+    ``stride``. Non-finite values lie above ``low_f``, so the group maxima give ``mx`` too.
     """
     mx = _add_max(residual[:lo], grad[:lo], acc[:lo], bits[:lo], sign_off)
     m2 = _add_max(residual[hi:], grad[hi:], acc[hi:], bits[hi:], sign_off)
     mx = m2 if m2 > mx else mx
     top_f = hist_f.shape[0] - 1
+    keep = marks.shape[0] > 0
     n_f = 0
     for s0 in range(lo, hi, _CHUNK):
         e0 = min(s0 + _CHUNK, hi)
@@ -272,23 +279,56 @@ def accumulate_measure(residual, grad, acc, bits, lo, hi, sign_off, shift, key0,
         bs = bits[s0:e0]
         for i in range(m):
             a[i] = rs[i] + gs[i]
-        for i in range(m):
-            b = bs[i] & sign_off
-            mx = b if b > mx else mx
         if top_f >= 0:
             c = 0
-            for i in range(m):
-                if (bs[i] & sign_off) >= low_f:    # on the bits: NaN goes to the top, as on CUDA
-                    scratch[c] = i
-                    c += 1
+            for g0 in range(0, m, _GROUP):
+                bg = bs[g0:min(g0 + _GROUP, m)]
+                gm = 0
+                for i in range(bg.shape[0]):
+                    b = bg[i] & sign_off
+                    gm = b if b > gm else gm
+                mx = gm if gm > mx else mx
+                if gm >= low_f:
+                    for i in range(bg.shape[0]):
+                        if (bg[i] & sign_off) >= low_f:    # on the bits: NaN goes to the top, as on CUDA
+                            scratch[c] = g0 + i
+                            c += 1
             for q in range(c):
                 j = ((bs[scratch[q]] & sign_off) >> shift_f) - key0_f
                 hist_f[j if j < top_f else top_f] += 1
+            if keep:
+                for q in range(c):
+                    marks[n_f + q] = s0 + scratch[q]
             n_f += c
+        else:
+            for i in range(m):
+                b = bs[i] & sign_off
+                mx = b if b > mx else mx
         _hist_every(bs, (stride - s0 % stride) % stride, m, stride, sign_off, shift, key0, hist)
     if top_f >= 0:
         hist_f[0] += (hi - lo) - n_f
-    return mx
+    return mx, n_f
+
+
+@njit(cache=True, nogil=True)
+def select_marks(x, marks, thr, idx):
+    """``idx[:count] = marks[|x[marks]| >= thr]`` in order (``idx`` may be ``marks`` itself)."""
+    c = 0
+    for q in range(marks.shape[0]):
+        i = marks[q]
+        if abs(x[i]) >= thr:
+            idx[c] = i
+            c += 1
+    return c
+
+
+@njit(cache=True, nogil=True)
+def hist_marks(bits, marks, sign_off, shift, key0, hist):
+    """``hist += histogram(|x[marks]|)`` (``bits``: x viewed as integers)."""
+    top = hist.shape[0] - 1
+    for q in range(marks.shape[0]):
+        j = ((bits[marks[q]] & sign_off) >> shift) - key0
+        hist[0 if j < 0 else (j if j < top else top)] += 1
 
 
 @njit(cache=True, nogil=True)
@@ -300,9 +340,11 @@ def count_nonfinite(x):
     return bad
 
 
-def host_accumulate_measure(residual, grad, acc, lo, hi, coarse, fine, stride):
+def host_accumulate_measure(residual, grad, acc, lo, hi, coarse, fine, stride, marks=None):
     """HostOps wrapper: fills the host histograms ``coarse = (shift, key0, hist)`` and ``fine`` (or
-    None); returns the number of non-finite values of ``acc``."""
+    None); returns ``(nonfinite, n_marks)``: the number of non-finite values of ``acc`` and of
+    elements of ``[lo, hi)`` at or above the fine window's bucket-1 edge, whose indices go to
+    ``marks[:n_marks]`` when given (capacity ``hi - lo``)."""
     bits, sign_off = int_view(acc)
     ity = bits.dtype.type
     shift, key0, hist = coarse
@@ -312,7 +354,9 @@ def host_accumulate_measure(residual, grad, acc, lo, hi, coarse, fine, stride):
     else:
         shift_f, key0_f, hist_f, low_f = 0, 0, np.zeros(0, np.int64), sign_off
     scratch = np.empty(_CHUNK, np.int32)
-    mx = accumulate_measure(residual, grad, acc, bits, lo, hi, sign_off, ity(shift), ity(key0), hist, int(stride),
-                            ity(shift_f), ity(key0_f), hist_f, low_f, scratch)
+    if marks is None or fine is None:
+        marks = np.empty(0, np.int64)
+    mx, n_f = accumulate_measure(residual, grad, acc, bits, lo, hi, sign_off, ity(shift), ity(key0), hist,
+                                 int(stride), ity(shift_f), ity(key0_f), hist_f, low_f, scratch, marks)
     exp_mask = 0x7F800000 if acc.dtype == np.float32 else 0x7FF0000000000000
-    return int(count_nonfinite(acc)) if int(mx) >= exp_mask else 0
+    return (int(count_nonfinite(acc)) if int(mx) >= exp_mask else 0), int(n_f)

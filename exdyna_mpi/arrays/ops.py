@@ -6,12 +6,31 @@ One protocol, two implementations: ``HostOps`` runs the ``@njit`` kernels (``ker
 kernel directly, so one sparsifier body serves both devices. tests/unit/test_layers.py checks that
 both implement every method of ``Ops`` with the same signature.
 """
+import threading
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from ..kernels import cpu as _k
 from ..kernels import cpu_controller as _kc
+
+
+_marks = threading.local()   # per thread: the last measuring pass's (acc, lo, hi, mark, indices)
+
+
+def _marks_buffer(m):
+    buf = getattr(_marks, "buf", None)
+    if buf is None or buf.shape[0] < m:
+        buf = _marks.buf = np.empty(max(m, 1), np.int64)   # pages are touched only where marks land
+    return buf
+
+
+def _marks_for(x, lo, hi):
+    """``(mark, indices)`` of the measuring pass over ``x[lo:hi]`` on this thread, else None."""
+    now = getattr(_marks, "now", None)
+    if now is None or now[0] is not x or now[1] != lo or now[2] != hi:
+        return None
+    return now[3], now[4]
 
 
 @runtime_checkable
@@ -136,16 +155,35 @@ class HostOps:
 
     @staticmethod
     def hist_range(x, lo, hi, shift, key0, hist):
+        marks = _marks_for(x, lo, hi)
+        if marks is not None:   # a zoom at or above the mark: every element it bins is marked
+            bits, sign_off = _kc.int_view(x)
+            if (int(key0) + 1) << int(shift) >= int(np.array([marks[0]], x.dtype).view(bits.dtype)[0]):
+                part = np.zeros(hist.shape[0], np.int64)
+                _kc.hist_marks(bits, marks[1], sign_off, bits.dtype.type(shift), bits.dtype.type(key0), part)
+                part[0] = (hi - lo) - part[1:].sum()   # every value is finite when the controller zooms
+                hist += part
+                return
         _kc.host_hist_range(x, lo, hi, shift, key0, hist)
 
     @staticmethod
     def accumulate_measure(residual, grad, acc, lo, hi, coarse, fine, stride, mark=None):
-        # one fused kernel on the host (kernels/cpu_controller.py: accumulate_measure); no marks:
-        # the select that follows reads acc[lo:hi], which a core streams at the rate a mask would cost
-        return _kc.host_accumulate_measure(residual, grad, acc, lo, hi, coarse, fine, stride)
+        # one fused kernel (kernels/cpu_controller.py: accumulate_measure); it finds the elements at
+        # or above the fine window's first edge anyway: with ``mark`` (that edge) their indices are kept
+        _marks.now = None
+        keep = mark is not None and fine is not None
+        buf = _marks_buffer(hi - lo) if keep else None
+        bad, n = _kc.host_accumulate_measure(residual, grad, acc, lo, hi, coarse, fine, stride, buf)
+        if keep:
+            _marks.now = (acc, int(lo), int(hi), mark, buf[:n])
+        return bad
 
     @staticmethod
     def select_marked(x, lo, hi, thr, idx, expect=None):
+        marks = _marks_for(x, lo, hi)
+        _marks.now = None
+        if marks is not None and thr >= marks[0]:
+            return int(_kc.select_marks(x, marks[1], thr, idx))   # O(marks), not O(hi - lo)
         return HostOps.select_range(x, lo, hi, thr, idx)
 
     @staticmethod
