@@ -19,8 +19,9 @@ setup(
         # Pinned to one CUDA release: the budgets in jobs/gpu_budgets.json are counts of this compiler's SASS.
         "test": ["pytest>=8", "pytest-mpi>=0.6", "numba-cuda>=0.20", "nvidia-nvvm==13.5.*",
                  "nvidia-cuda-nvcc==13.5.*", "nvidia-cuda-nvdisasm==13.5.*"],
-        # [cu12] brings NVVM/NVRTC as wheels, so no CUDA toolkit is needed on the node.
-        "cuda": ["numba-cuda[cu12]>=0.20", "cupy-cuda12x>=13"],
+        # [cu12] brings NVVM/NVRTC as wheels, so no CUDA toolkit is needed on the node. numpy<2.5:
+        # numba-cuda 0.30.4 does not import beside numpy 2.5 (np.row_stack; seen on an H100 image).
+        "cuda": ["numba-cuda[cu12]>=0.20", "cupy-cuda12x>=13", "numpy<2.5"],
         "jobs": ["tqdm", "matplotlib", "scikit-learn"],
     },
 )
