@@ -458,13 +458,13 @@ def _make_hist_kernels(bits, sign_off):
         return v + nbv
 
     @cuda.jit(device=True)
-    def _visit(v, i, lo, thr, mask, f0, f1, g, n, predict, sh, shift, key0, nh, shift_f, key0_f, nf, rem, cnt,
-               bad, low, low_f):
-        """One element of the pass, after ``acc[i] = v``: non-finite, selection (and its mark), the
-        histograms where i is in [f0, f1) (the coarse one when ``rem == 0``)."""
+    def _visit(v, i, selecting, lo, thr, mask, f0, f1, g, n, predict, sh, shift, key0, nh, shift_f, key0_f, nf,
+               rem, cnt, bad, low, low_f):
+        """One element of the pass, after ``acc[i] = v``: non-finite, selection (and its mark) when
+        ``selecting``, the histograms where i is in [f0, f1) (the coarse one when ``rem == 0``)."""
         if v - v != 0:  # inf and NaN give NaN; the CPU kernel uses the same test
             bad += 1
-        sel = abs(v) >= thr
+        sel = selecting and abs(v) >= thr
         if sel:
             cnt += 1
             _mark(mask, i, lo)
@@ -474,102 +474,66 @@ def _make_hist_kernels(bits, sign_off):
         return cnt, bad, low, low_f
 
     @cuda.jit(device=True)
-    def _visit_rest(v, i, flo, fhi, g, n, predict, sh, shift, key0, nh, shift_f, key0_f, nf, rem, bad, low, low_f):
-        """``_visit`` outside the selection range: nothing is selected there."""
-        if v - v != 0:
-            bad += 1
-        if flo <= i and i < fhi:
-            low, low_f = _put(_forecast(v, False, i, g, n, predict), sh, shift, key0, nh, shift_f, key0_f, nf,
-                              low, low_f, rem == 0)
-        return bad, low, low_f
-
-    @cuda.jit(device=True)
-    def _rest(a, z, r, g, acc, n, flo, fhi, predict, sh, shift, key0, nh, shift_f, key0_f, nf, cstride, bad, low,
-              low_f):
-        """acc = r + g over [a, z) (nothing selected there), grid-stride, with the forecast histograms.
+    def _span(i, z, step_i, selecting, r, g, acc, n, lo, thr, mask, f0, f1, predict, sh, shift, key0, nh, shift_f,
+              key0_f, nf, cstride, cnt, bad, low, low_f):
+        """``acc = r + g`` for i, i + step_i, ... below z, each element ``_visit``ed.
 
         ``rem`` counts ``i % cstride`` down without a division per element. Two elements per trip,
         both loads issued before either is used: one element in flight per thread left the pass at
         half the copy bandwidth on an H100 (occupancy is register-bound)."""
-        stride = cuda.gridDim.x * cuda.blockDim.x
-        i = a + cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
         rem = i % cstride
-        step = stride % cstride
-        while i + stride < z:
-            i2 = i + stride
+        step = step_i % cstride
+        while i + step_i < z:
+            i2 = i + step_i
             v = r[i] + g[i]
             v2 = r[i2] + g[i2]
             acc[i] = v
             acc[i2] = v2
-            bad, low, low_f = _visit_rest(v, i, flo, fhi, g, n, predict, sh, shift, key0, nh, shift_f, key0_f, nf,
-                                          rem, bad, low, low_f)
+            cnt, bad, low, low_f = _visit(v, i, selecting, lo, thr, mask, f0, f1, g, n, predict, sh, shift, key0, nh,
+                                          shift_f, key0_f, nf, rem, cnt, bad, low, low_f)
             rem += step
             if rem >= cstride:
                 rem -= cstride
-            bad, low, low_f = _visit_rest(v2, i2, flo, fhi, g, n, predict, sh, shift, key0, nh, shift_f, key0_f, nf,
-                                          rem, bad, low, low_f)
+            cnt, bad, low, low_f = _visit(v2, i2, selecting, lo, thr, mask, f0, f1, g, n, predict, sh, shift, key0,
+                                          nh, shift_f, key0_f, nf, rem, cnt, bad, low, low_f)
             rem += step
             if rem >= cstride:
                 rem -= cstride
-            i += 2 * stride
+            i += 2 * step_i
         if i < z:
             v = r[i] + g[i]
             acc[i] = v
-            bad, low, low_f = _visit_rest(v, i, flo, fhi, g, n, predict, sh, shift, key0, nh, shift_f, key0_f, nf,
-                                          rem, bad, low, low_f)
-        return bad, low, low_f
+            cnt, bad, low, low_f = _visit(v, i, selecting, lo, thr, mask, f0, f1, g, n, predict, sh, shift, key0, nh,
+                                          shift_f, key0_f, nf, rem, cnt, bad, low, low_f)
+        return cnt, bad, low, low_f
 
     @cuda.jit
     def acc_count_hist(r, g, acc, lo, hi, thr, cs, block_counts, block_bad, mask, flo, fhi, predict, shift, key0,
                        nh, shift_f, key0_f, nf, hist, cstride):
         """``_acc_count`` plus ``hist[:nh + nf] +=`` the histograms over [flo, fhi) (zeroed before).
 
-        The coarse sample is ``i % cstride == 0``, counted down per thread (no division per element);
-        the rest of the vector is two plain grid-stride ranges, [0, lo) and [hi, n) (every count is
-        an integer sum, so how elements are spread over threads changes no bit)."""
+        The block's chunk of the selection range first (threads step by blockDim: coalesced), then
+        the rest of the vector as two plain grid-stride ranges, [0, lo) and [hi, n), selecting
+        nothing (every count is an integer sum, so how elements are spread over threads changes no
+        bit). The coarse sample is ``i % cstride == 0``."""
         sh = cuda.shared.array(HIST_MAX, np.int32)
         _zero_shared_hist(sh, nh + nf)
         t = cuda.threadIdx.x
         b = cuda.blockIdx.x
         bd = cuda.blockDim.x
         n = acc.shape[0]
-        cnt = 0
-        bad = 0
-        low = 0
-        low_f = 0
         e = min(lo + (b + 1) * cs, hi)
-        i = lo + b * cs + t
-        rem = i % cstride
-        step = bd % cstride
         # the forecast window inside this chunk: [f0, f1)
         f0 = max(flo, lo + b * cs)
         f1 = min(fhi, e)
-        while i + bd < e:  # this block's chunk of the selection range, two elements per trip (see _rest)
-            i2 = i + bd
-            v = r[i] + g[i]
-            v2 = r[i2] + g[i2]
-            acc[i] = v
-            acc[i2] = v2
-            cnt, bad, low, low_f = _visit(v, i, lo, thr, mask, f0, f1, g, n, predict, sh, shift, key0, nh, shift_f,
-                                          key0_f, nf, rem, cnt, bad, low, low_f)
-            rem += step
-            if rem >= cstride:
-                rem -= cstride
-            cnt, bad, low, low_f = _visit(v2, i2, lo, thr, mask, f0, f1, g, n, predict, sh, shift, key0, nh,
-                                          shift_f, key0_f, nf, rem, cnt, bad, low, low_f)
-            rem += step
-            if rem >= cstride:
-                rem -= cstride
-            i += 2 * bd
-        if i < e:
-            v = r[i] + g[i]
-            acc[i] = v
-            cnt, bad, low, low_f = _visit(v, i, lo, thr, mask, f0, f1, g, n, predict, sh, shift, key0, nh, shift_f,
-                                          key0_f, nf, rem, cnt, bad, low, low_f)
-        bad, low, low_f = _rest(0, lo, r, g, acc, n, flo, fhi, predict, sh, shift, key0, nh, shift_f, key0_f, nf,
-                                cstride, bad, low, low_f)
-        bad, low, low_f = _rest(hi, n, r, g, acc, n, flo, fhi, predict, sh, shift, key0, nh, shift_f, key0_f, nf,
-                                cstride, bad, low, low_f)
+        cnt, bad, low, low_f = _span(lo + b * cs + t, e, bd, True, r, g, acc, n, lo, thr, mask, f0, f1, predict, sh,
+                                     shift, key0, nh, shift_f, key0_f, nf, cstride, 0, 0, 0, 0)
+        stride = cuda.gridDim.x * bd
+        first = b * bd + t
+        _, bad, low, low_f = _span(first, lo, stride, False, r, g, acc, n, lo, thr, mask, flo, fhi, predict, sh,
+                                   shift, key0, nh, shift_f, key0_f, nf, cstride, 0, bad, low, low_f)
+        _, bad, low, low_f = _span(hi + first, n, stride, False, r, g, acc, n, lo, thr, mask, flo, fhi, predict, sh,
+                                   shift, key0, nh, shift_f, key0_f, nf, cstride, 0, bad, low, low_f)
         _flush_hist(sh, nh, nf, low, low_f, hist)
         _block_total2(cnt, bad, block_counts, block_bad)
 
@@ -1045,20 +1009,26 @@ def accumulate_select_hist_async(residual, grad, acc, lo, hi, thr, idx, shift, k
     Four launches: zero the histogram words, count + histograms, scan, compaction; the histograms
     cost no extra pass over memory (see docs/gpu.md).
     """
-    n = acc.shape[0]
+    flo, fhi = forecast if forecast is not None else (lo, hi)
+    nb, cs, mask = _hist_pass(residual, grad, acc, lo, hi, thr, shift, key0, nh, scratch, stream, predict, fine,
+                              flo, fhi, stride)
+    _scan_compact(scratch, nb, lo, hi, cs, mask, idx, stream, variant)
+
+
+def _hist_pass(residual, grad, acc, lo, hi, thr, shift, key0, nh, scratch, stream, predict, fine, flo, fhi, stride):
+    """Zero the histogram words and launch ``_acc_count_hist*``; returns (blocks, chunk, mask)."""
     m = hi - lo
     shift_f, key0_f, nf = fine
-    flo, fhi = forecast if forecast is not None else (lo, hi)
     kcount, _ = _hist_kernels(acc.dtype)
     hw = _hist_words(scratch, nh + nf)
-    nb, bd = _shape(n)
+    nb, bd = _shape(acc.shape[0])
     cs = _chunk(m, nb, bd)
     mask = scratch.mask_for(m)
     _go(_zero_words, 1, max(1, min(BLOCK, _round32(nh + nf))), stream, hw, nh + nf)
     _go(kcount, nb, bd, stream, residual, grad, acc, lo, hi, thr, cs, scratch.block_counts, scratch.block_bad, mask,
         int(flo), int(fhi), bool(predict), int(shift), int(key0), int(nh), int(shift_f), int(key0_f), int(nf), hw,
         int(stride))
-    _scan_compact(scratch, nb, lo, hi, cs, mask, idx, stream, variant)
+    return nb, cs, mask
 
 
 def accumulate_measure_async(residual, grad, acc, lo, hi, mark, shift, key0, nh, scratch, stream=0,
@@ -1068,21 +1038,11 @@ def accumulate_measure_async(residual, grad, acc, lo, hi, mark, shift, key0, nh,
     hit mask on every element with ``|acc| >= mark`` (``mark`` NaN: none), kept for
     ``select_marked_async``. ``scratch.totals_hist`` holds ``[marked, nonfinite, hist...]`` when it
     completes. Three launches: zero the words, the pass, the scan (for the totals)."""
-    n = acc.shape[0]
-    m = hi - lo
-    shift_f, key0_f, nf = fine
-    kcount, _ = _hist_kernels(acc.dtype)
-    hw = _hist_words(scratch, nh + nf)
-    nb, bd = _shape(n)
-    cs = _chunk(m, nb, bd)
-    mask = scratch.mask_for(m)
-    _go(_zero_words, 1, max(1, min(BLOCK, _round32(nh + nf))), stream, hw, nh + nf)
-    _go(kcount, nb, bd, stream, residual, grad, acc, lo, hi, mark, cs, scratch.block_counts, scratch.block_bad, mask,
-        int(lo), int(hi), False, int(shift), int(key0), int(nh), int(shift_f), int(key0_f), int(nf), hw,
-        int(stride))
+    nb, _, _ = _hist_pass(residual, grad, acc, lo, hi, mark, shift, key0, nh, scratch, stream, False, fine, lo, hi,
+                          stride)
     _go(_scan, 1, min(SCAN_THREADS, _round32(nb)), stream, scratch.block_counts, scratch.block_bad, nb,
         scratch.offsets, scratch.totals)
-    if mark == mark and m > 0:
+    if mark == mark and hi > lo:
         scratch.marked = (lo, hi, mark, stream)
 
 
