@@ -405,7 +405,8 @@ class MeasuredController(Controller):
 
     Buckets (exact integer logic on the IEEE bits, kernels/cpu_controller.py): the pass fills a
     coarse window (``N_COARSE`` buckets, 8 per octave, counting every ``stride``-th element) and a
-    fine one (``N_FINE``, 256 per octave, every element) both centred on the previous threshold. If the k-th largest ``|acc|`` lies inside the fine
+    fine one (``n_fine``: 64 buckets at 256 per octave, up to 256 at 1024 per octave where k is
+    large, every element) both centred on the previous threshold. If the k-th largest ``|acc|`` lies inside the fine
     window the threshold is picked there (no extra work). Otherwise ``resolve`` zooms: the coarse
     bucket that holds it (and its neighbours: the coarse counts are a sample) is re-histogrammed
     over the owned range only (``2**ZOOM_BITS`` sub-buckets each, an O(N/P) read and one more
@@ -422,7 +423,8 @@ class MeasuredController(Controller):
     name = "measured"
     balance_rule = "blocks"
     N_COARSE, COARSE_BITS = 64, 3     # 8 octaves around the previous threshold
-    N_FINE, FINE_BITS = 64, 8         # +-8.8 % around it, 0.27 % per bucket
+    N_FINE, FINE_BITS = 64, 8         # +-8.8 % around it, 0.27 % per bucket (at least; see __init__)
+    FINE_MORE = 2                     # up to 4x as many fine buckets, as fine, where k is large
     ZOOM_BITS = 5                     # a zoom splits a coarse bucket into 32: the fine resolution
     WIDE_LOW, N_WIDE = -40, 64        # step 0 / out of window: one bucket per octave, 2**-40 .. 2**24
     TOL = 0.01                        # stop zooming when an edge's count is this close to k,
@@ -441,6 +443,14 @@ class MeasuredController(Controller):
         while stride < self.MAX_STRIDE and numel // (nranks * stride * 2) >= self.SAMPLE:
             stride *= 2
         self.stride = stride      # the same on every rank: numel and P are
+        # A finer fine window (same +-8.8 % span) while its words stay under half of k: at d = 0.001 a
+        # 0.27 % bucket moves the count by 3-5 %, so on correlated streams half the steps needed a
+        # zoom (another read and small Allreduce) to land within FINE_TOL; 0.07 % buckets rarely do.
+        # At small k (where the words are most of the bytes) it stays at 64.
+        more = 0
+        while more < self.FINE_MORE and (self.N_FINE << (more + 1)) <= self.k // 2:
+            more += 1
+        self.n_fine, self.fine_bits = self.N_FINE << more, self.FINE_BITS + more
         self.expected = None      # the total count the last threshold selects (exact, from the sums)
         self.zooms = 0            # extra owned-range passes of the last step (a diagnostic)
         self.zoom_words = []      # and the words each of them summed
@@ -458,9 +468,9 @@ class MeasuredController(Controller):
     def window_specs(self, dtype):
         """The coarse and fine windows of the fused pass, centred on the previous threshold."""
         mb = self._mantissa_bits(dtype)
-        cs, fs = mb - self.COARSE_BITS, mb - self.FINE_BITS
+        cs, fs = mb - self.COARSE_BITS, mb - self.fine_bits
         coarse = (self.N_COARSE, cs, self._key(self.threshold, dtype, cs) - self.N_COARSE // 2)
-        fine = (self.N_FINE, fs, self._key(self.threshold, dtype, fs) - self.N_FINE // 2)
+        fine = (self.n_fine, fs, self._key(self.threshold, dtype, fs) - self.n_fine // 2)
         return coarse, fine
 
     # ------------------------------------------------------------------ the protocol

@@ -79,7 +79,7 @@ def test_summed_words_do_not_grow_with_p(wcomm):
         sp.step(st.next())
     c = sp.stats.counts
     words = 3 + sp.sum_size(_Step(sp))          # 3 error / dtype flags, then the histograms
-    assert words == 3 + sp.controller.N_COARSE + sp.controller.N_FINE
+    assert words == 3 + sp.controller.N_COARSE + sp.controller.n_fine
     total = int(c.sum())
     reduce = sum(2 * (p - 1) * w * 4 // p for w in [words] + sp.controller.zoom_words)
     want = (total - int(c[(rank + 1) % p])) * 4 + 2 * (p - 1) * total * 4 // p + reduce + (p - 1) * 8
