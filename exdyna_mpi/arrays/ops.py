@@ -7,6 +7,7 @@ kernel directly, so one sparsifier body serves both devices. tests/unit/test_lay
 both implement every method of ``Ops`` with the same signature.
 """
 import threading
+import weakref
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -28,7 +29,7 @@ def _marks_buffer(m):
 def _marks_for(x, lo, hi):
     """``(mark, indices)`` of the measuring pass over ``x[lo:hi]`` on this thread, else None."""
     now = getattr(_marks, "now", None)
-    if now is None or now[0] is not x or now[1] != lo or now[2] != hi:
+    if now is None or now[0]() is not x or now[1] != lo or now[2] != hi:
         return None
     return now[3], now[4]
 
@@ -174,8 +175,10 @@ class HostOps:
         keep = mark is not None and fine is not None
         buf = _marks_buffer(hi - lo) if keep else None
         bad, n = _kc.host_accumulate_measure(residual, grad, acc, lo, hi, coarse, fine, stride, buf)
-        if keep:
-            _marks.now = (acc, int(lo), int(hi), mark, buf[:n])
+        if keep:   # the marks hold every value at or above the window's edge: a lower mark cannot be kept
+            bits, _ = _kc.int_view(acc)
+            edge = float(np.array([(int(fine[1]) + 1) << int(fine[0])], bits.dtype).view(acc.dtype)[0])
+            _marks.now = (weakref.ref(acc), int(lo), int(hi), max(float(mark), edge), buf[:n])
         return bad
 
     @staticmethod

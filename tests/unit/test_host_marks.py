@@ -84,3 +84,24 @@ def test_marks_of_another_buffer_or_range_are_not_used():
     assert HostOps.select_marked(acc, 100, 5000, thr, got) == c and np.array_equal(got[:c], want[:c])
     acc, ctl, plan, _, _ = _measure(x, 0, n, np.float32, 0.25, mark=False)
     assert ops_mod._marks_for(acc, 0, n) is None
+
+
+def test_a_mark_below_the_window_edge_is_raised_to_it():
+    """The pass marks from the fine window's first edge up: a caller's lower mark cannot be
+    honoured, so the kept mark is the edge and a select below it reads the range."""
+    n = 8000
+    x = _values(n, np.float32, 4)
+    ctl = MeasuredController(n, 0.01)
+    ctl.threshold, ctl.seen = 0.25, True
+    plan = ctl.plan(1, np.float32)
+    nb = plan.hist[0]
+    w = np.zeros(plan.n_words, np.int64)
+    acc = np.empty_like(x)
+    edge = ctl.mark(plan)
+    HostOps.accumulate_measure(np.zeros_like(x), x, acc, 0, n, (plan.hist[1], plan.hist[2], w[:nb]),
+                               (plan.fine[1], plan.fine[2], w[nb:]), plan.stride, edge / 2)
+    assert ops_mod._marks_for(acc, 0, n)[0] == edge
+    thr = np.float32(edge * 0.75)
+    want, got = np.empty(n, np.int32), np.empty(n, np.int32)
+    c = HostOps.select_range(acc, 0, n, thr, want)
+    assert HostOps.select_marked(acc, 0, n, thr, got) == c and np.array_equal(got[:c], want[:c])
