@@ -818,24 +818,24 @@ def _go(kernel, nb, bd, stream, *args):
     """``kernel[nb, bd, stream](*args)``: arrays as the caller holds them (CuPy, Numba, or NumPy
     under the simulator). The first call of a kind goes through Numba (it compiles); later ones
     take ``_FastLaunch``."""
-    if SIMULATOR or not _FAST or not stream:
-        _launch(kernel, nb, bd, stream)(*[_dev(a) if hasattr(a, "shape") else a for a in args])
-        return
-    key = (id(kernel), nb, bd, id(stream)) + tuple(_kind(a) for a in args)
-    f = _fast.get(key)
-    if f is None:
-        _launch(kernel, nb, bd, stream)(*[_dev(a) if hasattr(a, "shape") else a for a in args])
+    fast = _FAST and bool(stream) and not SIMULATOR
+    f = None
+    if fast:
+        key = (id(kernel), nb, bd, id(stream)) + tuple(_kind(a) for a in args)
+        f = _fast.get(key)
+        if f and f(args):
+            return
+    dev = [_dev(a) if hasattr(a, "shape") else a for a in args]
+    _launch(kernel, nb, bd, stream)(*dev)
+    if fast and f is None:   # the first launch of its kind compiled the overload: fast from the next one
         try:
-            f = _FastLaunch(kernel, [_dev(a) if hasattr(a, "shape") else a for a in args], nb, bd, stream)
+            f = _FastLaunch(kernel, dev, nb, bd, stream)
         except Exception as e:  # pragma: no cover - a numba-cuda whose internals moved
             warnings.warn(f"exdyna_mpi: Numba's launch path for {kernel.__name__}: {e!r}", RuntimeWarning)
             f = False
         if len(_fast) > 4096:
             _fast.clear()
         _fast[key] = f
-        return
-    if f is False or not f(args):
-        _launch(kernel, nb, bd, stream)(*[_dev(a) if hasattr(a, "shape") else a for a in args])
 
 
 def _shape(n_work, block=None):
