@@ -4,6 +4,7 @@ Runs the real ExDyna, every rank its own gradient of the stream, for each stream
   measured    the default: measures this step's |acc| (histograms summed with one Allreduce)
   histogram   the previous default: forecasts next step's accumulator (kept for comparison)
   faithful    the authors' rule (x1.005 / x1.00125 / x0.995 from 1/(2 sqrt k))
+  quota       measured with ``max_imbalance=0.05`` (per-rank quotas after the count exchange)
 each with ``balance=True`` (the controller's own rebalancing rule). Columns, after step 20: the
 share of steps with selected / k within +-10 %, the mean, min and max of selected / k, the median
 imbalance (max count x P / total - 1). Recorded streams run at the density that gives k >= --min-k
@@ -22,13 +23,15 @@ import exdyna_mpi
 import streams as corpus
 from common import parser, world
 
-CONTROLLERS = ("measured", "histogram", "faithful")
+CONTROLLERS = ("measured", "quota", "histogram", "faithful")
+#: a row name -> ExDyna options
+OPTIONS = {"quota": {"controller": "measured", "max_imbalance": 0.05}}
 
 
 def run(stream, ctl, numel, density, steps, comm, seed):
     st = corpus.open_stream(stream, numel, comm.Get_rank(), comm.Get_size(), seed)
     numel = getattr(st, "numel", numel)
-    sp = exdyna_mpi.ExDyna(numel, density, comm, controller=ctl)
+    sp = exdyna_mpi.ExDyna(numel, density, comm, **OPTIONS.get(ctl, {"controller": ctl}))
     k = max(1, int(density * numel))
     ratio, imb, empty = [], [], 0
     for _ in range(steps):

@@ -567,6 +567,27 @@ class MeasuredController(Controller):
         nb = plan.hist[0]
         return int(np.asarray(words[nb + 1 + int(j[0]):nb + n], dtype=np.int64).sum())
 
+    def edges_below(self, plan, words, need):
+        """Thresholds under ``plan.threshold``, highest first, at which this rank's own words of the
+        measuring pass put at least ``need`` elements of its owned range: ``[(edge, count), ...]``,
+        ``count`` exact from the fine window, None where only the sampled coarse window says so; the
+        last is 0.0 (every element). What a rank given a larger quota selects at (``quota.quotas``)."""
+        w = np.asarray(words, dtype=np.int64)
+        nb = plan.hist[0]
+        if plan.fine is not None:
+            n, shift, key0 = plan.fine
+            edges = self._edges(plan.dtype, shift, key0, n)
+            above = np.cumsum(w[nb:nb + n][::-1])[::-1]
+            ok = np.flatnonzero((edges[1:n] < plan.threshold) & (above[1:n] >= need))
+            if ok.size:
+                j = int(ok[-1]) + 1
+                return [(float(edges[j]), int(above[j]))]
+        n, shift, key0 = plan.hist
+        edges = self._edges(plan.dtype, shift, key0, n)
+        above = np.cumsum(w[:n][::-1])[::-1] * plan.stride
+        ok = np.flatnonzero((edges[1:n] < plan.threshold) & (above[1:n] >= need))[::-1] + 1
+        return [(float(edges[j]), None) for j in ok] + [(0.0, None)]
+
     def _zoom(self, fused, spec):
         """One more read of the owned range and one more small Allreduce: ``spec``'s summed histogram."""
         self.zooms += 1

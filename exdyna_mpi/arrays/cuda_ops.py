@@ -131,12 +131,17 @@ class CudaOps:
         return int(w[1])
 
     @staticmethod
-    def select_marked(x, lo, hi, thr, idx, expect=None):
+    def select_marked(x, lo, hi, thr, idx, expect=None, keep=False):
         # the marks of the measuring pass over [lo, hi) hold every hit when thr >= mark: read the
-        # mask, not x; ``expect`` (the count the caller knows exactly) spares the host a wait
+        # mask, not x; ``expect`` (the count the caller knows exactly) spares the host a wait. The
+        # select consumes the marks whatever ``keep`` says: a second one is a full select_range
         s = _scratch_here()
         _k.select_marked_async(x, int(lo), int(hi), thr, idx, s, BACKEND.stream())
         return int(expect) if expect is not None else _totals(s)[0]
+
+    @staticmethod
+    def release_marks():
+        pass   # the select consumed them; Scratch clears unused marks before the next selection
 
     @staticmethod
     def hist_range(x, lo, hi, shift, key0, hist):

@@ -86,10 +86,15 @@ class Ops(Protocol):
         number of non-finite values of ``acc``. The measured controller's pass. ``mark``: the backend
         may remember where ``|acc| >= mark`` for the ``select_marked`` that follows."""
 
-    def select_marked(self, x, lo, hi, thr, idx, expect=None):
+    def select_marked(self, x, lo, hi, thr, idx, expect=None, keep=False):
         """``select_range`` right after ``accumulate_measure`` over the same range (the same result;
         a backend that kept the marks reads only those when ``thr >= mark``). ``expect``: the count,
-        when the caller knows it exactly (a backend may return it without reading its own)."""
+        when the caller knows it exactly (a backend may return it without reading its own).
+        ``keep``: a backend may keep the marks for one more ``select_marked`` (at a lower threshold)
+        until ``release_marks``."""
+
+    def release_marks(self):
+        """Forget the marks of the last measuring pass on this thread."""
 
     def to_host(self, x):
         """A host (NumPy) view or copy of ``x``."""
@@ -182,12 +187,17 @@ class HostOps:
         return bad
 
     @staticmethod
-    def select_marked(x, lo, hi, thr, idx, expect=None):
+    def select_marked(x, lo, hi, thr, idx, expect=None, keep=False):
         marks = _marks_for(x, lo, hi)
-        _marks.now = None
+        if not keep:
+            _marks.now = None
         if marks is not None and thr >= marks[0]:
             return int(_kc.select_marks(x, marks[1], thr, idx))   # O(marks), not O(hi - lo)
         return HostOps.select_range(x, lo, hi, thr, idx)
+
+    @staticmethod
+    def release_marks():
+        _marks.now = None
 
     @staticmethod
     def to_host(x):

@@ -1,10 +1,12 @@
 """ExDyna and MiCRO: exclusive partitions, one owner per partition per step, a global threshold."""
+import math
 import time
 
 import numpy as np
 
 from ..algorithm.controllers import CONTROLLERS, make_controller
 from ..algorithm.layout import BlockLayout, EqualLayout, owners, partition_of
+from ..algorithm.quota import quotas
 from ..arrays import threshold_for
 from . import deadline as _deadline
 from .base import Selection, Sparsifier
@@ -26,6 +28,13 @@ def _balance(v):
     return None if ok else "must be True, False, 'faithful', 'adaptive' or 'blocks'"
 
 
+def _max_imbalance(v):
+    if v is None:
+        return None
+    ok = isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
+    return None if ok and 0.0 <= float(v) < math.inf else "must be None or a number >= 0"
+
+
 def _controller_name(v):
     return None if v in CONTROLLERS else f"must be one of {sorted(CONTROLLERS)}"
 
@@ -45,6 +54,15 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
         >>> avg = sp.step(flat_grad)                           # same kind and device as flat_grad
         >>> sp.stats.density, sp.stats.counts
 
+    ``max_imbalance`` (None: off; a number, e.g. 0.05, with ``controller="measured"``): after the
+    counts are gathered, a rank above ``(1 + max_imbalance)`` times the mean count keeps only its
+    largest values up to that bound and the lowest ranks select as many more, their next largest
+    (``algorithm/quota.py``): the total stays the threshold's and the slowest sender of the index
+    exchange sends at most that much over the mean, but a rank's selection is then its quota's largest
+    values, not ``|acc| >= threshold`` (``stats.quota_moved``: how many selections the step moved).
+    ``balance`` moves the partition boundaries; the quotas bound what a step sends when the load moves
+    faster than boundaries can follow (real gradients: docs/controller.md).
+
     ``deadline_ms`` (None: the exact exchange above; a number of ms, or ``"auto"``) and
     ``max_loss`` (default 0.01) choose the deadline-bounded, priority-ordered index exchange with a
     loss bound instead (``sparsifiers/deadline.py``, docs/deadline.md): selected mass that misses
@@ -59,13 +77,18 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
         "balance": (True, _balance),
         "n_blocks": (1024, _positive_int),
         "block_align": (32, _positive_int),
+        "max_imbalance": (None, _max_imbalance),
         **_deadline.OPTIONS,
     }
 
     def __init__(self, numel, density, comm=None, *, controller="measured", balance=True,
-                 n_blocks=1024, block_align=32, device="auto", nonfinite="raise", **unknown):
+                 n_blocks=1024, block_align=32, max_imbalance=None, device="auto", nonfinite="raise", **unknown):
         super().__init__(numel, density, comm, device=device, nonfinite=nonfinite, controller=controller,
-                         balance=balance, n_blocks=n_blocks, block_align=block_align, **unknown)
+                         balance=balance, n_blocks=n_blocks, block_align=block_align,
+                         max_imbalance=max_imbalance, **unknown)
+        if max_imbalance is not None and controller != "measured":   # options agree on every rank: same error
+            raise ValueError(f"exdyna: max_imbalance needs controller='measured' (it moves selections "
+                             f"below the measured threshold), got controller={controller!r}")
         self.layout = self._make_layout()
         self.controller = make_controller(self.options["controller"], self.numel, self.density, self.nranks)
         self._index_dtype = np.dtype(np.int32) if self.numel < 2**31 else np.dtype(np.int64)
@@ -125,7 +148,8 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
         thr = threshold_for(plan.threshold, plan.dtype)
         idx = self._idx_buffer(fused.hi - fused.lo)
         expect = self.controller.local_count(plan, fused.local) if fused.mark is not None else None
-        fused.count = sel.count = self.ops.select_marked(sel.acc, fused.lo, fused.hi, thr, idx, expect)
+        fused.count = sel.count = self.ops.select_marked(sel.acc, fused.lo, fused.hi, thr, idx, expect,
+                                                         keep=self._quota_bound() is not None)
         step.sec["select_range"] = time.perf_counter() - t0
         sel.words = ()
         return sel
@@ -138,6 +162,14 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
         else:
             plan, cwords = self.controller.resolve(fused.plan, words[:, StepWords.N:], fused)
         counts = fused.counts
+        bound = self._quota_bound() if plan.measure else None
+        moved = 0
+        if bound is not None:
+            t0 = time.perf_counter()
+            at_threshold = counts
+            counts = fused.counts = self._meet_quota(step, fused, sel, counts, bound)
+            moved = int(np.abs(counts - at_threshold).sum()) // 2
+            step.sec["quota"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         idx = self._idx[:fused.count]
         union, report = self.gather_union(t, sel.acc, idx, counts, lambda: self.exchange.allgatherv(idx, counts))
@@ -154,7 +186,7 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
         res = self.average_at(sel.acc, union, step.out, step.sec)
         selected = int(counts.sum())
         stats = dict(counts=counts, selected=selected, density=selected / self.numel, threshold=plan.threshold,
-                     bounds=bounds, owned=np.array(owners(t, self.nranks)))
+                     bounds=bounds, owned=np.array(owners(t, self.nranks)), quota_moved=moved)
         if report is not None:
             stats["deadline"] = report
         self.controller.update(counts, cwords, plan)
@@ -163,6 +195,43 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
         elif bal == "adaptive":
             self.layout.rebalance_adaptive(counts, t + 1)
         return res, stats
+
+    def _quota_bound(self):
+        """The ``max_imbalance`` in force (None: off, or one rank)."""
+        v = self.options.get("max_imbalance")   # (MiCRO has no such option)
+        return None if v is None or self.nranks < 2 else float(v)
+
+    def _meet_quota(self, step, fused, sel, counts, bound):
+        """This step's quotas from the gathered counts (the same on every rank); this rank selects
+        exactly its own: its largest values, from below the threshold where its quota is larger."""
+        b = self.layout.bounds()
+        part = [partition_of(r, step.t, self.nranks) for r in range(self.nranks)]
+        capacity = np.array([b[p + 1] - b[p] for p in part], dtype=np.int64)
+        want = quotas(counts, capacity, bound)
+        mine, have = int(want[self.rank]), int(counts[self.rank])
+        ops, acc, idx = self.ops, sel.acc, self._idx
+        if mine > have:   # a lower threshold from this rank's own words, then its `mine` largest
+            plan = fused.plan
+            for edge, exact in self.controller.edges_below(plan, fused.local, mine):
+                got = ops.select_marked(acc, fused.lo, fused.hi, threshold_for(edge, plan.dtype), idx, exact,
+                                        keep=True)
+                if got >= mine:
+                    have = got
+                    break
+        ops.release_marks()
+        if have > mine:
+            self._keep_largest(acc, idx, have, mine)
+        fused.count = sel.count = mine
+        return want
+
+    def _keep_largest(self, acc, idx, n, m):
+        """``idx[:m]``: the ``m`` of ``idx[:n]`` with the largest ``|acc|`` (equal values: the lower
+        index), in increasing index order, where they stay (O(n log n) over the selection only)."""
+        xp = self.ops.xp
+        sel = idx[:n]
+        keys = xp.stack((sel.astype(xp.float64), -xp.abs(acc[sel]).astype(xp.float64)))
+        order = xp.lexsort(keys)[:m]
+        idx[:m] = xp.sort(sel[order])
 
     def _extra_state(self):
         return {"controller_state": self.controller.state(), "layout": self.layout.state(),

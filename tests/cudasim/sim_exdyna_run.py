@@ -16,24 +16,31 @@ import exdyna_mpi  # noqa: E402
 from simdevice import simulated  # noqa: E402
 
 
-def run(comm, steps=4, n=1500, seed=11):
-    """Max |difference| flags per (mode): True when the device path matched the CPU bit for bit."""
+def run(comm, steps=4, n=1500, seed=11, **opts):
+    """True when the device path (staged and direct) matched the CPU bit for bit on every rank.
+    ``opts``: more ExDyna options (``max_imbalance``: rank r's gradient is then 1 + r times larger,
+    so that the quotas move selections)."""
     rank, p = comm.Get_rank(), comm.Get_size()
-    kw = dict(n_blocks=16, block_align=32)
+    kw = dict(n_blocks=16, block_align=32, **opts)
+    scale = np.float32(1 + rank if "max_imbalance" in opts else 1)
     ref = exdyna_mpi.ExDyna(n, 0.02, comm, device="cpu", **kw)
     devs = {aware: simulated(exdyna_mpi.ExDyna, n, 0.02, comm, cuda_aware=aware, **kw) for aware in (False, True)}
     rng = np.random.default_rng(seed + rank)
-    ok = True
+    ok, moved = True, 0
     for _ in range(steps):
-        g = (rng.standard_normal(n) * 0.05).astype(np.float32)
+        g = (rng.standard_normal(n) * 0.05).astype(np.float32) * scale
         want = ref.step(g.copy())
         for aware, sp in devs.items():
             got = sp.step(g.copy())
             ok &= got.tobytes() == want.tobytes()
             ok &= sp.residual.tobytes() == ref.residual.tobytes()
             ok &= list(sp.stats.counts) == list(ref.stats.counts)
+            ok &= sp.stats.quota_moved == ref.stats.quota_moved
             ok &= (sp.stats.bytes_sent, sp.stats.bytes_received) == (ref.stats.bytes_sent,
                                                                      ref.stats.bytes_received)
+        moved += ref.stats.quota_moved
+    if "max_imbalance" in opts:
+        ok &= moved > 0
     # every rank holds the same output
     outs = comm.allgather(want.tobytes())
     ok &= all(o == outs[0] for o in outs)
@@ -43,7 +50,7 @@ def run(comm, steps=4, n=1500, seed=11):
 
 if __name__ == "__main__":
     with np.errstate(invalid="ignore"):
-        good = run(MPI.COMM_WORLD)
+        good = run(MPI.COMM_WORLD) and run(MPI.COMM_WORLD, max_imbalance=0.0)
     if MPI.COMM_WORLD.Get_rank() == 0:
         print("SIM-EXDYNA", "OK" if good else "MISMATCH", "P =", MPI.COMM_WORLD.Get_size())
     sys.exit(0 if good else 1)

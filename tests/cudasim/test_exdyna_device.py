@@ -83,7 +83,8 @@ def test_nonfinite_refused_state_untouched(policy):
 
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="no mpiexec")
 def test_two_ranks_under_mpiexec():
-    """The simulated device path at P=2 (staged and direct) equals the CPU path on both ranks."""
+    """The simulated device path at P=2 (staged and direct) equals the CPU path on both ranks, also
+    with per-rank quotas (``max_imbalance``) moving selections."""
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", MPIR_CVAR_CH4_PROGRESS_THROTTLE="1",
                MPIR_CVAR_CH4_PROGRESS_THROTTLE_NO_PROGRESS_COUNT="16")
     cmd = ["timeout", "300", "mpiexec", "-n", "2", sys.executable,
