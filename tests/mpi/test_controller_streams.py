@@ -68,6 +68,35 @@ def test_default_controller_holds_density_on_correlated_streams(wcomm, stream):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("stream", ["ar0.9", "constant", "skewed"])
+def test_quotas_bound_the_imbalance_and_keep_the_density(wcomm, stream):
+    """``max_imbalance=0.05`` on correlated, constant and layer-skewed streams: every step's
+    imbalance within the bound (these partitions hold far more than a quota), the same density
+    bounds as the default, the total the summed histogram promised, and outputs identical."""
+    rank, p = wcomm.Get_rank(), wcomm.Get_size()
+    st = streams.Synthetic(stream, N, rank, p, seed=4)
+    sp = exdyna_mpi.ExDyna(N, DENSITY, wcomm, max_imbalance=0.05)
+    k = int(DENSITY * N)
+    ratios, moved = [], 0
+    for t in range(STEPS):
+        out = sp.step(st.next())
+        s = sp.stats
+        ratios.append(s.selected / k)
+        moved += s.quota_moved
+        mpi_assert(s.imbalance <= 0.05 + 1e-12, f"step {t}: imbalance {s.imbalance:.4f}", wcomm)
+        mpi_assert(s.selected == sp.controller.expected, f"step {t}: total {s.selected} != {sp.controller.expected}",
+                   wcomm)
+        if t % 12 == 0:
+            outs = allgather_array(out, wcomm)
+            mpi_assert((outs == outs[0]).all(), f"step {t}: outputs not bit-identical", wcomm)
+    a = np.array(ratios[SKIP:])
+    in_band = np.mean(np.abs(a - 1) <= 0.1)
+    mpi_assert(in_band >= 0.95 and a.max() <= 1.5 and abs(a.mean() - 1) <= 0.03,
+               f"{stream}: in band {in_band:.2f}, max {a.max():.3f}, mean {a.mean():.3f}", wcomm)
+    mpi_assert(moved > 0, f"{stream}: no step moved a selection (the bound was never reached)", wcomm)
+
+
+@pytest.mark.mpi(min_size=2)
 def test_summed_words_do_not_grow_with_p(wcomm):
     """Bytes of one step = indices + values + the summed words (a fixed number, whatever P) + one
     count word per rank: the ring model of ``transport.Exchange``, counted here from the counts."""
