@@ -9,6 +9,9 @@ Methods, alternating step by step on the same gradient stream (so they see the s
              the union (``np.unique``); Allreduce of each rank's ``acc`` at the union; residual zeroed;
   exdyna     ``sp.step`` with default options (the measured controller);
   exdyna-histogram   ``sp.step`` with ``controller="histogram"`` (the previous default, forecasting).
+  exdyna-out ``sp.step(g, out=buf)`` with default options into a buffer reused every step, as the
+             torch adapter does (``out`` = the flat gradient): the output is a memset, not a fresh
+             buffer whose pages the OS zero-fills as the scatter touches them.
 A step's time is the slowest rank's (the step ends when every rank is done); the table gives the
 median over ``--steps`` steps after ``--warmup``, and ExDyna's phases (``stats.seconds``, slowest
 rank per phase): pass (acc = residual + grad, non-finite count, the owned-range histograms; with
@@ -74,7 +77,7 @@ class Floor:
 def main():
     ap = parser(__doc__, numel=10_000_000, density=0.001, steps=12, warmup=3, seed=0, json_path=None, raw=True)
     ap.add_argument("--stream", default="rotate3", help="a synthetic stream of jobs/streams.py")
-    ap.add_argument("--methods", default="floor,topk,exdyna,exdyna-histogram")
+    ap.add_argument("--methods", default="floor,topk,exdyna,exdyna-out,exdyna-histogram")
     a = ap.parse_args()
     comm, rank, P = world(a)
     st = corpus.Synthetic(a.stream, a.numel, rank, P, a.seed)
@@ -85,11 +88,12 @@ def main():
             sps[m] = Floor(a.numel)
         elif m == "topk":
             sps[m] = ExactTopK(a.numel, a.density, comm)
-        elif m == "exdyna":
+        elif m in ("exdyna", "exdyna-out"):
             sps[m] = exdyna_mpi.ExDyna(a.numel, a.density, comm)
-        elif m.startswith("exdyna-"):
+        elif m.startswith("exdyna-") and m != "exdyna-out":
             sps[m] = exdyna_mpi.ExDyna(a.numel, a.density, comm, controller=m.split("-", 1)[1])
     rows = {m: [] for m in methods}
+    buf = np.empty(a.numel, np.float32) if "exdyna-out" in methods else None
     k = max(1, int(a.numel * a.density))
     for t in range(a.warmup + a.steps):
         g = st.next() * np.float32(0.01)
@@ -97,7 +101,10 @@ def main():
             sp = sps[m]
             comm.Barrier()
             t0 = time.perf_counter()
-            sp.step(g)
+            if m == "exdyna-out":
+                sp.step(g, out=buf)
+            else:
+                sp.step(g)
             wall = time.perf_counter() - t0
             ph = [0.0] * len(PHASES)
             sel = 0
