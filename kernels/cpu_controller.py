@@ -33,7 +33,7 @@ window, which decides near the threshold, counts every element.
 change twofold for a 1 % change of threshold.
 """
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from .cpu import _add_count_nonfinite, _add_select
 
@@ -267,6 +267,16 @@ def accumulate_measure(residual, grad, acc, bits, lo, hi, sign_off, shift, key0,
     mx = _add_max(residual[:lo], grad[:lo], acc[:lo], bits[:lo], sign_off)
     m2 = _add_max(residual[hi:], grad[hi:], acc[hi:], bits[hi:], sign_off)
     mx = m2 if m2 > mx else mx
+    m3, n_f = _measure_range(residual, grad, acc, bits, lo, hi, sign_off, shift, key0, hist, stride, shift_f,
+                             key0_f, hist_f, low_f, scratch, marks)
+    return (m3 if m3 > mx else mx), n_f
+
+
+@njit(cache=True, nogil=True)
+def _measure_range(residual, grad, acc, bits, lo, hi, sign_off, shift, key0, hist, stride, shift_f, key0_f,
+                   hist_f, low_f, scratch, marks):
+    # the owned-range part of ``accumulate_measure`` over [lo, hi): marks go to marks[0:]
+    mx = 0
     top_f = hist_f.shape[0] - 1
     keep = marks.shape[0] > 0
     n_f = 0
@@ -310,6 +320,50 @@ def accumulate_measure(residual, grad, acc, bits, lo, hi, sign_off, shift, key0,
     return mx, n_f
 
 
+@njit(parallel=True, cache=True, nogil=True)
+def accumulate_measure_parallel(residual, grad, acc, bits, lo, hi, sign_off, shift, key0, hist, stride, shift_f,
+                                key0_f, hist_f, low_f, marks, nparts):
+    """``accumulate_measure`` on ``nparts`` threads, the same bits: the owned range is cut into
+    ``nparts`` runs of whole chunks (the serial pass's chunks), the rest of the vector into
+    ``nparts`` pieces; each thread fills its own histograms and writes its marks into its run's
+    slice of ``marks``; the histograms are summed and the marks moved together, in order, after."""
+    n = acc.shape[0]
+    nch = (hi - lo + _CHUNK - 1) // _CHUNK
+    per = ((nch + nparts - 1) // nparts) * _CHUNK
+    hs = np.zeros((nparts, hist.shape[0]), np.int64)
+    hfs = np.zeros((nparts, hist_f.shape[0]), np.int64)
+    mxs = np.zeros(nparts, np.int64)
+    nfs = np.zeros(nparts, np.int64)
+    keep = marks.shape[0] > 0
+    for t in prange(nparts):
+        oa, ob = (t * lo) // nparts, ((t + 1) * lo) // nparts
+        m1 = _add_max(residual[oa:ob], grad[oa:ob], acc[oa:ob], bits[oa:ob], sign_off)
+        ua, ub = hi + (t * (n - hi)) // nparts, hi + ((t + 1) * (n - hi)) // nparts
+        m2 = _add_max(residual[ua:ub], grad[ua:ub], acc[ua:ub], bits[ua:ub], sign_off)
+        a, b = min(lo + t * per, hi), min(lo + (t + 1) * per, hi)
+        scratch = np.empty(_CHUNK, np.int32)
+        mk = marks[a - lo:b - lo] if keep else marks[:0]
+        m3, nf = _measure_range(residual, grad, acc, bits, a, b, sign_off, shift, key0, hs[t], stride, shift_f,
+                                key0_f, hfs[t], low_f, scratch, mk)
+        m = m1 if m1 > m2 else m2
+        m = m3 if m3 > m else m
+        mxs[t] = m
+        nfs[t] = nf
+    for t in range(nparts):
+        hist += hs[t]
+        hist_f += hfs[t]
+    pos = nfs[0]
+    if keep:
+        for t in range(1, nparts):   # each run's marks start at its own offset, never before pos
+            src = min(t * per, hi - lo)
+            for q in range(nfs[t]):
+                marks[pos + q] = marks[src + q]
+            pos += nfs[t]
+    else:
+        pos = nfs.sum()
+    return mxs.max(), pos
+
+
 @njit(cache=True, nogil=True)
 def select_marks(x, marks, thr, idx):
     """``idx[:count] = marks[|x[marks]| >= thr]`` in order (``idx`` may be ``marks`` itself)."""
@@ -340,11 +394,16 @@ def count_nonfinite(x):
     return bad
 
 
-def host_accumulate_measure(residual, grad, acc, lo, hi, coarse, fine, stride, marks=None):
+#: the parallel pass only from this many elements per thread (below, thread start-up costs more)
+PARALLEL_MIN = 1 << 18
+
+
+def host_accumulate_measure(residual, grad, acc, lo, hi, coarse, fine, stride, marks=None, threads=1):
     """HostOps wrapper: fills the host histograms ``coarse = (shift, key0, hist)`` and ``fine`` (or
     None); returns ``(nonfinite, n_marks)``: the number of non-finite values of ``acc`` and of
     elements of ``[lo, hi)`` at or above the fine window's bucket-1 edge, whose indices go to
-    ``marks[:n_marks]`` when given (capacity ``hi - lo``)."""
+    ``marks[:n_marks]`` when given (capacity ``hi - lo``). ``threads`` > 1: the parallel kernel on
+    up to that many threads (the same bits)."""
     bits, sign_off = int_view(acc)
     ity = bits.dtype.type
     shift, key0, hist = coarse
@@ -353,10 +412,16 @@ def host_accumulate_measure(residual, grad, acc, lo, hi, coarse, fine, stride, m
         low_f = ity((int(key0_f) + 1) << int(shift_f))
     else:
         shift_f, key0_f, hist_f, low_f = 0, 0, np.zeros(0, np.int64), sign_off
-    scratch = np.empty(_CHUNK, np.int32)
     if marks is None or fine is None:
         marks = np.empty(0, np.int64)
-    mx, n_f = accumulate_measure(residual, grad, acc, bits, lo, hi, sign_off, ity(shift), ity(key0), hist,
-                                 int(stride), ity(shift_f), ity(key0_f), hist_f, low_f, scratch, marks)
+    nparts = min(int(threads), acc.shape[0] // PARALLEL_MIN)
+    if nparts > 1:
+        mx, n_f = accumulate_measure_parallel(residual, grad, acc, bits, lo, hi, sign_off, ity(shift), ity(key0),
+                                              hist, int(stride), ity(shift_f), ity(key0_f), hist_f, low_f, marks,
+                                              nparts)
+    else:
+        scratch = np.empty(_CHUNK, np.int32)
+        mx, n_f = accumulate_measure(residual, grad, acc, bits, lo, hi, sign_off, ity(shift), ity(key0), hist,
+                                     int(stride), ity(shift_f), ity(key0_f), hist_f, low_f, scratch, marks)
     exp_mask = 0x7F800000 if acc.dtype == np.float32 else 0x7FF0000000000000
     return (int(count_nonfinite(acc)) if int(mx) >= exp_mask else 0), int(n_f)

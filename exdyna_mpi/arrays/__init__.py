@@ -5,7 +5,7 @@ Imports only ``kernels`` and ``_errors``; never MPI.
 """
 from .dlpack import (DTYPE_CODES, DTYPE_NAMES, SUPPORTED_DTYPES, Input, as_input, check_vector,
                      threshold_for)
-from .ops import HostOps, Ops, cuda_available, gpu_available, ops_for
+from .ops import HostOps, Ops, cuda_available, gpu_available, host_threads, ops_for
 
 __all__ = ["DTYPE_CODES", "DTYPE_NAMES", "SUPPORTED_DTYPES", "HostOps", "Input", "Ops", "as_input",
-           "check_vector", "cuda_available", "gpu_available", "ops_for", "threshold_for"]
+           "check_vector", "cuda_available", "gpu_available", "host_threads", "ops_for", "threshold_for"]

@@ -117,8 +117,9 @@ class CudaOps:
         return int(w[0]), int(w[1])
 
     @staticmethod
-    def accumulate_measure(residual, grad, acc, lo, hi, coarse, fine, stride, mark=None):
+    def accumulate_measure(residual, grad, acc, lo, hi, coarse, fine, stride, mark=None, threads=1):
         # the histogram pass with the marks (hit-mask bits) of |acc| >= mark instead of a selection
+        # (``threads``: host threads, nothing to do with the device)
         s = _scratch_here()
         shift_f, key0_f, hist_f = fine if fine is not None else (0, 0, np.zeros(0, np.int64))
         nh, nf = coarse[2].shape[0], hist_f.shape[0]

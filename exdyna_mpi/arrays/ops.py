@@ -6,6 +6,7 @@ One protocol, two implementations: ``HostOps`` runs the ``@njit`` kernels (``ker
 kernel directly, so one sparsifier body serves both devices. tests/unit/test_layers.py checks that
 both implement every method of ``Ops`` with the same signature.
 """
+import os
 import threading
 import weakref
 from typing import Protocol, runtime_checkable
@@ -79,12 +80,13 @@ class Ops(Protocol):
     def hist_range(self, x, lo, hi, shift, key0, hist):
         """``hist += histogram(|x[lo:hi]|)`` (read only; ``hist`` a host int64 array)."""
 
-    def accumulate_measure(self, residual, grad, acc, lo, hi, coarse, fine, stride, mark=None):
+    def accumulate_measure(self, residual, grad, acc, lo, hi, coarse, fine, stride, mark=None, threads=1):
         """``acc = residual + grad``; over [lo, hi) the histograms ``accumulate_select_hist`` makes of
         ``|acc|`` with an infinite threshold (``coarse``/``fine``: ``(shift, key0, host int64 hist)``,
         the coarse one every ``stride``-th element, ``fine`` may be None); selects nothing. Returns the
         number of non-finite values of ``acc``. The measured controller's pass. ``mark``: the backend
-        may remember where ``|acc| >= mark`` for the ``select_marked`` that follows."""
+        may remember where ``|acc| >= mark`` for the ``select_marked`` that follows. ``threads``: host
+        threads the pass may use (``host_threads``; the same result with any number)."""
 
     def select_marked(self, x, lo, hi, thr, idx, expect=None, keep=False):
         """``select_range`` right after ``accumulate_measure`` over the same range (the same result;
@@ -173,13 +175,14 @@ class HostOps:
         _kc.host_hist_range(x, lo, hi, shift, key0, hist)
 
     @staticmethod
-    def accumulate_measure(residual, grad, acc, lo, hi, coarse, fine, stride, mark=None):
-        # one fused kernel (kernels/cpu_controller.py: accumulate_measure); it finds the elements at
-        # or above the fine window's first edge anyway: with ``mark`` (that edge) their indices are kept
+    def accumulate_measure(residual, grad, acc, lo, hi, coarse, fine, stride, mark=None, threads=1):
+        # one fused kernel (kernels/cpu_controller.py: accumulate_measure, or its parallel twin); it
+        # finds the elements at or above the fine window's first edge anyway: with ``mark`` (that
+        # edge) their indices are kept
         _marks.now = None
         keep = mark is not None and fine is not None
         buf = _marks_buffer(hi - lo) if keep else None
-        bad, n = _kc.host_accumulate_measure(residual, grad, acc, lo, hi, coarse, fine, stride, buf)
+        bad, n = _kc.host_accumulate_measure(residual, grad, acc, lo, hi, coarse, fine, stride, buf, threads)
         if keep:   # the marks hold every value at or above the window's edge: a lower mark cannot be kept
             bits, _ = _kc.int_view(acc)
             edge = float(np.array([(int(fine[1]) + 1) << int(fine[0])], bits.dtype).view(acc.dtype)[0])
@@ -210,6 +213,18 @@ class HostOps:
     @staticmethod
     def synchronize():
         pass
+
+
+def host_threads(node_ranks):
+    """Threads one rank's host kernels may use: the cores it may run on (its affinity) shared among
+    the ``node_ranks`` ranks of its node, at most Numba's thread count (``NUMBA_NUM_THREADS``), at
+    least 1: one thread when the node's ranks fill or oversubscribe its cores."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):   # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    import numba
+    return max(1, min(cores // max(1, int(node_ranks)), numba.get_num_threads()))
 
 
 def ops_for(device):

@@ -17,10 +17,10 @@ import time
 
 import numpy as np
 
-from ..arrays import DTYPE_CODES, as_input, check_vector, ops_for
+from ..arrays import DTYPE_CODES, as_input, check_vector, host_threads, ops_for
 from ..arrays.ops import cuda_available
 from .._errors import InputCode
-from ..transport import Exchange, device_exchange, world
+from ..transport import Exchange, device_exchange, node_ranks, world
 from .roles import ErrorFeedback, Selection, Selector, Step, StepWords, agree_arguments, imbalance
 
 NONFINITE_POLICIES = ("raise", "skip")
@@ -105,6 +105,9 @@ class Sparsifier(Selector):
             f"{k}={v!r}" for k, v in sorted(opts.items()))
         agree_arguments(self.exchange, self.name, errors, config)
         self.exchange.reset_counters()
+        # host threads of the per-element pass: this rank's share of its node's cores (1 when the
+        # node's ranks fill them); the same result with any number
+        self.threads = host_threads(node_ranks(self.comm))
         self.numel = int(numel)
         self.density = density
         self.nonfinite = nonfinite

@@ -263,7 +263,8 @@ class _FusedPass:
             fine = (plan.fine[1], plan.fine[2], hist[nb:]) if plan.fine else None
             self.mark = sp.controller.mark(plan)
             bad = ops.accumulate_measure(sp.memory.residual, self.grad, self.acc, self.lo, self.hi,
-                                         (plan.hist[1], plan.hist[2], hist[:nb]), fine, plan.stride, self.mark)
+                                         (plan.hist[1], plan.hist[2], hist[:nb]), fine, plan.stride, self.mark,
+                                         sp.threads)
             self.local = hist
             count = 0
         elif plan.hist is None:

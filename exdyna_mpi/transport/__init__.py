@@ -10,7 +10,7 @@
 Knows nothing of which sparsifier runs. Imports ``arrays`` (device buffers) and mpi4py only.
 """
 from .deadline import DeadlineTransport, SendDelay, set_send_delay
-from .exchange import WORD, Exchange, broadcast, world
+from .exchange import WORD, Exchange, broadcast, node_ranks, world
 
 
 def device_exchange(host_exchange, cuda_aware=None):
@@ -20,5 +20,5 @@ def device_exchange(host_exchange, cuda_aware=None):
     return DeviceExchange(host_exchange, cuda_aware=cuda_aware)
 
 
-__all__ = ["WORD", "DeadlineTransport", "Exchange", "SendDelay", "broadcast", "device_exchange", "set_send_delay",
+__all__ = ["WORD", "DeadlineTransport", "Exchange", "SendDelay", "broadcast", "device_exchange", "node_ranks", "set_send_delay",
            "world"]

@@ -30,6 +30,26 @@ def broadcast(buf, comm=None, root=0):
     return buf
 
 
+#: environment variables that launchers set to the number of ranks on this node
+_NODE_RANKS_ENV = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
+
+
+def node_ranks(comm):
+    """Ranks of the job on this node: what the launcher says (MPICH's hydra, Open MPI, MVAPICH, Slurm),
+    else the ranks of ``comm`` that share this node's memory (a collective over ``comm``: call it
+    where every rank of ``comm`` does, as sparsifier construction is)."""
+    import os
+    for key in _NODE_RANKS_ENV:
+        v = os.environ.get(key, "")
+        if v.isdigit() and int(v) > 0:
+            return int(v)
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return node.Get_size()
+    finally:
+        node.Free()
+
+
 class Exchange:
     """The MPI side of one sparsifier: one communicator, counters of bytes moved.
 

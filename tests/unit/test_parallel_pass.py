@@ -1,0 +1,73 @@
+"""The measuring pass on several threads (``accumulate_measure_parallel``) gives the serial pass's
+bits: acc, both histograms, the largest bit pattern, the marks in order, for any number of parts."""
+import numpy as np
+import pytest
+
+from exdyna_mpi.algorithm.controllers import MeasuredController
+from exdyna_mpi.arrays import HostOps, host_threads
+from exdyna_mpi.kernels import cpu_controller as kc
+
+
+def _case(seed, n, dtype):
+    rng = np.random.default_rng(seed)
+    r = (rng.standard_normal(n) * 0.01).astype(dtype)
+    g = (rng.standard_t(3, n) * 0.01).astype(dtype)
+    c = MeasuredController(n, 0.01, 2)
+    c.threshold, c.seen = float(np.quantile(np.abs(r + g), 0.99)), True
+    return r, g, c.plan(1, dtype)
+
+
+def _run(r, g, plan, lo, hi, nparts, fine=True, keep=True):
+    acc = np.empty_like(r)
+    bits, sign_off = kc.int_view(acc)
+    ity = bits.dtype.type
+    nb = plan.hist[0]
+    hist = np.zeros(nb, np.int64)
+    hf = np.zeros(plan.fine[0] if fine else 0, np.int64)
+    shift_f, key0_f = (plan.fine[1], plan.fine[2]) if fine else (0, 0)
+    low_f = ity((int(key0_f) + 1) << int(shift_f)) if fine else sign_off
+    marks = np.full(hi - lo if keep else 0, -1, np.int64)
+    args = (r, g, acc, bits, lo, hi, sign_off, ity(plan.hist[1]), ity(plan.hist[2]), hist, plan.stride, ity(shift_f),
+            ity(key0_f), hf, low_f)
+    if nparts == 0:
+        mx, nf = kc.accumulate_measure(*args, np.empty(kc._CHUNK, np.int32), marks)
+    else:
+        mx, nf = kc.accumulate_measure_parallel(*args, marks, nparts)
+    return acc, hist, hf, int(mx), int(nf), marks[:nf] if keep else None
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("lo,hi", [(0, 50_000), (1234, 41_000), (20_000, 20_001), (7, 7), (0, 0), (3, 49_999)])
+@pytest.mark.parametrize("fine,keep", [(True, True), (True, False), (False, False)])
+def test_parallel_equals_serial(dtype, lo, hi, fine, keep):
+    r, g, plan = _case(lo + hi, 50_000, dtype)
+    want = _run(r, g, plan, lo, hi, 0, fine, keep)
+    for nparts in (1, 2, 3, 4, 7):
+        got = _run(r, g, plan, lo, hi, nparts, fine, keep)
+        assert got[0].tobytes() == want[0].tobytes(), nparts
+        assert np.array_equal(got[1], want[1]) and np.array_equal(got[2], want[2]), nparts
+        assert got[3:5] == want[3:5], nparts
+        if keep:
+            assert np.array_equal(got[5], want[5]), nparts
+    if fine and hi - lo > 1000:
+        assert want[4] > 0   # the case has marks to move
+
+
+def test_wrapper_uses_threads_and_reports_nonfinite(monkeypatch):
+    monkeypatch.setattr(kc, "PARALLEL_MIN", 1000)
+    r, g, plan = _case(3, 30_000, np.float32)
+    g[29_999] = np.inf
+    out = []
+    for threads in (1, 3):
+        acc = np.empty_like(r)
+        nb = plan.hist[0]
+        w = np.zeros(plan.n_words, np.int64)
+        bad = HostOps.accumulate_measure(r, g, acc, 5000, 25_000, (plan.hist[1], plan.hist[2], w[:nb]),
+                                         (plan.fine[1], plan.fine[2], w[nb:]), plan.stride, None, threads)
+        out.append((bad, acc.tobytes(), w.tolist()))
+    assert out[0] == out[1] and out[0][0] == 1
+
+
+def test_host_threads_share_the_cores():
+    assert host_threads(10**6) == 1
+    assert host_threads(1) >= 1
