@@ -32,6 +32,8 @@ window, which decides near the threshold, counts every element.
 ``key0_f``, same rule: a fine window around the threshold, where error feedback can make the count
 change twofold for a 1 % change of threshold.
 """
+import threading
+
 import numpy as np
 from numba import njit, prange
 
@@ -396,6 +398,10 @@ def count_nonfinite(x):
 
 #: the parallel pass only from this many elements per thread (below, thread start-up costs more)
 PARALLEL_MIN = 1 << 18
+#: one parallel kernel at a time in this process: Numba's workqueue threading layer (the one a plain
+#: pip install gets) aborts the process when two threads launch parallel kernels at once; a second
+#: caller runs the serial pass instead (the same bits)
+_PARALLEL = threading.Lock()
 
 
 def host_accumulate_measure(residual, grad, acc, lo, hi, coarse, fine, stride, marks=None, threads=1):
@@ -415,10 +421,13 @@ def host_accumulate_measure(residual, grad, acc, lo, hi, coarse, fine, stride, m
     if marks is None or fine is None:
         marks = np.empty(0, np.int64)
     nparts = min(int(threads), acc.shape[0] // PARALLEL_MIN)
-    if nparts > 1:
-        mx, n_f = accumulate_measure_parallel(residual, grad, acc, bits, lo, hi, sign_off, ity(shift), ity(key0),
-                                              hist, int(stride), ity(shift_f), ity(key0_f), hist_f, low_f, marks,
-                                              nparts)
+    if nparts > 1 and _PARALLEL.acquire(blocking=False):
+        try:
+            mx, n_f = accumulate_measure_parallel(residual, grad, acc, bits, lo, hi, sign_off, ity(shift),
+                                                  ity(key0), hist, int(stride), ity(shift_f), ity(key0_f), hist_f,
+                                                  low_f, marks, nparts)
+        finally:
+            _PARALLEL.release()
     else:
         scratch = np.empty(_CHUNK, np.int32)
         mx, n_f = accumulate_measure(residual, grad, acc, bits, lo, hi, sign_off, ity(shift), ity(key0), hist,

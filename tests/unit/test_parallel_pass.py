@@ -71,3 +71,33 @@ def test_wrapper_uses_threads_and_reports_nonfinite(monkeypatch):
 def test_host_threads_share_the_cores():
     assert host_threads(10**6) == 1
     assert host_threads(1) >= 1
+
+
+def test_two_python_threads_at_once(monkeypatch):
+    """Two threads stepping at once: one runs the parallel kernel, the other the serial one (Numba's
+    workqueue layer would abort the process on two parallel launches at once); both exact."""
+    import threading
+    monkeypatch.setattr(kc, "PARALLEL_MIN", 1000)
+    r, g, plan = _case(5, 200_000, np.float32)
+    nb = plan.hist[0]
+
+    def one():
+        acc = np.empty_like(r)
+        w = np.zeros(plan.n_words, np.int64)
+        kc.host_accumulate_measure(r, g, acc, 0, 150_000, (plan.hist[1], plan.hist[2], w[:nb]),
+                                   (plan.fine[1], plan.fine[2], w[nb:]), plan.stride, None, 4)
+        return acc.tobytes(), w.tolist()
+
+    want = one()
+    got = [None] * 4
+
+    def work(i):
+        for _ in range(5):
+            got[i] = one()
+
+    ts = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert all(x == want for x in got)
