@@ -95,6 +95,7 @@ def test_nonfinite_skip_policy_skips_on_all_ranks(comm):
 @pytest.mark.parametrize("bad", [
     {"density": 0.0}, {"density": 1.5}, {"numel": 0}, {"numel": -3}, {"controller": "nope"},
     {"n_blocks": 0}, {"nonfinite": "ignore"}, {"frobnicate": 1}, {"device": "tpu"},
+    {"max_imbalance": -0.1}, {"max_imbalance": True},
 ])
 def test_bad_construction_on_one_rank_raises_everywhere(comm, bad):
     P, rank = comm.Get_size(), comm.Get_rank()
