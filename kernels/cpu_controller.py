@@ -32,10 +32,10 @@ window, which decides near the threshold, counts every element.
 ``key0_f``, same rule: a fine window around the threshold, where error feedback can make the count
 change twofold for a 1 % change of threshold.
 """
-import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from .cpu import _add_count_nonfinite, _add_select
 
@@ -322,48 +322,24 @@ def _measure_range(residual, grad, acc, bits, lo, hi, sign_off, shift, key0, his
     return mx, n_f
 
 
-@njit(parallel=True, cache=True, nogil=True)
-def accumulate_measure_parallel(residual, grad, acc, bits, lo, hi, sign_off, shift, key0, hist, stride, shift_f,
-                                key0_f, hist_f, low_f, marks, nparts):
-    """``accumulate_measure`` on ``nparts`` threads, the same bits: the owned range is cut into
-    ``nparts`` runs of whole chunks (the serial pass's chunks), the rest of the vector into
-    ``nparts`` pieces; each thread fills its own histograms and writes its marks into its run's
-    slice of ``marks``; the histograms are summed and the marks moved together, in order, after."""
+@njit(cache=True, nogil=True)
+def measure_part(residual, grad, acc, bits, lo, hi, t, nparts, per, sign_off, shift, key0, hist, stride, shift_f,
+                 key0_f, hist_f, low_f, marks):
+    """Part ``t`` of ``nparts`` of ``accumulate_measure`` (``nogil``: parts run on threads at once): the
+    run ``[lo + t per, lo + (t + 1) per)`` of the owned range (``per``: whole chunks) into its own
+    ``hist``/``hist_f``, its marks into ``marks`` (that run's slice of the marks buffer, or empty),
+    and piece ``t`` of the rest of the vector. Returns (largest bit pattern, marks)."""
     n = acc.shape[0]
-    nch = (hi - lo + _CHUNK - 1) // _CHUNK
-    per = ((nch + nparts - 1) // nparts) * _CHUNK
-    hs = np.zeros((nparts, hist.shape[0]), np.int64)
-    hfs = np.zeros((nparts, hist_f.shape[0]), np.int64)
-    mxs = np.zeros(nparts, np.int64)
-    nfs = np.zeros(nparts, np.int64)
-    keep = marks.shape[0] > 0
-    for t in prange(nparts):
-        oa, ob = (t * lo) // nparts, ((t + 1) * lo) // nparts
-        m1 = _add_max(residual[oa:ob], grad[oa:ob], acc[oa:ob], bits[oa:ob], sign_off)
-        ua, ub = hi + (t * (n - hi)) // nparts, hi + ((t + 1) * (n - hi)) // nparts
-        m2 = _add_max(residual[ua:ub], grad[ua:ub], acc[ua:ub], bits[ua:ub], sign_off)
-        a, b = min(lo + t * per, hi), min(lo + (t + 1) * per, hi)
-        scratch = np.empty(_CHUNK, np.int32)
-        mk = marks[a - lo:b - lo] if keep else marks[:0]
-        m3, nf = _measure_range(residual, grad, acc, bits, a, b, sign_off, shift, key0, hs[t], stride, shift_f,
-                                key0_f, hfs[t], low_f, scratch, mk)
-        m = m1 if m1 > m2 else m2
-        m = m3 if m3 > m else m
-        mxs[t] = m
-        nfs[t] = nf
-    for t in range(nparts):
-        hist += hs[t]
-        hist_f += hfs[t]
-    pos = nfs[0]
-    if keep:
-        for t in range(1, nparts):   # each run's marks start at its own offset, never before pos
-            src = min(t * per, hi - lo)
-            for q in range(nfs[t]):
-                marks[pos + q] = marks[src + q]
-            pos += nfs[t]
-    else:
-        pos = nfs.sum()
-    return mxs.max(), pos
+    oa, ob = (t * lo) // nparts, ((t + 1) * lo) // nparts
+    m1 = _add_max(residual[oa:ob], grad[oa:ob], acc[oa:ob], bits[oa:ob], sign_off)
+    ua, ub = hi + (t * (n - hi)) // nparts, hi + ((t + 1) * (n - hi)) // nparts
+    m2 = _add_max(residual[ua:ub], grad[ua:ub], acc[ua:ub], bits[ua:ub], sign_off)
+    a, b = min(lo + t * per, hi), min(lo + (t + 1) * per, hi)
+    scratch = np.empty(_CHUNK, np.int32)
+    m3, nf = _measure_range(residual, grad, acc, bits, a, b, sign_off, shift, key0, hist, stride, shift_f, key0_f,
+                            hist_f, low_f, scratch, marks)
+    m = m1 if m1 > m2 else m2
+    return (m3 if m3 > m else m), nf
 
 
 @njit(cache=True, nogil=True)
@@ -396,20 +372,46 @@ def count_nonfinite(x):
     return bad
 
 
-#: the parallel pass only from this many elements per thread (below, thread start-up costs more)
+#: the threaded pass only from this many elements per thread (below, dispatch costs more)
 PARALLEL_MIN = 1 << 18
-#: one parallel kernel at a time in this process: Numba's workqueue threading layer (the one a plain
-#: pip install gets) aborts the process when two threads launch parallel kernels at once; a second
-#: caller runs the serial pass instead (the same bits)
-_PARALLEL = threading.Lock()
+_POOL = {}   # threads -> a ThreadPoolExecutor (made on first use)
+
+
+def accumulate_measure_threads(residual, grad, acc, bits, lo, hi, sign_off, shift, key0, hist, stride, shift_f,
+                               key0_f, hist_f, low_f, marks, nparts):
+    """``accumulate_measure`` on ``nparts`` threads, the same bits: Python threads running the
+    ``nogil`` kernel ``measure_part`` (not Numba's parallel layer, which would share, and resize, the
+    OpenMP pool of a torch in the same process). The owned range is cut into runs of whole chunks
+    (the serial pass's chunks); each part fills its own histograms and writes its marks into its
+    run's slice of ``marks``; after, the histograms are summed and the marks moved together, in order."""
+    pool = _POOL.get(nparts)
+    if pool is None:
+        pool = _POOL[nparts] = ThreadPoolExecutor(max_workers=nparts, thread_name_prefix="exdyna-pass")
+    per = (((hi - lo + _CHUNK - 1) // _CHUNK + nparts - 1) // nparts) * _CHUNK
+    hs = np.zeros((nparts, hist.shape[0]), np.int64)
+    hfs = np.zeros((nparts, hist_f.shape[0]), np.int64)
+    keep = marks.shape[0] > 0
+    starts = [min(t * per, hi - lo) for t in range(nparts + 1)]
+    futs = [pool.submit(measure_part, residual, grad, acc, bits, lo, hi, t, nparts, per, sign_off, shift, key0, hs[t],
+                        stride, shift_f, key0_f, hfs[t], low_f, marks[starts[t]:starts[t + 1]] if keep else marks)
+            for t in range(nparts)]
+    got = [f.result() for f in futs]
+    hist += hs.sum(axis=0)
+    hist_f += hfs.sum(axis=0)
+    pos = 0
+    for t, (_, nf) in enumerate(got):
+        if keep and t:   # each run's marks start at its own offset, never before pos
+            marks[pos:pos + nf] = marks[starts[t]:starts[t] + nf]
+        pos += int(nf)
+    return max(int(m) for m, _ in got), pos
 
 
 def host_accumulate_measure(residual, grad, acc, lo, hi, coarse, fine, stride, marks=None, threads=1):
     """HostOps wrapper: fills the host histograms ``coarse = (shift, key0, hist)`` and ``fine`` (or
     None); returns ``(nonfinite, n_marks)``: the number of non-finite values of ``acc`` and of
     elements of ``[lo, hi)`` at or above the fine window's bucket-1 edge, whose indices go to
-    ``marks[:n_marks]`` when given (capacity ``hi - lo``). ``threads`` > 1: the parallel kernel on
-    up to that many threads (the same bits)."""
+    ``marks[:n_marks]`` when given (capacity ``hi - lo``). ``threads`` > 1: the pass on up to that
+    many threads (the same bits)."""
     bits, sign_off = int_view(acc)
     ity = bits.dtype.type
     shift, key0, hist = coarse
@@ -421,13 +423,10 @@ def host_accumulate_measure(residual, grad, acc, lo, hi, coarse, fine, stride, m
     if marks is None or fine is None:
         marks = np.empty(0, np.int64)
     nparts = min(int(threads), acc.shape[0] // PARALLEL_MIN)
-    if nparts > 1 and _PARALLEL.acquire(blocking=False):
-        try:
-            mx, n_f = accumulate_measure_parallel(residual, grad, acc, bits, lo, hi, sign_off, ity(shift),
-                                                  ity(key0), hist, int(stride), ity(shift_f), ity(key0_f), hist_f,
-                                                  low_f, marks, nparts)
-        finally:
-            _PARALLEL.release()
+    if nparts > 1:
+        mx, n_f = accumulate_measure_threads(residual, grad, acc, bits, lo, hi, sign_off, ity(shift), ity(key0),
+                                             hist, int(stride), ity(shift_f), ity(key0_f), hist_f, low_f, marks,
+                                             nparts)
     else:
         scratch = np.empty(_CHUNK, np.int32)
         mx, n_f = accumulate_measure(residual, grad, acc, bits, lo, hi, sign_off, ity(shift), ity(key0), hist,

@@ -217,14 +217,15 @@ class HostOps:
 
 def host_threads(node_ranks):
     """Threads one rank's host kernels may use: the cores it may run on (its affinity) shared among
-    the ``node_ranks`` ranks of its node, at most Numba's thread count (``NUMBA_NUM_THREADS``), at
-    least 1: one thread when the node's ranks fill or oversubscribe its cores."""
+    the ``node_ranks`` ranks of its node, at most ``NUMBA_NUM_THREADS`` (read from the config: asking
+    Numba for its thread count would start its threading layer, whose OpenMP flavour resizes the
+    pool of a torch in the same process), at least 1: one when the node's ranks fill its cores."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):   # pragma: no cover - not Linux
         cores = os.cpu_count() or 1
-    import numba
-    return max(1, min(cores // max(1, int(node_ranks)), numba.get_num_threads()))
+    from numba import config
+    return max(1, min(cores // max(1, int(node_ranks)), int(config.NUMBA_NUM_THREADS)))
 
 
 def ops_for(device):

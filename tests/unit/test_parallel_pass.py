@@ -1,4 +1,4 @@
-"""The measuring pass on several threads (``accumulate_measure_parallel``) gives the serial pass's
+"""The measuring pass on several threads (``accumulate_measure_threads``) gives the serial pass's
 bits: acc, both histograms, the largest bit pattern, the marks in order, for any number of parts."""
 import numpy as np
 import pytest
@@ -32,7 +32,7 @@ def _run(r, g, plan, lo, hi, nparts, fine=True, keep=True):
     if nparts == 0:
         mx, nf = kc.accumulate_measure(*args, np.empty(kc._CHUNK, np.int32), marks)
     else:
-        mx, nf = kc.accumulate_measure_parallel(*args, marks, nparts)
+        mx, nf = kc.accumulate_measure_threads(*args, marks, nparts)
     return acc, hist, hf, int(mx), int(nf), marks[:nf] if keep else None
 
 
@@ -68,14 +68,18 @@ def test_wrapper_uses_threads_and_reports_nonfinite(monkeypatch):
     assert out[0] == out[1] and out[0][0] == 1
 
 
-def test_host_threads_share_the_cores():
-    assert host_threads(10**6) == 1
-    assert host_threads(1) >= 1
+def test_host_threads_share_the_cores_and_leave_numba_alone():
+    import subprocess
+    import sys
+    code = ("import numba, numba.np.ufunc.parallel as p; from exdyna_mpi.arrays import host_threads; "
+            "assert host_threads(10**6) == 1 and host_threads(1) >= 1; "
+            "assert not p._is_initialized, 'asking for threads started the Numba threading layer'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
 
 
 def test_two_python_threads_at_once(monkeypatch):
-    """Two threads stepping at once: one runs the parallel kernel, the other the serial one (Numba's
-    workqueue layer would abort the process on two parallel launches at once); both exact."""
+    """Four Python threads stepping at once, each with a threaded pass: all exact."""
     import threading
     monkeypatch.setattr(kc, "PARALLEL_MIN", 1000)
     r, g, plan = _case(5, 200_000, np.float32)
