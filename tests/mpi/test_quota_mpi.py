@@ -92,3 +92,24 @@ def test_quotas_need_the_measured_controller(wcomm):
     """Options agree on every rank, so every rank raises the same error with no collective."""
     with pytest.raises(ValueError, match="max_imbalance needs controller='measured'"):
         exdyna_mpi.ExDyna(N, DENSITY, wcomm, max_imbalance=0.05, controller="faithful")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_quotas_with_the_deadline_exchange_equal_the_exact_one(wcomm):
+    """The deadline exchange with no delay and no loss moves the quotas' selections like the exact
+    exchange: the same bits."""
+    rank = wcomm.Get_rank()
+    ref = exdyna_mpi.ExDyna(N, DENSITY, wcomm, max_imbalance=0.0)
+    sp = exdyna_mpi.ExDyna(N, DENSITY, wcomm, max_imbalance=0.0, deadline_ms=60_000, max_loss=0.0)
+    rng = np.random.default_rng([24, rank])
+    moved = 0
+    for t in range(4):
+        g = (rng.standard_normal(N) * (1 + rank)).astype(np.float32)
+        want = ref.step(g.copy())
+        out = sp.step(g.copy())
+        moved += sp.stats.quota_moved
+        same = (out.tobytes() == want.tobytes() and sp.residual.tobytes() == ref.residual.tobytes()
+                and list(sp.stats.counts) == list(ref.stats.counts))
+        mpi_assert(same and sp.stats.deadline["deferred"] == 0, f"step {t}: deadline differs from exact", wcomm)
+    mpi_assert(moved > 0, "no selection moved", wcomm)
+    sp.close()
