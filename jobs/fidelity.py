@@ -5,6 +5,9 @@
     timeout 300  mpiexec -n 4 python -m mpi4py jobs/fidelity.py --quick         # CI smoke (2 to 3 min)
     timeout 900  mpiexec -n 4 python -m mpi4py jobs/fidelity.py --sparsifiers exdyna --out out/fid_exdyna
     python jobs/fidelity.py --report out/fidelity/fidelity.jsonl,out/fid_exdyna/fidelity.jsonl   # merge, no MPI
+    for s in 0 1 2; do timeout 900 mpiexec -n 4 python -m mpi4py jobs/fidelity.py --workloads cnn --seed $s \
+        --out out/fid_s$s; done; python jobs/fidelity.py --report out/fid_s0/fidelity.jsonl,out/fid_s1/fidelity.jsonl,out/fid_s2/fidelity.jsonl
+                                       # several seeds: the table gives each run's mean and range
 
 Workloads (offline, CPU, no downloads):
 - ``lstm``: a byte-level 2-layer LSTM (2.05M parameters, jobs/models.py ``CharLSTM``) on the Python
@@ -314,17 +317,45 @@ def pareto(rows, hib):
     return front
 
 
+MEANS = ("density", "bytes_total", "bytes_per_step", "val_ppl")
+
+
+def by_seed(summaries):
+    """One row per (workload, run): the mean over its seeds of the quality and of ``MEANS``, with
+    ``q_min``/``q_max`` and ``seeds`` (the list); one seed: the run itself."""
+    groups = {}
+    for s in summaries:
+        groups.setdefault((s["workload"], s["run"]), []).append(s)
+    out = []
+    for runs in groups.values():
+        runs.sort(key=lambda r: r.get("seed", 0))
+        qs = [r[r["quality_key"]] for r in runs]
+        row = dict(runs[0], q=float(np.mean(qs)), q_min=min(qs), q_max=max(qs), seeds=[r.get("seed") for r in runs],
+                   params_identical=all(r.get("params_identical", True) for r in runs))
+        row[row["quality_key"]] = row["q"]
+        for k in MEANS:
+            if all(r.get(k) is not None for r in runs):
+                row[k] = float(np.mean([r[k] for r in runs]))
+        out.append(row)
+    return out
+
+
 def tables(summaries):
     out = []
+    summaries = by_seed(summaries)
     for wl in sorted({s["workload"] for s in summaries}, key=lambda w: list(WORKLOADS).index(w)):
-        rows = [dict(s, q=s[s["quality_key"]]) for s in summaries if s["workload"] == wl]
+        rows = [s for s in summaries if s["workload"] == wl]
         key, hib = rows[0]["quality_key"], rows[0]["higher_is_better"]
+        seeds = sorted({x for r in rows for x in r["seeds"]}, key=lambda x: (x is None, x))
+        spread = any(len(r["seeds"]) > 1 for r in rows)
         dense = next((r for r in rows if r["sparsifier"] == "dense" and not r.get("recipe")), None)
         front = pareto(rows, hib)
         rows.sort(key=lambda r: (r["sparsifier"] != "dense", -r["target"], r["sparsifier"], r["run"]))
         r0 = rows[0]
+        seed_text = (f"mean over seeds {', '.join(map(str, seeds))} (range in brackets)" if spread
+                     else f"seed {r0['seed']}")
         out.append(f"### {wl}: {r0.get('model', '')}, {r0['numel']:,} parameters, P={r0['ranks']}, "
-                   f"{r0['steps']} steps, seed {r0['seed']}\n")
+                   f"{r0['steps']} steps, {seed_text}\n")
         if key == "test_acc":
             head = ("run", "test acc", "vs dense", "density", "MB sent", "kB/step", "bytes vs dense", "Pareto")
         else:
@@ -335,7 +366,12 @@ def tables(summaries):
             dq = "" if dense is None else (f"{100 * (r['q'] - dense['q']):+.2f} pp" if key == "test_acc"
                                            else f"{100 * (r['q'] / dense['q'] - 1):+.2f} %")
             ratio = r["bytes_per_step"] / r["dense_bytes_per_step"]
-            qcol = (f"{100 * r['q']:.2f} %",) if key == "test_acc" else (f"{r['q']:.4f}", dq, f"{r['val_ppl']:.2f}")
+            if key == "test_acc":
+                qtxt = f"{100 * r['q']:.2f} %" + (f" [{100 * r['q_min']:.2f}, {100 * r['q_max']:.2f}]"
+                                                   if len(r["seeds"]) > 1 else "")
+            else:
+                qtxt = f"{r['q']:.4f}" + (f" [{r['q_min']:.4f}, {r['q_max']:.4f}]" if len(r["seeds"]) > 1 else "")
+            qcol = (qtxt,) if key == "test_acc" else (qtxt, dq, f"{r['val_ppl']:.2f}")
             cells = (r["run"], *qcol) if key != "test_acc" else (r["run"], qcol[0], dq)
             cells += (f"{r['density']:.5f}", f"{r['bytes_total'] / 1e6:.3f}", f"{r['bytes_per_step'] / 1e3:.1f}",
                       f"{100 * ratio:.2f} %", "*" if r["run"] in front else "")
@@ -367,10 +403,11 @@ def plots(summaries, evals, out):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    summaries = by_seed(summaries)
     wls = sorted({s["workload"] for s in summaries}, key=lambda w: list(WORKLOADS).index(w))
     fig, axes = plt.subplots(1, len(wls), figsize=(7 * len(wls), 5.5), squeeze=False)
     for ax, wl in zip(axes[0], wls):
-        rows = [dict(s, q=s[s["quality_key"]]) for s in summaries if s["workload"] == wl]
+        rows = [s for s in summaries if s["workload"] == wl]
         key, hib = rows[0]["quality_key"], rows[0]["higher_is_better"]
         front = pareto(rows, hib)
         for r in rows:
@@ -394,8 +431,9 @@ def plots(summaries, evals, out):
     for ax, wl in zip(axes[0], wls):
         rows = [s for s in summaries if s["workload"] == wl]
         key = rows[0]["quality_key"]
-        for r in rows:
-            pts = [e for e in evals if e["workload"] == wl and e["run"] == r["run"]]
+        for r in rows:   # the curve of the first seed
+            pts = [e for e in evals if e["workload"] == wl and e["run"] == r["run"] and e.get("seed", r["seeds"][0])
+                   == r["seeds"][0]]
             c, ls, _ = _style(r["run"])
             ax.plot([e["step"] for e in pts], [e[key] for e in pts], color=c, ls=ls, lw=1.2, label=r["run"])
         ax.set(xlabel="step", ylabel=key, title=f"{wl}: {key} vs step")
@@ -410,18 +448,23 @@ def plots(summaries, evals, out):
 
 
 def load_records(paths):
-    """Run summaries and evaluations from JSON lines files; a later file's run replaces an earlier one."""
+    """Run summaries and evaluations from JSON lines files; a later file's run (same workload, label
+    and seed) replaces an earlier one. Runs of other seeds are kept: the table averages them."""
     summaries, evals = {}, {}
     for path in paths:
         file_evals = {}
+        seed_of = {}
         with open(path) as f:
-            for line in f:
-                rec = json.loads(line)
-                k = (rec.get("workload"), rec.get("run"))
-                if rec.get("kind") == "run":
-                    summaries[k] = rec
-                elif rec.get("kind") == "eval":
-                    file_evals.setdefault(k, []).append(rec)
+            lines = [json.loads(line) for line in f]
+        for rec in lines:   # evaluation records carry no seed: their file's run does
+            if rec.get("kind") == "run":
+                seed_of[(rec.get("workload"), rec.get("run"))] = rec.get("seed")
+        for rec in lines:
+            k = (rec.get("workload"), rec.get("run"), seed_of.get((rec.get("workload"), rec.get("run"))))
+            if rec.get("kind") == "run":
+                summaries[k] = rec
+            elif rec.get("kind") == "eval":
+                file_evals.setdefault(k, []).append(dict(rec, seed=k[2]))
         evals.update(file_evals)
     return list(summaries.values()), [e for k in summaries for e in evals.get(k, [])]
 

@@ -75,3 +75,21 @@ def test_report_merges_files_later_run_replaces_earlier(quick_run, tmp_path):
             {"run": "c", "q": 0.7, "bytes_total": 5.0}]
     assert fidelity.pareto(rows, True) == {"a", "c"}
     assert fidelity.pareto(rows, False) == {"c"}   # lower is better: c beats both
+
+
+def test_report_averages_seeds(quick_run, tmp_path):
+    """Runs of the same label under other seeds are averaged, with their range; the same seed in a
+    later file still replaces."""
+    _, out, recs = quick_run
+    other = tmp_path / "seed7.jsonl"
+    run = next(r for r in recs if r["kind"] == "run" and r["workload"] == "cnn" and r["run"] == "exdyna d=0.01")
+    other.write_text(json.dumps(dict(run, seed=7, test_acc=run["test_acc"] - 0.10)) + "\n")
+    sys.path.insert(0, os.path.join(ROOT, "jobs"))
+    import fidelity
+
+    rep = tmp_path / "rep"
+    assert fidelity.main(["--report", f"{out / 'fidelity.jsonl'},{other}", "--out", str(rep), "--no-plot"]) == 0
+    table = (rep / "fidelity.md").read_text()
+    lo, hi = 100 * (run["test_acc"] - 0.10), 100 * run["test_acc"]
+    assert f"{(lo + hi) / 2:.2f} % [{lo:.2f}, {hi:.2f}]" in table, table
+    assert f"mean over seeds {run['seed']}, 7" in table
