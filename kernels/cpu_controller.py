@@ -266,6 +266,7 @@ def accumulate_measure(residual, grad, acc, bits, lo, hi, sign_off, shift, key0,
     is scanned; those few values touch the fine histogram; the coarse one reads one element in
     ``stride``. Non-finite values lie above ``low_f``, so the group maxima give ``mx`` too.
     """
+    # measure_part(..., 0, 1, hi - lo, ...) computes the same, but measured 4 % slower (serial, 10M)
     mx = _add_max(residual[:lo], grad[:lo], acc[:lo], bits[:lo], sign_off)
     m2 = _add_max(residual[hi:], grad[hi:], acc[hi:], bits[hi:], sign_off)
     mx = m2 if m2 > mx else mx

@@ -176,7 +176,7 @@ class HostOps:
 
     @staticmethod
     def accumulate_measure(residual, grad, acc, lo, hi, coarse, fine, stride, mark=None, threads=1):
-        # one fused kernel (kernels/cpu_controller.py: accumulate_measure, or its parallel twin); it
+        # one fused kernel (kernels/cpu_controller.py: accumulate_measure, or it on threads); it
         # finds the elements at or above the fine window's first edge anyway: with ``mark`` (that
         # edge) their indices are kept
         _marks.now = None

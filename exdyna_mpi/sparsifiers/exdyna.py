@@ -162,19 +162,19 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
         else:
             plan, cwords = self.controller.resolve(fused.plan, words[:, StepWords.N:], fused)
         counts = fused.counts
+        bounds = self.layout.bounds()   # this step's, before any rebalancing
         bound = self._quota_bound() if plan.measure else None
         moved = 0
         if bound is not None:
             t0 = time.perf_counter()
             at_threshold = counts
-            counts = fused.counts = self._meet_quota(step, fused, sel, counts, bound)
+            counts = fused.counts = self._meet_quota(step, fused, sel, counts, bound, bounds)
             moved = int(np.abs(counts - at_threshold).sum()) // 2
             step.sec["quota"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         idx = self._idx[:fused.count]
         union, report = self.gather_union(t, sel.acc, idx, counts, lambda: self.exchange.allgatherv(idx, counts))
         step.sec["indices"] = time.perf_counter() - t0
-        bounds = self.layout.bounds()   # this step's, before any rebalancing
         bal = self.options.get("balance", False)
         if bal is True:   # True: the controller's own partner rule; the authors' for theirs
             bal = self.controller.balance_rule
@@ -201,12 +201,10 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
         v = self.options.get("max_imbalance")   # (MiCRO has no such option)
         return None if v is None or self.nranks < 2 else float(v)
 
-    def _meet_quota(self, step, fused, sel, counts, bound):
+    def _meet_quota(self, step, fused, sel, counts, bound, bounds):
         """This step's quotas from the gathered counts (the same on every rank); this rank selects
         exactly its own: its largest values, from below the threshold where its quota is larger."""
-        b = self.layout.bounds()
-        part = [partition_of(r, step.t, self.nranks) for r in range(self.nranks)]
-        capacity = np.array([b[p + 1] - b[p] for p in part], dtype=np.int64)
+        capacity = np.diff(bounds)[owners(step.t, self.nranks)]
         want = quotas(counts, capacity, bound)
         mine, have = int(want[self.rank]), int(counts[self.rank])
         ops, acc, idx = self.ops, sel.acc, self._idx

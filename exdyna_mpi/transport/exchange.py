@@ -13,6 +13,8 @@ rank only and then copied, so the bits cannot differ between ranks (MPI does not
 Allreduce). Byte counts follow the bandwidth-optimal ring algorithms (Thakur, Rabenseifner, Gropp
 2005): what crosses this rank's link in each direction, the same model for every sparsifier.
 """
+import os
+
 import numpy as np
 from mpi4py import MPI
 
@@ -38,7 +40,6 @@ def node_ranks(comm):
     """Ranks of the job on this node: what the launcher says (MPICH's hydra, Open MPI, MVAPICH, Slurm),
     else the ranks of ``comm`` that share this node's memory (a collective over ``comm``: call it
     where every rank of ``comm`` does, as sparsifier construction is)."""
-    import os
     for key in _NODE_RANKS_ENV:
         v = os.environ.get(key, "")
         if v.isdigit() and int(v) > 0:
