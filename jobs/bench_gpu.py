@@ -19,6 +19,7 @@ For each numel (float32) and density, P=1, the default controller:
     python jobs/bench_gpu.py --numel 1e7 --reps 50 --json out/bench_gpu.json
     python jobs/bench_gpu.py --check                   # no GPU: exercise the table/JSON code only
 """
+import os
 import platform
 import sys
 import time
@@ -38,6 +39,10 @@ def parse_args(argv=None):
     p.add_argument("--stream", default="ar", choices=("ar", "constant"),
                    help="gradients: ar = AR(0.9), a new one each step, generated outside the timed step and "
                         "synchronised before it (default); constant = one gradient every step, back to back")
+    p.add_argument("--max-imbalance", type=float, default=None,
+                   help="ExDyna's max_imbalance (per-rank quotas; matters under mpiexec -n P > 1)")
+    p.add_argument("--rank-skew", type=float, default=0.0,
+                   help="rank r's gradient is scaled by 1 + skew * r (unequal loads, so quotas move selections)")
     p.add_argument("--check", action="store_true", help="format fake rows; needs no GPU")
     p.add_argument("--profile", action="store_true",
                    help="cProfile of the timed steps (host time per function, waits included), per numel")
@@ -51,7 +56,7 @@ def peak_bandwidth_gbs(props):
     return 2.0 * clock_khz * 1e3 * bus_bits / 8 / 1e9
 
 
-KERNEL_BYTES = {"acc_select_hist": 12.0, "scan": 0.0, "compact": 0.125, "fill_zero": 4.0}  # per element
+KERNEL_BYTES = {"acc_select_hist": 12.0, "acc_measure": 12.0, "scan": 0.0, "compact": 0.125, "fill_zero": 4.0}  # per element
 STEP_FLOOR = 16.0
 
 
@@ -87,7 +92,7 @@ def table(rows, device, peak):
 
     lines = [f"device: {device}, DRAM bandwidth {peak:.0f} GB/s (measured copy); step floor {STEP_FLOOR:g} B/element",
              f"{'numel':>11} {'density':>8} {'ctrl':>5} {'selected':>10} {'step ms':>8} {'of floor':>8} "
-             f"{'pass ms':>8} {'of peak':>7} {'scan ms':>7} {'compact':>8} {'fill ms':>7} {'of peak':>7} "
+             f"{'pass ms':>8} {'of peak':>7} {'measure':>8} {'of peak':>7} {'scan ms':>7} {'compact':>8} {'fill ms':>7} {'of peak':>7} "
              f"{'cupy sel':>9} {'torch topk':>10} {'x torch':>7}"]
     for r in rows:
         k, bl = r["kernels"], r["baselines"]
@@ -98,7 +103,8 @@ def table(rows, device, peak):
         lines.append(f"{r['numel']:>11,} {r['density']:>8g} {r.get('controller', 'measured')[:5]:>5} "
                      f"{f(r['selected'], 'd'):>10} {f(r['step_ms'], '.3f'):>8} "
                      f"{f(r['step_of_floor'], '.0%'):>8} {km('acc_select_hist'):>8} "
-                     f"{km('acc_select_hist', 'fraction_of_peak', '.0%'):>7} {km('scan'):>7} {km('compact'):>8} "
+                     f"{km('acc_select_hist', 'fraction_of_peak', '.0%'):>7} {km('acc_measure'):>8} "
+                     f"{km('acc_measure', 'fraction_of_peak', '.0%'):>7} {km('scan'):>7} {km('compact'):>8} "
                      f"{km('fill_zero'):>7} {km('fill_zero', 'fraction_of_peak', '.0%'):>7} "
                      f"{f(bl.get('cupy_threshold_select'), '.3f'):>9} {f(bl.get('torch_topk'), '.3f'):>10} "
                      f"{f(r['speedup_vs_torch_topk'], '.1f'):>7}")
@@ -146,7 +152,8 @@ def _torch_topk(r, g, k, reps):
     return start.elapsed_time(stop) / reps
 
 
-def measure(numel, density, reps, warmup, topk=True, profile=False, controller="measured", gen="ar"):
+def measure(numel, density, reps, warmup, topk=True, profile=False, controller="measured", gen="ar",
+            max_imbalance=None, skew=0.0):
     import cupy as cp
     import numpy as np
 
@@ -155,9 +162,10 @@ def measure(numel, density, reps, warmup, topk=True, profile=False, controller="
 
     n = int(numel)
     rng = cp.random.default_rng(0)
-    grad = rng.standard_normal(n, dtype=cp.float32) * 0.01
-    sp = exdyna_mpi.ExDyna(n, density, device="cuda", controller=controller)
-    zooms = []
+    sp = exdyna_mpi.ExDyna(n, density, device="cuda", controller=controller, max_imbalance=max_imbalance)
+    scale = np.float32(0.01 * (1.0 + skew * sp.rank))
+    grad = rng.standard_normal(n, dtype=cp.float32) * scale
+    zooms, moved, secs = [], [], []
     if gen == "constant":   # the same gradient every step (the controller's hardest case)
         step_ms = _time_ms(cp, lambda: sp.step(grad), reps, warmup=warmup)
     else:                      # AR(0.9): g = 0.9 g + 0.44 noise, generated outside the timed steps
@@ -166,12 +174,14 @@ def measure(numel, density, reps, warmup, topk=True, profile=False, controller="
         for t in range(warmup + reps):
             rng.standard_normal(dtype=cp.float32, out=noise)
             grad *= 0.9
-            grad += noise * np.float32(0.01 * 0.4359)
+            grad += noise * np.float32(scale * 0.4359)
             cp.cuda.get_current_stream().synchronize()   # the step's own host time is all exposed
             ms = _time_ms(cp, lambda: sp.step(grad), 1, warmup=0)
             if t >= warmup:
                 times.append(ms)
                 zooms.append(getattr(sp.controller, "zooms", 0))
+                moved.append(int(getattr(sp.stats, "quota_moved", 0) or 0))
+                secs.append(dict(sp.stats.seconds or {}))
         step_ms = float(np.median(times))
     selected = int(sp.stats.selected)
     if profile:
@@ -197,7 +207,7 @@ def measure(numel, density, reps, warmup, topk=True, profile=False, controller="
     idx = cp.empty(n, cp.int32)
     out = cp.empty(n, cp.float32)
     plan = sp.controller.plan(1, np.float32)
-    thr = np.float32(plan.threshold)
+    thr = np.float32(sp.controller.mark(plan) if plan.measure else plan.threshold)   # the step marks from here
     spec, fspec = plan.hist, plan.fine
     scratch = kc.Scratch(cp.zeros(kc.Scratch.size(), cp.int64), zeros=lambda m, dt: cp.zeros(m, dt))
     stream = kc.cuda.external_stream(cp.cuda.get_current_stream().ptr)
@@ -226,6 +236,11 @@ def measure(numel, density, reps, warmup, topk=True, profile=False, controller="
         compact()
 
     kernels = {"acc_select_hist": _time_ms(cp, pass_, reps)}
+    if hasattr(kc, "_measure_kernel") and plan.measure:   # the measured controller's own pass (issue 14)
+        kmeasure = kc._measure_kernel(np.float32)
+        kernels["acc_measure"] = _time_ms(cp, lambda: kc._launch(kmeasure, nb, bd, stream)(
+            dv[0], dv[1], dv[2], 0, n, thr, cs, bc, bb, mask, spec[1], spec[2], spec[0], fspec[1], fspec[2],
+            fspec[0], hw, plan.stride), reps)
     kernels["scan"] = _time_ms(cp, scan, reps)
     t_all = _time_ms(cp, one_select, reps)
     kernels["compact"] = max(t_all - kernels["acc_select_hist"] - kernels["scan"], 0.0)
@@ -245,9 +260,14 @@ def measure(numel, density, reps, warmup, topk=True, profile=False, controller="
 
         baselines["cupy_threshold_select"] = _time_ms(cp, cupy_sel, reps)
         baselines["torch_topk"] = _torch_topk(res, grad, max(1, int(n * density)), max(1, reps // 4))
+    nranks = sp.nranks
     del sp, res, grad, acc, idx, out, vals
     cp.get_default_memory_pool().free_all_blocks()
-    return step_ms, kernels, baselines, selected, {"zoom_steps": sum(1 for z in zooms if z), "steps": len(zooms)}
+    return step_ms, kernels, baselines, selected, {"zoom_steps": sum(1 for z in zooms if z), "steps": len(zooms),
+                                                   "nranks": nranks, "max_imbalance": max_imbalance,
+                                                   "quota_moved_mean": float(np.mean(moved)) if moved else 0.0,
+                                                   "host_phase_ms": {k: 1e3 * float(np.median([s.get(k, 0.0) for s in secs]))
+                                                                     for k in sorted({k for s in secs for k in s})}}
 
 
 def launch_costs(cp, kc, stream, reps=300):
@@ -303,6 +323,12 @@ def main(argv=None):
 
         from exdyna_mpi.arrays import gpu_available
 
+        if "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ:   # under mpiexec: rank 0 reports
+            from mpi4py import MPI
+            if MPI.COMM_WORLD.Get_rank():
+                sys.stdout = open(os.devnull, "w")
+                a.json = None
+
         if not gpu_available():
             sys.exit("bench_gpu: no CUDA device visible to CuPy (use --check to test the script)")
         props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
@@ -324,7 +350,8 @@ def main(argv=None):
             for d in densities:
                 for c in a.controller.split(","):
                     step_ms, kernels, baselines, sel, extra = measure(n, d, a.reps, a.warmup, topk=not a.no_topk,
-                                                                      profile=a.profile, controller=c, gen=a.stream)
+                                                                      profile=a.profile, controller=c, gen=a.stream,
+                                                                      max_imbalance=a.max_imbalance, skew=a.rank_skew)
                     rows.append(row(n, d, peak, step_ms, kernels, baselines, sel, c))
                     rows[-1].update(extra, stream=a.stream)
                     print(table(rows[-1:], device, peak).splitlines()[-1], flush=True)

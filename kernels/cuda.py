@@ -64,6 +64,7 @@ if getattr(cuda, "implementation", "NVIDIA") == "Built-in" and not SIMULATOR:
 
 NB_MAX = 1024          # most blocks a selection uses; the scan runs one block of up to NB_MAX threads
 HIST_MAX = 1024        # most buckets (coarse + fine) a histogram pass fills: one shared int64 array per block
+HIST_SPARE = HIST_MAX + 2   # the measuring pass's shared words: the buckets and 2 spare words
 WARPS_MAX = 32         # blockDim <= 1024
 FULL_MASK = 0xFFFFFFFF
 
@@ -537,6 +538,125 @@ def _make_hist_kernels(bits, sign_off):
         _flush_hist(sh, nh, nf, low, low_f, hist)
         _block_total2(cnt, bad, block_counts, block_bad)
 
+    @cuda.jit(device=True)
+    def _measure(v, i, lo, mark, mask, sh, shift, key0, lo_c, at_c, top_c, shift_f, key0_f, lo_f, at_f, top_f,
+                 cnt, bad, low, low_f):
+        """One element of the measuring pass: non-finite, the mark, the fine bucket (every element)
+        and the coarse one. Below a window's bucket 1 (``b < lo_*``, nearly every element) it is a
+        register count: no shared atomic, no clamp; ``_bucket`` gives the same bucket (``b >= (key0
+        + 1) << shift`` is ``key - key0 >= 1`` for the non-negative ``b``). A window this thread
+        does not fill (no fine window; a coarse one it does not sample) has ``lo_*`` at the top of
+        the int64 range, buckets ``at_*`` in a spare shared word and a register count dropped at
+        the end: no test per element."""
+        if v - v != 0:  # inf and NaN give NaN; the CPU kernel uses the same test
+            bad += 1
+        if abs(v) >= mark:
+            cnt += 1
+            _mark(mask, i, lo)
+        b = bits(v) & sign_off
+        if b >= lo_f:
+            j = (b >> shift_f) - key0_f
+            cuda.atomic.add(sh, at_f + (j if j < top_f else top_f), np.int32(1))
+        else:
+            low_f += 1
+        if b >= lo_c:
+            j = (b >> shift) - key0
+            cuda.atomic.add(sh, at_c + (j if j < top_c else top_c), np.int32(1))
+        else:
+            low += 1
+        return cnt, bad, low, low_f
+
+    @cuda.jit
+    def acc_measure(r, g, acc, lo, hi, mark, cs, block_counts, block_bad, mask, shift, key0, nh, shift_f, key0_f,
+                    nf, hist, cstride):
+        """``acc_count_hist`` as the measured controller calls it (the histograms over [lo, hi), no
+        forecast, marks ``|acc| >= mark`` as hits), specialised: the coarse sample is one test per
+        thread (``cstride``, a power of two, divides ``blockDim``: a thread's elements keep their
+        index mod ``cstride``), four elements in flight per thread (their eight loads issued before
+        any use), and a bucket below bucket 1 costs a compare and a register add. Same words, same
+        bits as ``acc_count_hist`` (every count is an integer sum)."""
+        sh = cuda.shared.array(HIST_SPARE, np.int32)   # 2 spare words: see _measure
+        _zero_shared_hist(sh, nh + nf)
+        t = cuda.threadIdx.x
+        b = cuda.blockIdx.x
+        bd = cuda.blockDim.x
+        n = acc.shape[0]
+        e = min(lo + (b + 1) * cs, hi)
+        i = lo + b * cs + t
+        never = np.int64(0x7FFFFFFFFFFFFFFF)
+        fine = nf > 0
+        coarse = (i & (cstride - 1)) == 0
+        lo_f = ((np.int64(key0_f) + 1) << shift_f) if fine else never
+        at_f = nh if fine else HIST_MAX
+        top_f = nf - 1 if fine else 0
+        lo_c = ((np.int64(key0) + 1) << shift) if coarse else never
+        at_c = 0 if coarse else HIST_MAX + 1
+        top_c = nh - 1 if coarse else 0
+        cnt = 0
+        bad = 0
+        low = 0
+        low_f = 0
+        # indices are cast to uint64 where they index: a signed index costs a wrap-around of negative
+        # values (shift, and, add) on every access
+        while i + 3 * bd < e:
+            i1 = i + bd
+            i2 = i1 + bd
+            i3 = i2 + bd
+            u0, u1, u2, u3 = np.uint64(i), np.uint64(i1), np.uint64(i2), np.uint64(i3)
+            v0 = r[u0] + g[u0]
+            v1 = r[u1] + g[u1]
+            v2 = r[u2] + g[u2]
+            v3 = r[u3] + g[u3]
+            acc[u0] = v0
+            acc[u1] = v1
+            acc[u2] = v2
+            acc[u3] = v3
+            cnt, bad, low, low_f = _measure(v0, i, lo, mark, mask, sh, shift, key0, lo_c, at_c, top_c, shift_f, key0_f,
+                                            lo_f, at_f, top_f, cnt, bad, low, low_f)
+            cnt, bad, low, low_f = _measure(v1, i1, lo, mark, mask, sh, shift, key0, lo_c, at_c, top_c, shift_f,
+                                            key0_f, lo_f, at_f, top_f, cnt, bad, low, low_f)
+            cnt, bad, low, low_f = _measure(v2, i2, lo, mark, mask, sh, shift, key0, lo_c, at_c, top_c, shift_f,
+                                            key0_f, lo_f, at_f, top_f, cnt, bad, low, low_f)
+            cnt, bad, low, low_f = _measure(v3, i3, lo, mark, mask, sh, shift, key0, lo_c, at_c, top_c, shift_f,
+                                            key0_f, lo_f, at_f, top_f, cnt, bad, low, low_f)
+            i += 4 * bd
+        while i < e:
+            u0 = np.uint64(i)
+            v0 = r[u0] + g[u0]
+            acc[u0] = v0
+            cnt, bad, low, low_f = _measure(v0, i, lo, mark, mask, sh, shift, key0, lo_c, at_c, top_c, shift_f, key0_f,
+                                            lo_f, at_f, top_f, cnt, bad, low, low_f)
+            i += bd
+        if not fine:
+            low_f = 0
+        if not coarse:
+            low = 0
+        # the rest of the vector, [0, lo) then [hi, n): acc and the non-finite count only
+        m = hi - lo
+        stride = cuda.gridDim.x * bd
+        j = b * bd + t
+        while j + stride < n - m:
+            j1 = j + stride
+            k0 = np.uint64(j if j < lo else j + m)
+            k1 = np.uint64(j1 if j1 < lo else j1 + m)
+            v0 = r[k0] + g[k0]
+            v1 = r[k1] + g[k1]
+            acc[k0] = v0
+            acc[k1] = v1
+            if v0 - v0 != 0:
+                bad += 1
+            if v1 - v1 != 0:
+                bad += 1
+            j += 2 * stride
+        if j < n - m:
+            k0 = np.uint64(j if j < lo else j + m)
+            v0 = r[k0] + g[k0]
+            acc[k0] = v0
+            if v0 - v0 != 0:
+                bad += 1
+        _flush_hist(sh, nh, nf, low, low_f, hist)
+        _block_total2(cnt, bad, block_counts, block_bad)
+
     @cuda.jit
     def hist_range(x, lo, hi, shift, key0, nh, hist):
         """``hist[:nh] +=`` the histogram of ``|x[lo:hi]|`` (zeroed before); x only read."""
@@ -572,11 +692,11 @@ def _make_hist_kernels(bits, sign_off):
             q += cuda.gridsize(1)
         _flush_hist(sh, nh, 0, low, low_f, hist)
 
-    return acc_count_hist, hist_range, hist_marked
+    return acc_count_hist, acc_measure, hist_range, hist_marked
 
 
-_acc_count_hist32, _hist_range32, _hist_marked32 = _make_hist_kernels(_bits32, 0x7FFFFFFF)
-_acc_count_hist64, _hist_range64, _hist_marked64 = _make_hist_kernels(_bits64, 0x7FFFFFFFFFFFFFFF)
+_acc_count_hist32, _acc_measure32, _hist_range32, _hist_marked32 = _make_hist_kernels(_bits32, 0x7FFFFFFF)
+_acc_count_hist64, _acc_measure64, _hist_range64, _hist_marked64 = _make_hist_kernels(_bits64, 0x7FFFFFFFFFFFFFFF)
 
 
 @cuda.jit
@@ -991,6 +1111,14 @@ def _hist_kernels(dtype, marked=False):
     raise TypeError(f"histograms need float32 or float64, not {dtype}")
 
 
+def _measure_kernel(dtype):
+    if np.dtype(dtype) == np.float32:
+        return _acc_measure32
+    if np.dtype(dtype) == np.float64:
+        return _acc_measure64
+    raise TypeError(f"histograms need float32 or float64, not {dtype}")
+
+
 def _hist_words(scratch, nw):
     if nw > HIST_MAX:
         raise ValueError(f"{nw} histogram buckets: at most HIST_MAX = {HIST_MAX}")
@@ -1038,8 +1166,20 @@ def accumulate_measure_async(residual, grad, acc, lo, hi, mark, shift, key0, nh,
     hit mask on every element with ``|acc| >= mark`` (``mark`` NaN: none), kept for
     ``select_marked_async``. ``scratch.totals_hist`` holds ``[marked, nonfinite, hist...]`` when it
     completes. Three launches: zero the words, the pass, the scan (for the totals)."""
-    nb, _, _ = _hist_pass(residual, grad, acc, lo, hi, mark, shift, key0, nh, scratch, stream, False, fine, lo, hi,
-                          stride)
+    if stride > 0 and stride & (stride - 1) == 0 and BLOCK % stride == 0:   # the specialised pass
+        m = hi - lo
+        shift_f, key0_f, nf = fine
+        hw = _hist_words(scratch, nh + nf)
+        nb, bd = _shape(acc.shape[0])
+        cs = _chunk(m, nb, bd)
+        mask = scratch.mask_for(m)
+        _go(_zero_words, 1, max(1, min(BLOCK, _round32(nh + nf))), stream, hw, nh + nf)
+        _go(_measure_kernel(acc.dtype), nb, bd, stream, residual, grad, acc, lo, hi, mark, cs, scratch.block_counts,
+            scratch.block_bad, mask, int(shift), int(key0), int(nh), int(shift_f), int(key0_f), int(nf), hw,
+            int(stride))
+    else:
+        nb, _, _ = _hist_pass(residual, grad, acc, lo, hi, mark, shift, key0, nh, scratch, stream, False, fine, lo,
+                              hi, stride)
     _go(_scan, 1, min(SCAN_THREADS, _round32(nb)), stream, scratch.block_counts, scratch.block_bad, nb,
         scratch.offsets, scratch.totals)
     if mark == mark and hi > lo:
