@@ -286,12 +286,18 @@ def launch_costs(cp, kc, stream, reps=300):
     dw = [kc._dev(a) for a in (w,)]
     dh = [kc._dev(a) if hasattr(a, "shape") else a for a in hist_args]
     out = {}
+    driver = getattr(kc, "_DRIVER", None)
     for name, numba_call, fast_call in (
             ("zero_words", lambda: kc._launch(kc._zero_words, 1, 32, stream)(dw[0], 64),
              lambda: kc._go(kc._zero_words, 1, 32, stream, w, 64)),
             ("hist_pass", lambda: kc._launch(kcount, 1, 256, stream)(*dh),
              lambda: kc._go(kcount, 1, 256, stream, *hist_args))):
-        for label, fn in (("numba", numba_call), ("fast", fast_call)):
+        for label, fn in (("numba", numba_call), ("core", fast_call), ("fast", fast_call)):
+            if hasattr(kc, "_DRIVER"):   # core: cuda.core's launch; fast: the raw driver launch (issue 14)
+                kc._DRIVER = label == "fast"
+                kc._fast.clear()
+            elif label == "core":
+                continue
             for _ in range(5):
                 fn()
             cp.cuda.get_current_stream().synchronize()
@@ -301,6 +307,9 @@ def launch_costs(cp, kc, stream, reps=300):
             host = (time.perf_counter() - t0) / reps * 1e6
             cp.cuda.get_current_stream().synchronize()
             out[f"{name}_{label}"] = host
+    if hasattr(kc, "_DRIVER"):
+        kc._DRIVER = driver
+        kc._fast.clear()
     print("host us per launch: " + ", ".join(f"{k} {v:.1f}" for k, v in out.items()), flush=True)
     return out
 

@@ -41,6 +41,7 @@ words to the host and return them, like ``kernels.cpu`` / ``kernels.cpu_controll
 import ctypes
 import math
 import os
+import threading
 import warnings
 
 import numpy as np
@@ -881,19 +882,11 @@ class _FastLaunch:
     """One compiled overload, one launch shape, one stream: the arguments marshalled by hand."""
 
     def __init__(self, kernel, args, nb, bd, stream):
-        from cuda.core import LaunchConfig, launch
         from numba.cuda import types as nt
 
         argtypes = tuple(kernel.typeof_pyval(a) for a in args)
         kern = kernel.overloads[argtypes]
         self.fn = kern._codelibrary.get_cufunc().kernel
-        try:
-            from numba.cuda._compat import CUDA_CORE_GE_1_0
-        except ImportError:  # pragma: no cover - older numba-cuda
-            CUDA_CORE_GE_1_0 = True
-        coop = "is_cooperative" if CUDA_CORE_GE_1_0 else "cooperative_launch"
-        self.config = LaunchConfig(grid=nb, block=bd, shmem_size=0, **{coop: False})
-        self.launch, self.stream = launch, stream
         self.plan = []
         for ty in kern.argument_types:
             if isinstance(ty, nt.Array) and ty.ndim == 1:
@@ -904,9 +897,27 @@ class _FastLaunch:
                 self.plan.append(bool)
             else:
                 raise NotImplementedError(f"fast launch: argument type {ty}")
+        self.stream = stream
+        self.driver = None
+        if _DRIVER:
+            try:
+                self.driver = _DriverLaunch(self.fn, self.plan, nb, bd, stream)
+            except Exception as e:  # pragma: no cover - a driver or cuda.core without these entry points
+                warnings.warn(f"exdyna_mpi: cuda.core's launch for {kernel.__name__}: {e!r}", RuntimeWarning)
+        if self.driver is None:
+            from cuda.core import LaunchConfig, launch
+            try:
+                from numba.cuda._compat import CUDA_CORE_GE_1_0
+            except ImportError:  # pragma: no cover - older numba-cuda
+                CUDA_CORE_GE_1_0 = True
+            coop = "is_cooperative" if CUDA_CORE_GE_1_0 else "cooperative_launch"
+            self.config = LaunchConfig(grid=nb, block=bd, shmem_size=0, **{coop: False})
+            self.launch = launch
 
     def __call__(self, args):
         """Launch; False (nothing launched) for a strided array where the overload wants unit stride."""
+        if self.driver is not None:
+            return self.driver(args)
         ka = []
         for how, v in zip(self.plan, args):
             if how.__class__ is str:
@@ -919,6 +930,75 @@ class _FastLaunch:
             else:
                 ka.append(how(v))
         self.launch(self.stream, self.config, self.fn, *ka)
+        return True
+
+
+# ``cuLaunchKernel`` called through ctypes with a parameter block built once per launch shape: only
+# the values change between calls. cuda.core's ``launch`` converts every argument on every call
+# (24-34 us per launch on the H100 node, 8-11 launches per step); this is a few us.
+# EXDYNA_CUDA_LAUNCH=core keeps cuda.core's launch, =numba Numba's own path.
+_DRIVER = os.environ.get("EXDYNA_CUDA_LAUNCH", "fast").strip().lower() == "fast"
+_cu = None
+
+
+def _driver():
+    """libcuda's ``cuLaunchKernel`` and ``cuKernelGetFunction`` with their C signatures."""
+    global _cu
+    if _cu is None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        launch = lib.cuLaunchKernel
+        launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+        launch.restype = ctypes.c_int
+        get = lib.cuKernelGetFunction
+        get.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+        get.restype = ctypes.c_int
+        _cu = (launch, get)
+    return _cu
+
+
+def _handle(h):
+    h = getattr(h, "handle", h)
+    v = getattr(h, "value", None)   # a ctypes handle
+    return int(v if v is not None else h)
+
+
+class _DriverLaunch:
+    """The parameter block of one kernel (Numba's layout: an array is meminfo, parent, size,
+    itemsize, data, shape, strides; a scalar its C type) and a raw ``cuLaunchKernel``."""
+
+    def __init__(self, kernel, plan, nb, bd, stream):
+        launch, get = _driver()
+        func = ctypes.c_void_p()
+        rc = get(ctypes.byref(func), _handle(kernel))   # cuda.core loads kernels as CUkernel (a library's)
+        if rc != 0:
+            raise RuntimeError(f"cuKernelGetFunction failed ({rc})")
+        self.func, self.launch = func, launch
+        self.nb, self.bd = nb, bd
+        self.stream = ctypes.c_void_p(int(stream.__cuda_stream__()[1]) if stream else 0)
+        self.slots, self.plan = [], []
+        for how in plan:
+            if how.__class__ is str:
+                vals = [ctypes.c_void_p(0), ctypes.c_void_p(0), ctypes.c_int64(), ctypes.c_int64(),
+                        ctypes.c_void_p(), ctypes.c_int64(), ctypes.c_int64()]
+                self.plan.append((how, vals[2], vals[3], vals[4], vals[5], vals[6]))
+            else:
+                vals = [ctypes.c_bool() if how is bool else how()]
+                self.plan.append((how, vals[0]))
+            self.slots += vals
+        self.params = (ctypes.c_void_p * len(self.slots))(*[ctypes.addressof(v) for v in self.slots])
+
+    def __call__(self, args):
+        for p, v in zip(self.plan, args):
+            if p[0].__class__ is str:
+                ptr, n, stride, item = _array_fields(v)
+                if stride != item and p[0] == "C" and n > 1:
+                    return False
+                p[1].value, p[2].value, p[3].value, p[4].value, p[5].value = n, item, ptr, n, stride
+            else:
+                p[1].value = v
+        rc = self.launch(self.func, self.nb, 1, 1, self.bd, 1, 1, 0, self.stream, self.params, None)
+        if rc != 0:
+            raise RuntimeError(f"exdyna_mpi: cuLaunchKernel failed with CUDA error {rc}")
         return True
 
 
@@ -941,7 +1021,7 @@ def _go(kernel, nb, bd, stream, *args):
     fast = _FAST and bool(stream) and not SIMULATOR
     f = None
     if fast:
-        key = (id(kernel), nb, bd, id(stream)) + tuple(_kind(a) for a in args)
+        key = (id(kernel), nb, bd, id(stream), threading.get_ident()) + tuple(_kind(a) for a in args)
         f = _fast.get(key)
         if f and f(args):
             return
