@@ -56,7 +56,7 @@ def peak_bandwidth_gbs(props):
     return 2.0 * clock_khz * 1e3 * bus_bits / 8 / 1e9
 
 
-KERNEL_BYTES = {"acc_select_hist": 12.0, "acc_measure": 12.0, "scan": 0.0, "compact": 0.125, "fill_zero": 4.0}  # per element
+KERNEL_BYTES = {"acc_select_hist": 12.0, "acc_measure": 12.0, "acc_measure_ef": 12.0, "scan": 0.0, "compact": 0.125, "fill_zero": 4.0}  # per element
 STEP_FLOOR = 16.0
 
 
@@ -202,6 +202,7 @@ def measure(numel, density, reps, warmup, topk=True, profile=False, controller="
         print(f"--- profile, numel {n:,}, density {density}, {reps} steps\n{buf.getvalue()}", flush=True)
 
     # each kernel alone, on buffers of the step's shape, the plan the controller asks for now
+    res_ef = sp.memory.residual.copy()   # the error-feedback state the step's own pass meets
     res = rng.standard_normal(n, dtype=cp.float32) * 0.01
     acc = cp.empty(n, cp.float32)
     idx = cp.empty(n, cp.int32)
@@ -241,6 +242,12 @@ def measure(numel, density, reps, warmup, topk=True, profile=False, controller="
         kernels["acc_measure"] = _time_ms(cp, lambda: kc._launch(kmeasure, nb, bd, stream)(
             dv[0], dv[1], dv[2], 0, n, thr, cs, bc, bb, mask, spec[1], spec[2], spec[0], fspec[1], fspec[2],
             fspec[0], hw, plan.stride), reps)
+        dve = kc._dev(res_ef)   # the same on the step's residual: its pile just under the threshold marks more
+        kernels["acc_measure_ef"] = _time_ms(cp, lambda: kc._launch(kmeasure, nb, bd, stream)(
+            dve, dv[1], dv[2], 0, n, thr, cs, bc, bb, mask, spec[1], spec[2], spec[0], fspec[1], fspec[2],
+            fspec[0], hw, plan.stride), reps)
+        kc._go(kc._zero_words, *kc._shape((n + 31) // 32), stream, mask, (n + 31) // 32)   # marks: not a hit mask
+    del res_ef
     kernels["scan"] = _time_ms(cp, scan, reps)
     t_all = _time_ms(cp, one_select, reps)
     kernels["compact"] = max(t_all - kernels["acc_select_hist"] - kernels["scan"], 0.0)
