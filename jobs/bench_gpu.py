@@ -56,7 +56,8 @@ def peak_bandwidth_gbs(props):
     return 2.0 * clock_khz * 1e3 * bus_bits / 8 / 1e9
 
 
-KERNEL_BYTES = {"acc_select_hist": 12.0, "acc_measure": 12.0, "acc_measure_ef": 12.0, "scan": 0.0, "compact": 0.125, "fill_zero": 4.0}  # per element
+KERNEL_BYTES = {"acc_select_hist": 12.0, "acc_measure": 12.0, "acc_measure_ef": 12.0, "acc_measure_warp": 12.0,
+                "acc_measure_warp_ef": 12.0, "scan": 0.0, "compact": 0.125, "fill_zero": 4.0}  # per element
 STEP_FLOOR = 16.0
 
 
@@ -100,11 +101,13 @@ def table(rows, device, peak):
         def km(n, key="ms", fmt=".3f"):
             return f(k.get(n, {}).get(key), fmt)
 
+        mk = next((m for m in ("acc_measure_warp_ef", "acc_measure_ef", "acc_measure") if m in k), "acc_measure")
+
         lines.append(f"{r['numel']:>11,} {r['density']:>8g} {r.get('controller', 'measured')[:5]:>5} "
                      f"{f(r['selected'], 'd'):>10} {f(r['step_ms'], '.3f'):>8} "
                      f"{f(r['step_of_floor'], '.0%'):>8} {km('acc_select_hist'):>8} "
-                     f"{km('acc_select_hist', 'fraction_of_peak', '.0%'):>7} {km('acc_measure'):>8} "
-                     f"{km('acc_measure', 'fraction_of_peak', '.0%'):>7} {km('scan'):>7} {km('compact'):>8} "
+                     f"{km('acc_select_hist', 'fraction_of_peak', '.0%'):>7} {km(mk):>8} "
+                     f"{km(mk, 'fraction_of_peak', '.0%'):>7} {km('scan'):>7} {km('compact'):>8} "
                      f"{km('fill_zero'):>7} {km('fill_zero', 'fraction_of_peak', '.0%'):>7} "
                      f"{f(bl.get('cupy_threshold_select'), '.3f'):>9} {f(bl.get('torch_topk'), '.3f'):>10} "
                      f"{f(r['speedup_vs_torch_topk'], '.1f'):>7}")
@@ -238,15 +241,16 @@ def measure(numel, density, reps, warmup, topk=True, profile=False, controller="
 
     kernels = {"acc_select_hist": _time_ms(cp, pass_, reps)}
     if hasattr(kc, "_measure_kernel") and plan.measure:   # the measured controller's own pass (issue 14)
-        kmeasure = kc._measure_kernel(np.float32)
-        kernels["acc_measure"] = _time_ms(cp, lambda: kc._launch(kmeasure, nb, bd, stream)(
-            dv[0], dv[1], dv[2], 0, n, thr, cs, bc, bb, mask, spec[1], spec[2], spec[0], fspec[1], fspec[2],
-            fspec[0], hw, plan.stride), reps)
-        dve = kc._dev(res_ef)   # the same on the step's residual: its pile just under the threshold marks more
-        kernels["acc_measure_ef"] = _time_ms(cp, lambda: kc._launch(kmeasure, nb, bd, stream)(
-            dve, dv[1], dv[2], 0, n, thr, cs, bc, bb, mask, spec[1], spec[2], spec[0], fspec[1], fspec[2],
-            fspec[0], hw, plan.stride), reps)
-        kc._go(kc._zero_words, *kc._shape((n + 31) // 32), stream, mask, (n + 31) // 32)   # marks: not a hit mask
+        dve = kc._dev(res_ef)   # the step's residual: its pile just under the threshold marks more
+        variants = ("safe", "fast") if hasattr(kc, "_acc_measure32_warp") else (None,)
+        for v in variants:
+            kmeasure = kc._measure_kernel(np.float32, v) if v else kc._measure_kernel(np.float32)
+            for tag, rr in (("", dv[0]), ("_ef", dve)):
+                kernels[f"acc_measure{'_warp' if v == 'fast' else ''}{tag}"] = _time_ms(
+                    cp, lambda: kc._launch(kmeasure, nb, bd, stream)(
+                        rr, dv[1], dv[2], 0, n, thr, cs, bc, bb, mask, spec[1], spec[2], spec[0], fspec[1],
+                        fspec[2], fspec[0], hw, plan.stride), reps)
+                kc._go(kc._zero_words, *kc._shape((n + 31) // 32), stream, mask, (n + 31) // 32)   # marks off
     del res_ef
     kernels["scan"] = _time_ms(cp, scan, reps)
     t_all = _time_ms(cp, one_select, reps)

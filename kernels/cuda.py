@@ -539,6 +539,50 @@ def _make_hist_kernels(bits, sign_off):
         _flush_hist(sh, nh, nf, low, low_f, hist)
         _block_total2(cnt, bad, block_counts, block_bad)
 
+    @cuda.jit
+    def hist_range(x, lo, hi, shift, key0, nh, hist):
+        """``hist[:nh] +=`` the histogram of ``|x[lo:hi]|`` (zeroed before); x only read."""
+        sh = cuda.shared.array(HIST_MAX, np.int32)
+        _zero_shared_hist(sh, nh)
+        low = 0
+        low_f = 0
+        i = lo + cuda.grid(1)
+        stride = cuda.gridsize(1)
+        while i < hi:
+            low, low_f = _put(x[i], sh, shift, key0, nh, 0, 0, 0, low, low_f, True)
+            i += stride
+        _flush_hist(sh, nh, 0, low, low_f, hist)
+
+    @cuda.jit
+    def hist_marked(x, lo, hi, mask, shift, key0, nh, hist):
+        """``hist_range`` over the marked elements of [lo, hi) only (the mask is read, not changed):
+        the same counts in buckets 1.. when every element at or above bucket 1's edge is marked;
+        bucket 0 is then the range's length minus the rest (the caller's sum)."""
+        sh = cuda.shared.array(HIST_MAX, np.int32)
+        _zero_shared_hist(sh, nh)
+        low = 0
+        low_f = 0
+        q = cuda.grid(1)
+        w1 = (hi - lo + 31) >> 5
+        while q < w1:
+            rest = np.int64(mask[q])
+            at = lo + (q << 5)
+            while rest != 0:
+                lowbit = rest & -rest
+                low, low_f = _put(x[at + cuda.popc(lowbit - 1)], sh, shift, key0, nh, 0, 0, 0, low, low_f, True)
+                rest ^= lowbit
+            q += cuda.gridsize(1)
+        _flush_hist(sh, nh, 0, low, low_f, hist)
+
+    return acc_count_hist, hist_range, hist_marked
+
+
+_acc_count_hist32, _hist_range32, _hist_marked32 = _make_hist_kernels(_bits32, 0x7FFFFFFF)
+_acc_count_hist64, _hist_range64, _hist_marked64 = _make_hist_kernels(_bits64, 0x7FFFFFFFFFFFFFFF)
+
+def _make_measure(bits, sign_off, warp):
+    """The measuring pass for one float width; ``warp``: marks by warp ballot (real GPUs)."""
+
     @cuda.jit(device=True)
     def _measure(v, i, lo, mark, mask, sh, shift, key0, lo_c, at_c, top_c, shift_f, key0_f, lo_f, at_f, top_f,
                  cnt, bad, low, low_f):
@@ -548,12 +592,20 @@ def _make_hist_kernels(bits, sign_off):
         + 1) << shift`` is ``key - key0 >= 1`` for the non-negative ``b``). A window this thread
         does not fill (no fine window; a coarse one it does not sample) has ``lo_*`` at the top of
         the int64 range, buckets ``at_*`` in a spare shared word and a register count dropped at
-        the end: no test per element."""
+        the end: no test per element. ``warp``: marks by ballot (a GPU; lanes of a warp are
+        consecutive elements, a mask word, and active as a prefix of the warp); else one atomic or
+        per mark (the simulator, which has no warp intrinsics)."""
         if v - v != 0:  # inf and NaN give NaN; the CPU kernel uses the same test
             bad += 1
-        if abs(v) >= mark:
-            cnt += 1
+        hit = abs(v) >= mark
+        if warp:   # the 32 lanes of a warp hold the 32 elements of one mask word: one store, no atomics
+            word = cuda.ballot_sync(cuda.activemask(), hit)
+            if word != 0 and cuda.laneid == 0:
+                mask[(i - lo) >> 5] = word
+        elif hit:
             _mark(mask, i, lo)
+        if hit:
+            cnt += 1
         b = bits(v) & sign_off
         if b >= lo_f:
             j = (b >> shift_f) - key0_f
@@ -658,46 +710,13 @@ def _make_hist_kernels(bits, sign_off):
         _flush_hist(sh, nh, nf, low, low_f, hist)
         _block_total2(cnt, bad, block_counts, block_bad)
 
-    @cuda.jit
-    def hist_range(x, lo, hi, shift, key0, nh, hist):
-        """``hist[:nh] +=`` the histogram of ``|x[lo:hi]|`` (zeroed before); x only read."""
-        sh = cuda.shared.array(HIST_MAX, np.int32)
-        _zero_shared_hist(sh, nh)
-        low = 0
-        low_f = 0
-        i = lo + cuda.grid(1)
-        stride = cuda.gridsize(1)
-        while i < hi:
-            low, low_f = _put(x[i], sh, shift, key0, nh, 0, 0, 0, low, low_f, True)
-            i += stride
-        _flush_hist(sh, nh, 0, low, low_f, hist)
-
-    @cuda.jit
-    def hist_marked(x, lo, hi, mask, shift, key0, nh, hist):
-        """``hist_range`` over the marked elements of [lo, hi) only (the mask is read, not changed):
-        the same counts in buckets 1.. when every element at or above bucket 1's edge is marked;
-        bucket 0 is then the range's length minus the rest (the caller's sum)."""
-        sh = cuda.shared.array(HIST_MAX, np.int32)
-        _zero_shared_hist(sh, nh)
-        low = 0
-        low_f = 0
-        q = cuda.grid(1)
-        w1 = (hi - lo + 31) >> 5
-        while q < w1:
-            rest = np.int64(mask[q])
-            at = lo + (q << 5)
-            while rest != 0:
-                lowbit = rest & -rest
-                low, low_f = _put(x[at + cuda.popc(lowbit - 1)], sh, shift, key0, nh, 0, 0, 0, low, low_f, True)
-                rest ^= lowbit
-            q += cuda.gridsize(1)
-        _flush_hist(sh, nh, 0, low, low_f, hist)
-
-    return acc_count_hist, acc_measure, hist_range, hist_marked
+    return acc_measure
 
 
-_acc_count_hist32, _acc_measure32, _hist_range32, _hist_marked32 = _make_hist_kernels(_bits32, 0x7FFFFFFF)
-_acc_count_hist64, _acc_measure64, _hist_range64, _hist_marked64 = _make_hist_kernels(_bits64, 0x7FFFFFFFFFFFFFFF)
+_acc_measure32 = _make_measure(_bits32, 0x7FFFFFFF, False)
+_acc_measure64 = _make_measure(_bits64, 0x7FFFFFFFFFFFFFFF, False)
+_acc_measure32_warp = _make_measure(_bits32, 0x7FFFFFFF, True)
+_acc_measure64_warp = _make_measure(_bits64, 0x7FFFFFFFFFFFFFFF, True)
 
 
 @cuda.jit
@@ -1191,11 +1210,16 @@ def _hist_kernels(dtype, marked=False):
     raise TypeError(f"histograms need float32 or float64, not {dtype}")
 
 
-def _measure_kernel(dtype):
+def _measure_kernel(dtype, variant=None):
+    """The measuring pass for ``dtype``: marks by warp ballot with the ``fast`` variant (a GPU),
+    by atomic or with ``safe`` (the simulator; a GPU fallback)."""
+    warp = (variant or VARIANT) == "fast"
+    if warp and SIMULATOR:
+        raise RuntimeError("the 'fast' CUDA kernels need warp intrinsics, absent in the simulator")
     if np.dtype(dtype) == np.float32:
-        return _acc_measure32
+        return _acc_measure32_warp if warp else _acc_measure32
     if np.dtype(dtype) == np.float64:
-        return _acc_measure64
+        return _acc_measure64_warp if warp else _acc_measure64
     raise TypeError(f"histograms need float32 or float64, not {dtype}")
 
 
@@ -1240,7 +1264,7 @@ def _hist_pass(residual, grad, acc, lo, hi, thr, shift, key0, nh, scratch, strea
 
 
 def accumulate_measure_async(residual, grad, acc, lo, hi, mark, shift, key0, nh, scratch, stream=0,
-                             fine=(0, 0, 0), stride=1):
+                             fine=(0, 0, 0), stride=1, variant=None):
     """The measuring pass: ``acc = residual + grad`` with the histograms of ``|acc|`` over [lo, hi)
     (``accumulate_select_hist_async`` without a forecast) and, instead of a selection, a mark in the
     hit mask on every element with ``|acc| >= mark`` (``mark`` NaN: none), kept for
@@ -1254,7 +1278,8 @@ def accumulate_measure_async(residual, grad, acc, lo, hi, mark, shift, key0, nh,
         cs = _chunk(m, nb, bd)
         mask = scratch.mask_for(m)
         _go(_zero_words, 1, max(1, min(BLOCK, _round32(nh + nf))), stream, hw, nh + nf)
-        _go(_measure_kernel(acc.dtype), nb, bd, stream, residual, grad, acc, lo, hi, mark, cs, scratch.block_counts,
+        _go(_measure_kernel(acc.dtype, variant), nb, bd, stream, residual, grad, acc, lo, hi, mark, cs,
+            scratch.block_counts,
             scratch.block_bad, mask, int(shift), int(key0), int(nh), int(shift_f), int(key0_f), int(nf), hw,
             int(stride))
     else:

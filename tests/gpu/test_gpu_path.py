@@ -123,3 +123,37 @@ def test_no_full_length_copy_to_host(cp, monkeypatch):
     biggest = max(moved) if moved else 0
     mpi_assert(biggest < n * 4 // 10, f"a step copied {biggest} bytes to the host (numel {n})")
     mpi_assert(len(moved) > 0, "no device->host traffic counted: the hooks are not on the path")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("n,lo,hi,stride", [(1 << 22, 0, 1 << 22, 64), (3_000_017, 4_096, 2_999_969, 32),
+                                            (100_000, 320, 99_968, 1)])
+def test_measure_pass_warp_marks_equal_atomic_marks(cp, dtype, n, lo, hi, stride):
+    """The measuring pass with marks by warp ballot (the GPU's default) and by atomic or (the
+    variant the simulator checks against NumPy) leave the same acc, words and mask, on a vector with
+    a pile of values at the mark (error feedback's shape: many marks per mask word)."""
+    from exdyna_mpi.kernels import cuda as kc
+
+    rng = np.random.default_rng(n)
+    r = (rng.standard_normal(n) * 0.05).astype(dtype)
+    g = (rng.standard_normal(n) * 0.05).astype(dtype)
+    r[rng.integers(0, n, n // 50)] = 0.1   # the pile
+    g[[1, n // 2]] = [np.inf, np.nan]
+    mark = dtype(0.098)
+    mb = 23 if dtype == np.float32 else 52
+    ity = np.int32 if dtype == np.float32 else np.int64
+    key = int(np.array([mark], dtype).view(ity)[0])
+    coarse = (mb - 3, (key >> (mb - 3)) - 20, 40)
+    fine = (mb - 10, (key >> (mb - 10)) - 8, 256)
+    got = {}
+    for variant in ("safe", "fast"):
+        s = kc.Scratch(cp.zeros(kc.Scratch.size(), cp.int64), zeros=lambda m, dt: cp.zeros(m, dt))
+        acc = cp.empty(n, dtype)
+        kc.accumulate_measure_async(cp.asarray(r), cp.asarray(g), acc, lo, hi, mark, *coarse, s, stream=0, fine=fine,
+                                    stride=stride, variant=variant)
+        words = cp.asnumpy(s.totals_hist[:2 + coarse[2] + fine[2]])
+        mask = cp.asnumpy(s.mask[:(hi - lo + 31) // 32])
+        a = cp.asnumpy(acc)
+        got[variant] = (a[~np.isnan(a)].tobytes(), words.tolist(), mask.tobytes())
+    assert got["safe"][1][0] > (hi - lo) // 100   # many marks
+    assert got["fast"] == got["safe"]
