@@ -922,7 +922,8 @@ class _FastLaunch:
             try:
                 self.driver = _DriverLaunch(self.fn, self.plan, nb, bd, stream)
             except Exception as e:  # pragma: no cover - a driver or cuda.core without these entry points
-                warnings.warn(f"exdyna_mpi: cuda.core's launch for {kernel.__name__}: {e!r}", RuntimeWarning)
+                warnings.warn(f"exdyna_mpi: no raw driver launch ({e!r}); cuda.core's launch for {kernel.__name__}",
+                              RuntimeWarning)
         if self.driver is None:
             from cuda.core import LaunchConfig, launch
             try:
@@ -953,8 +954,9 @@ class _FastLaunch:
 
 
 # ``cuLaunchKernel`` called through ctypes with a parameter block built once per launch shape: only
-# the values change between calls. cuda.core's ``launch`` converts every argument on every call
-# (24-34 us per launch on the H100 node, 8-11 launches per step); this is a few us.
+# the values change between calls. cuda.core's ``launch`` converts every argument on every call:
+# 13-17 us (2 arguments) and 37-38 us (the 21-argument pass) of host time per launch on the H100 node
+# against 9-12 and 20-25 us this way (bench_gpu.py's launch_costs; 8-11 launches per step).
 # EXDYNA_CUDA_LAUNCH=core keeps cuda.core's launch, =numba Numba's own path.
 _DRIVER = os.environ.get("EXDYNA_CUDA_LAUNCH", "fast").strip().lower() == "fast"
 _cu = None
@@ -1247,16 +1249,24 @@ def accumulate_select_hist_async(residual, grad, acc, lo, hi, thr, idx, shift, k
     _scan_compact(scratch, nb, lo, hi, cs, mask, idx, stream, variant)
 
 
-def _hist_pass(residual, grad, acc, lo, hi, thr, shift, key0, nh, scratch, stream, predict, fine, flo, fhi, stride):
-    """Zero the histogram words and launch ``_acc_count_hist*``; returns (blocks, chunk, mask)."""
+def _hist_pass(residual, grad, acc, lo, hi, thr, shift, key0, nh, scratch, stream, predict, fine, flo, fhi, stride,
+               measure=None):
+    """Zero the histogram words and launch ``_acc_count_hist*``; returns (blocks, chunk, mask).
+    ``measure`` (a kernel variant; the measuring pass: no forecast, ``[flo, fhi) = [lo, hi)``): the
+    specialised ``_acc_measure*`` instead, where the coarse stride divides the block."""
     m = hi - lo
     shift_f, key0_f, nf = fine
-    kcount, _ = _hist_kernels(acc.dtype)
     hw = _hist_words(scratch, nh + nf)
     nb, bd = _shape(acc.shape[0])
     cs = _chunk(m, nb, bd)
     mask = scratch.mask_for(m)
     _go(_zero_words, 1, max(1, min(BLOCK, _round32(nh + nf))), stream, hw, nh + nf)
+    if measure and stride > 0 and stride & (stride - 1) == 0 and bd % stride == 0:
+        _go(_measure_kernel(acc.dtype, measure), nb, bd, stream, residual, grad, acc, lo, hi, thr, cs,
+            scratch.block_counts, scratch.block_bad, mask, int(shift), int(key0), int(nh), int(shift_f), int(key0_f),
+            int(nf), hw, int(stride))
+        return nb, cs, mask
+    kcount, _ = _hist_kernels(acc.dtype)
     _go(kcount, nb, bd, stream, residual, grad, acc, lo, hi, thr, cs, scratch.block_counts, scratch.block_bad, mask,
         int(flo), int(fhi), bool(predict), int(shift), int(key0), int(nh), int(shift_f), int(key0_f), int(nf), hw,
         int(stride))
@@ -1270,21 +1280,8 @@ def accumulate_measure_async(residual, grad, acc, lo, hi, mark, shift, key0, nh,
     hit mask on every element with ``|acc| >= mark`` (``mark`` NaN: none), kept for
     ``select_marked_async``. ``scratch.totals_hist`` holds ``[marked, nonfinite, hist...]`` when it
     completes. Three launches: zero the words, the pass, the scan (for the totals)."""
-    if stride > 0 and stride & (stride - 1) == 0 and BLOCK % stride == 0:   # the specialised pass
-        m = hi - lo
-        shift_f, key0_f, nf = fine
-        hw = _hist_words(scratch, nh + nf)
-        nb, bd = _shape(acc.shape[0])
-        cs = _chunk(m, nb, bd)
-        mask = scratch.mask_for(m)
-        _go(_zero_words, 1, max(1, min(BLOCK, _round32(nh + nf))), stream, hw, nh + nf)
-        _go(_measure_kernel(acc.dtype, variant), nb, bd, stream, residual, grad, acc, lo, hi, mark, cs,
-            scratch.block_counts,
-            scratch.block_bad, mask, int(shift), int(key0), int(nh), int(shift_f), int(key0_f), int(nf), hw,
-            int(stride))
-    else:
-        nb, _, _ = _hist_pass(residual, grad, acc, lo, hi, mark, shift, key0, nh, scratch, stream, False, fine, lo,
-                              hi, stride)
+    nb, _, _ = _hist_pass(residual, grad, acc, lo, hi, mark, shift, key0, nh, scratch, stream, False, fine, lo, hi,
+                          stride, measure=variant or VARIANT)
     _go(_scan, 1, min(SCAN_THREADS, _round32(nb)), stream, scratch.block_counts, scratch.block_bad, nb,
         scratch.offsets, scratch.totals)
     if mark == mark and hi > lo:
