@@ -242,9 +242,8 @@ def measure(numel, density, reps, warmup, topk=True, profile=False, controller="
     kernels = {"acc_select_hist": _time_ms(cp, pass_, reps)}
     if hasattr(kc, "_measure_kernel") and plan.measure:   # the measured controller's own pass (issue 14)
         dve = kc._dev(res_ef)   # the step's residual: its pile just under the threshold marks more
-        variants = ("safe", "fast") if hasattr(kc, "_acc_measure32_warp") else (None,)
-        for v in variants:
-            kmeasure = kc._measure_kernel(np.float32, v) if v else kc._measure_kernel(np.float32)
+        for v in ("safe", "fast"):
+            kmeasure = kc._measure_kernel(np.float32, v)
             for tag, rr in (("", dv[0]), ("_ef", dve)):
                 kernels[f"acc_measure{'_warp' if v == 'fast' else ''}{tag}"] = _time_ms(
                     cp, lambda: kc._launch(kmeasure, nb, bd, stream)(
