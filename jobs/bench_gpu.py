@@ -5,7 +5,10 @@ For each numel (float32) and density, P=1, the default controller:
 
 - **step**: ``ExDyna.step(grad)`` timed with CUDA events recorded on the stream the step launches
   on (CuPy's current stream), after ``--warmup`` steps (compile, allocate, controller settling);
-  the host waits inside the step are part of it. Bytes floor 16 B/element (read residual and grad,
+  the host waits inside the step are part of it. With the AR stream each step starts on an idle
+  device (all of its host time counts), and again queued behind the gradient's update with no
+  wait (``step_queued_ms``: as after ``loss.backward()``, the host time before the first launch
+  hides behind the producer). Bytes floor 16 B/element (read residual and grad,
   write acc, write the zeroed output); ``of floor`` = floor time / step time.
 - **kernels**, each alone on the same buffers, events on the same stream: the fused
   accumulate + select + histogram pass (``_acc_count_hist32``, 12 B/element), the block scan,
@@ -169,6 +172,7 @@ def measure(numel, density, reps, warmup, topk=True, profile=False, controller="
     scale = np.float32(0.01 * (1.0 + skew * sp.rank))
     grad = rng.standard_normal(n, dtype=cp.float32) * scale
     zooms, moved, secs = [], [], []
+    step_queued_ms = None
     if gen == "constant":   # the same gradient every step (the controller's hardest case)
         step_ms = _time_ms(cp, lambda: sp.step(grad), reps, warmup=warmup)
     else:                      # AR(0.9): g = 0.9 g + 0.44 noise, generated outside the timed steps
@@ -186,6 +190,22 @@ def measure(numel, density, reps, warmup, topk=True, profile=False, controller="
                 moved.append(int(getattr(sp.stats, "quota_moved", 0) or 0))
                 secs.append(dict(sp.stats.seconds or {}))
         step_ms = float(np.median(times))
+        # the same steps queued behind the gradient's producer, as after loss.backward(): the host
+        # reaches step() while the device still runs the update, so the step's host time before its
+        # first launch is hidden; what the host does after the count words are read is not
+        stream = cp.cuda.get_current_stream()
+        start, stop = cp.cuda.Event(), cp.cuda.Event()
+        queued = []
+        for t in range(reps):
+            rng.standard_normal(dtype=cp.float32, out=noise)
+            grad *= 0.9
+            grad += noise * np.float32(scale * 0.4359)
+            start.record(stream)
+            sp.step(grad)
+            stop.record(stream)
+            stop.synchronize()
+            queued.append(cp.cuda.get_elapsed_time(start, stop))
+        step_queued_ms = float(np.median(queued))
     selected = int(sp.stats.selected)
     if profile:
         import cProfile
@@ -275,6 +295,7 @@ def measure(numel, density, reps, warmup, topk=True, profile=False, controller="
     cp.get_default_memory_pool().free_all_blocks()
     return step_ms, kernels, baselines, selected, {"zoom_steps": sum(1 for z in zooms if z), "steps": len(zooms),
                                                    "nranks": nranks, "max_imbalance": max_imbalance,
+                                                   "step_queued_ms": step_queued_ms,
                                                    "quota_moved_mean": float(np.mean(moved)) if moved else 0.0,
                                                    "host_phase_ms": {k: 1e3 * float(np.median([s.get(k, 0.0) for s in secs]))
                                                                      for k in sorted({k for s in secs for k in s})}}
@@ -374,6 +395,12 @@ def main(argv=None):
                     rows.append(row(n, d, peak, step_ms, kernels, baselines, sel, c))
                     rows[-1].update(extra, stream=a.stream)
                     print(table(rows[-1:], device, peak).splitlines()[-1], flush=True)
+                    if extra.get("step_queued_ms"):
+                        q = extra["step_queued_ms"]
+                        fl = rows[-1]["step_floor_ms"]
+                        tk = baselines.get("torch_topk")
+                        print(f"    queued behind the gradient's update: step {q:.3f} ms, {fl / q:.0%} of floor"
+                              + (f", {tk / q:.1f}x torch.topk" if tk else ""), flush=True)
     print(table(rows, device, peak))
     doc = {"device": device, "peak_GBs": peak, "peak_is": "measured device-to-device copy", "host": platform.node(), "time": time.time(),
            "reps": a.reps, "warmup": a.warmup, "stream": a.stream,

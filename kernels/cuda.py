@@ -1042,7 +1042,7 @@ def _go(kernel, nb, bd, stream, *args):
     fast = _FAST and bool(stream) and not SIMULATOR
     f = None
     if fast:
-        key = (id(kernel), nb, bd, id(stream), threading.get_ident()) + tuple(_kind(a) for a in args)
+        key = (id(kernel), nb, bd, id(stream), threading.get_ident()) + tuple(map(_kind, args))
         f = _fast.get(key)
         if f and f(args):
             return

@@ -28,6 +28,9 @@ def target_count(density, numel):
     return max(1, int(density * numel))
 
 
+_EDGES = {}   # (dtype char, shift, key0, nb) -> _edges(...), read-only
+
+
 class PassPlan:
     """What a controller asks of step ``t``'s fused pass (accumulate + select in the owned range).
 
@@ -222,12 +225,22 @@ class HistogramController(Controller):
 
     @staticmethod
     def _edges(dtype, shift, key0, nb):
-        """Lower edges of buckets 0..nb (float64): the floats whose bits are ``(key0 + j) << shift``."""
-        ity = np.int32 if np.dtype(dtype) == np.float32 else np.int64
-        keys = np.clip(np.arange(key0, key0 + nb + 1, dtype=np.int64), 1, None)
-        cap = (1 << (31 if ity is np.int32 else 63)) - 1
-        bits = np.minimum(keys << shift, (cap >> shift) << shift).astype(ity)
-        return bits.view(np.dtype(dtype)).astype(np.float64)
+        """Lower edges of buckets 0..nb (float64): the floats whose bits are ``(key0 + j) << shift``.
+        Read-only, and kept: a step asks for the same few windows several times (its host time
+        is on a GPU step's critical path)."""
+        key = (np.dtype(dtype).char, int(shift), int(key0), int(nb))
+        got = _EDGES.get(key)
+        if got is None:
+            ity = np.int32 if np.dtype(dtype) == np.float32 else np.int64
+            keys = np.clip(np.arange(key0, key0 + nb + 1, dtype=np.int64), 1, None)
+            cap = (1 << (31 if ity is np.int32 else 63)) - 1
+            bits = np.minimum(keys << shift, (cap >> shift) << shift).astype(ity)
+            got = bits.view(np.dtype(dtype)).astype(np.float64)
+            got.flags.writeable = False
+            if len(_EDGES) >= 256:
+                _EDGES.clear()
+            _EDGES[key] = got
+        return got
 
     # ------------------------------------------------------------------ the protocol
     def plan(self, t, dtype):
@@ -454,6 +467,7 @@ class MeasuredController(Controller):
         self.expected = None      # the total count the last threshold selects (exact, from the sums)
         self.zooms = 0            # extra owned-range passes of the last step (a diagnostic)
         self.zoom_words = []      # and the words each of them summed
+        self._specs_key, self._specs = None, None   # window_specs' last answer
 
     # ------------------------------------------------------------------ geometry
     _mantissa_bits = staticmethod(HistogramController._mantissa_bits)
@@ -467,11 +481,14 @@ class MeasuredController(Controller):
 
     def window_specs(self, dtype):
         """The coarse and fine windows of the fused pass, centred on the previous threshold."""
-        mb = self._mantissa_bits(dtype)
-        cs, fs = mb - self.COARSE_BITS, mb - self.fine_bits
-        coarse = (self.N_COARSE, cs, self._key(self.threshold, dtype, cs) - self.N_COARSE // 2)
-        fine = (self.n_fine, fs, self._key(self.threshold, dtype, fs) - self.n_fine // 2)
-        return coarse, fine
+        key = (np.dtype(dtype).char, self.threshold, self.n_fine, self.fine_bits)
+        if key != self._specs_key:   # (asked for up to three times a step)
+            mb = self._mantissa_bits(dtype)
+            cs, fs = mb - self.COARSE_BITS, mb - self.fine_bits
+            coarse = (self.N_COARSE, cs, self._key(self.threshold, dtype, cs) - self.N_COARSE // 2)
+            fine = (self.n_fine, fs, self._key(self.threshold, dtype, fs) - self.n_fine // 2)
+            self._specs_key, self._specs = key, (coarse, fine)
+        return self._specs
 
     # ------------------------------------------------------------------ the protocol
     def plan(self, t, dtype):

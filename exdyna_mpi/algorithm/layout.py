@@ -51,15 +51,23 @@ class BlockLayout:
         self.blk_part = initial_blocks(self.n_blocks, nparts)
 
     def bounds(self):
-        """Element offsets of partitions 0..P-1 (length P+1)."""
-        b = np.zeros(self.nparts + 1, dtype=np.int64)
-        np.cumsum(self.blk_part, out=b[1:])
-        b *= self.sz_blk
-        b[-1] += self.rem
-        return b
+        """Element offsets of partitions 0..P-1 (length P+1; a copy the caller may keep)."""
+        return self._bounds().copy()
+
+    def _bounds(self):
+        # the offsets of the current blk_part, remade only when it changed (the rebalancing rules
+        # assign or edit it in place: the key is its contents)
+        key = tuple(self.blk_part)
+        if key != getattr(self, "_bounds_key", None):
+            b = np.zeros(self.nparts + 1, dtype=np.int64)
+            np.cumsum(key, out=b[1:])
+            b *= self.sz_blk
+            b[-1] += self.rem
+            self._bounds_key, self._bounds_val = key, b
+        return self._bounds_val
 
     def range_of(self, p):
-        b = self.bounds()
+        b = self._bounds()
         return int(b[p]), int(b[p + 1])
 
     def rebalance_faithful(self, counts_prev, t):

@@ -276,11 +276,13 @@ class DeviceExchange:
         counts = np.asarray(counts, dtype=np.int64)
         total = int(counts.sum())
         ops = CudaOps
-        if out is None:
-            out = ops.empty(total, send.dtype)
-        if self.size == 1:
+        if self.size == 1:   # one rank: its own payload (a view when no ``out`` is given: no copy kernel)
+            if out is None:
+                return send[:total]
             out[:total] = send[:total]
             return out
+        if out is None:
+            out = ops.empty(total, send.dtype)
         if self.cuda_aware:
             ops.synchronize()
             return self.host.allgatherv(send, counts, out=out)

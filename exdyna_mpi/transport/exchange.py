@@ -88,6 +88,8 @@ class Exchange:
     def agree(self, words):
         """Allgather a few int64 words per rank; returns a (P, len(words)) array, same on every rank."""
         send = np.ascontiguousarray(words, dtype=WORD)
+        if self.size == 1:
+            return send.reshape(1, -1).copy()
         recv = np.empty((self.size, send.shape[0]), dtype=WORD)
         self.comm.Allgather(send, recv)
         self._account_allgather(np.full(self.size, send.shape[0]), send.itemsize)
