@@ -35,7 +35,8 @@ change twofold for a 1 % change of threshold.
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-from numba import njit
+from numba import njit, uint64
+from numba.cpython.unsafe.numbers import trailing_zeros
 
 from .cpu import _add_count_nonfinite, _add_select
 
@@ -257,14 +258,16 @@ def accumulate_measure(residual, grad, acc, bits, lo, hi, sign_off, shift, key0,
     the histograms of ``|acc|`` that ``accumulate_select_hist`` (``predict=False``) makes: ``hist``
     counts every ``stride``-th element (global index), ``hist_f`` every element (bucket 0: all below
     its first edge, bit pattern ``low_f``; an empty ``hist_f``: none). Returns the largest
-    ``|acc|`` bit pattern (non-finite values exist iff it reaches the exponent mask) and the number
-    of elements at or above ``low_f``, whose indices go to ``marks`` in ascending order when it is
-    not empty (capacity ``hi - lo``: the select and the zooms that follow read only those).
+    ``|acc|`` bit pattern outside the owned range and among its marked elements (with ``low_f``
+    at most the exponent mask, every non-finite value is marked: non-finite values exist iff it
+    reaches the exponent mask) and the number of elements at or above ``low_f``, whose indices go to
+    ``marks`` in ascending order when it is not empty (capacity ``hi - lo``: the select and the
+    zooms that follow read only those).
 
-    Per chunk: the add vectorises; then per group of 64 elements a vectorised max, and only a
-    group whose max reaches ``low_f`` (the largest 1e-3..1e-2 of the values: a few groups in ten)
-    is scanned; those few values touch the fine histogram; the coarse one reads one element in
-    ``stride``. Non-finite values lie above ``low_f``, so the group maxima give ``mx`` too.
+    Per chunk: the add vectorises; then per group of 64 elements a vectorised compare builds a
+    64-bit mask whose set bits are the marks (on error-feedback streams the fine window holds 6-24x
+    k values, so most groups hold one: a rescan of those groups cost more than the add); the marks
+    touch the fine histogram; the coarse one reads one element in ``stride``.
     """
     # measure_part(..., 0, 1, hi - lo, ...) computes the same, but measured 4 % slower (serial, 10M)
     mx = _add_max(residual[:lo], grad[:lo], acc[:lo], bits[:lo], sign_off)
@@ -283,6 +286,8 @@ def _measure_range(residual, grad, acc, bits, lo, hi, sign_off, shift, key0, his
     top_f = hist_f.shape[0] - 1
     keep = marks.shape[0] > 0
     n_f = 0
+    one = uint64(1)
+    zero = uint64(0)
     for s0 in range(lo, hi, _CHUNK):
         e0 = min(s0 + _CHUNK, hi)
         m = e0 - s0
@@ -293,21 +298,27 @@ def _measure_range(residual, grad, acc, bits, lo, hi, sign_off, shift, key0, his
         for i in range(m):
             a[i] = rs[i] + gs[i]
         if top_f >= 0:
+            # a 64-bit mask per group (the select form vectorises; a rescan of each group that holds
+            # a mark did not: on error-feedback streams most groups hold one), then its set bits
             c = 0
-            for g0 in range(0, m, _GROUP):
-                bg = bs[g0:min(g0 + _GROUP, m)]
-                gm = 0
-                for i in range(bg.shape[0]):
-                    b = bg[i] & sign_off
-                    gm = b if b > gm else gm
-                mx = gm if gm > mx else mx
-                if gm >= low_f:
-                    for i in range(bg.shape[0]):
-                        if (bg[i] & sign_off) >= low_f:    # on the bits: NaN goes to the top, as on CUDA
-                            scratch[c] = g0 + i
-                            c += 1
+            full = m - m % _GROUP
+            for g0 in range(0, full, _GROUP):
+                bg = bs[g0:g0 + _GROUP]
+                w = zero
+                for i in range(_GROUP):
+                    w |= (one << uint64(i)) if (bg[i] & sign_off) >= low_f else zero
+                while w:
+                    scratch[c] = g0 + trailing_zeros(w)
+                    c += 1
+                    w &= w - one
+            for i in range(full, m):
+                if (bs[i] & sign_off) >= low_f:    # on the bits: NaN goes to the top, as on CUDA
+                    scratch[c] = i
+                    c += 1
             for q in range(c):
-                j = ((bs[scratch[q]] & sign_off) >> shift_f) - key0_f
+                b = bs[scratch[q]] & sign_off
+                mx = b if b > mx else mx
+                j = (b >> shift_f) - key0_f
                 hist_f[j if j < top_f else top_f] += 1
             if keep:
                 for q in range(c):
@@ -433,4 +444,5 @@ def host_accumulate_measure(residual, grad, acc, lo, hi, coarse, fine, stride, m
         mx, n_f = accumulate_measure(residual, grad, acc, bits, lo, hi, sign_off, ity(shift), ity(key0), hist,
                                      int(stride), ity(shift_f), ity(key0_f), hist_f, low_f, scratch, marks)
     exp_mask = 0x7F800000 if acc.dtype == np.float32 else 0x7FF0000000000000
-    return (int(count_nonfinite(acc)) if int(mx) >= exp_mask else 0), int(n_f)
+    # (a window whose first edge lies above the finite range does not mark inf: count them all)
+    return (int(count_nonfinite(acc)) if int(mx) >= exp_mask or int(low_f) > exp_mask else 0), int(n_f)

@@ -105,3 +105,17 @@ def test_a_mark_below_the_window_edge_is_raised_to_it():
     want, got = np.empty(n, np.int32), np.empty(n, np.int32)
     c = HostOps.select_range(acc, 0, n, thr, want)
     assert HostOps.select_marked(acc, 0, n, thr, got) == c and np.array_equal(got[:c], want[:c])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_nonfinite_in_the_owned_range_is_counted_and_marked(dtype):
+    # the pass finds non-finite values of the owned range among its marks (no per-element max there)
+    n, lo, hi = 20000, 3000, 17001
+    x = _values(n, dtype, 4)
+    x[[3001, 9000, 16999]] = [np.inf, np.nan, -np.inf]
+    acc, ctl, plan, _, bad = _measure(x, lo, hi, dtype, 0.25)
+    assert bad == 3
+    marks = ops_mod._marks_for(acc, lo, hi)
+    assert {3001, 9000, 16999} <= set(marks[1].tolist())
+    _, _, _, _, clean = _measure(_values(n, dtype, 4), lo, hi, dtype, 0.25)
+    assert clean == 0
