@@ -282,6 +282,8 @@ def accumulate_measure(residual, grad, acc, bits, lo, hi, sign_off, shift, key0,
 def _measure_range(residual, grad, acc, bits, lo, hi, sign_off, shift, key0, hist, stride, shift_f, key0_f,
                    hist_f, low_f, scratch, marks):
     # the owned-range part of ``accumulate_measure`` over [lo, hi): marks go to marks[0:]
+    if scratch.shape[0] < _CHUNK + 2:   # the mark extraction writes up to two words past a chunk
+        scratch = np.empty(_CHUNK + 2, np.int32)
     mx = 0
     top_f = hist_f.shape[0] - 1
     keep = marks.shape[0] > 0
@@ -307,6 +309,15 @@ def _measure_range(residual, grad, acc, bits, lo, hi, sign_off, shift, key0, his
                 w = zero
                 for i in range(_GROUP):
                     w |= (one << uint64(i)) if (bg[i] & sign_off) >= low_f else zero
+                # a group holds about one mark: the first two without a branch (trailing_zeros(0)
+                # is 64, written but not counted: scratch has two spare words); a loop over the
+                # set bits mispredicted once a group and cost more than the add
+                scratch[c] = g0 + trailing_zeros(w)
+                c += w != zero
+                w &= w - one
+                scratch[c] = g0 + trailing_zeros(w)
+                c += w != zero
+                w &= w - one
                 while w:
                     scratch[c] = g0 + trailing_zeros(w)
                     c += 1
@@ -347,7 +358,7 @@ def measure_part(residual, grad, acc, bits, lo, hi, t, nparts, per, sign_off, sh
     ua, ub = hi + (t * (n - hi)) // nparts, hi + ((t + 1) * (n - hi)) // nparts
     m2 = _add_max(residual[ua:ub], grad[ua:ub], acc[ua:ub], bits[ua:ub], sign_off)
     a, b = min(lo + t * per, hi), min(lo + (t + 1) * per, hi)
-    scratch = np.empty(_CHUNK, np.int32)
+    scratch = np.empty(_CHUNK + 2, np.int32)   # (two spare words: see _measure_range)
     m3, nf = _measure_range(residual, grad, acc, bits, a, b, sign_off, shift, key0, hist, stride, shift_f, key0_f,
                             hist_f, low_f, scratch, marks)
     m = m1 if m1 > m2 else m2
@@ -440,7 +451,7 @@ def host_accumulate_measure(residual, grad, acc, lo, hi, coarse, fine, stride, m
                                              hist, int(stride), ity(shift_f), ity(key0_f), hist_f, low_f, marks,
                                              nparts)
     else:
-        scratch = np.empty(_CHUNK, np.int32)
+        scratch = np.empty(_CHUNK + 2, np.int32)   # (two spare words: see _measure_range)
         mx, n_f = accumulate_measure(residual, grad, acc, bits, lo, hi, sign_off, ity(shift), ity(key0), hist,
                                      int(stride), ity(shift_f), ity(key0_f), hist_f, low_f, scratch, marks)
     exp_mask = 0x7F800000 if acc.dtype == np.float32 else 0x7FF0000000000000
