@@ -37,8 +37,10 @@ import numpy as np
 
 GRID_SPARSIFIERS = "dense,exdyna,topk,cltk,gaussiank,dgc,oktopk,micro"
 GRID_DENSITIES = "0.01,0.003,0.001"
-# The recipe the benchmark chose for ExDyna (see docs/training.md, "Training fidelity").
-DEFAULT_RECIPE = "clip_norm=1.0,momentum_correction=0.9"
+# The recipe the benchmark chose for ExDyna (see docs/training.md, "Training fidelity"): DGC's
+# momentum correction at 0.8, no clipping (a 33-variant sweep over 3-6 seeds on the CNN; clipping
+# lost at every momentum). It hurts the LSTM: a recipe to measure per model, not a default.
+DEFAULT_RECIPE = "momentum_correction=0.8"
 
 
 def parse_args(argv=None):
