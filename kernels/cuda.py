@@ -932,12 +932,16 @@ class _FastLaunch:
                 CUDA_CORE_GE_1_0 = True
             coop = "is_cooperative" if CUDA_CORE_GE_1_0 else "cooperative_launch"
             self.config = LaunchConfig(grid=nb, block=bd, shmem_size=0, **{coop: False})
+            self.shape = (nb, bd)
             self.launch = launch
 
-    def __call__(self, args):
-        """Launch; False (nothing launched) for a strided array where the overload wants unit stride."""
+    def __call__(self, args, nb, bd):
+        """Launch; False (nothing launched) for a strided array where the overload wants unit stride.
+        ``nb``, ``bd``: the driver path takes any shape; cuda.core's keeps the one it was made with."""
         if self.driver is not None:
-            return self.driver(args)
+            return self.driver(args, nb, bd)
+        if (nb, bd) != self.shape:
+            return False
         ka = []
         for how, v in zip(self.plan, args):
             if how.__class__ is str:
@@ -1008,7 +1012,7 @@ class _DriverLaunch:
             self.slots += vals
         self.params = (ctypes.c_void_p * len(self.slots))(*[ctypes.addressof(v) for v in self.slots])
 
-    def __call__(self, args):
+    def __call__(self, args, nb, bd):
         for p, v in zip(self.plan, args):
             if p[0].__class__ is str:
                 ptr, n, stride, item = _array_fields(v)
@@ -1017,7 +1021,7 @@ class _DriverLaunch:
                 p[1].value, p[2].value, p[3].value, p[4].value, p[5].value = n, item, ptr, n, stride
             else:
                 p[1].value = v
-        rc = self.launch(self.func, self.nb, 1, 1, self.bd, 1, 1, 0, self.stream, self.params, None)
+        rc = self.launch(self.func, nb, 1, 1, bd, 1, 1, 0, self.stream, self.params, None)
         if rc != 0:
             raise RuntimeError(f"exdyna_mpi: cuLaunchKernel failed with CUDA error {rc}")
         return True
@@ -1042,9 +1046,13 @@ def _go(kernel, nb, bd, stream, *args):
     fast = _FAST and bool(stream) and not SIMULATOR
     f = None
     if fast:
-        key = (id(kernel), nb, bd, id(stream), threading.get_ident()) + tuple(map(_kind, args))
+        # the raw driver launch takes the grid per call: one entry per kernel and argument kinds,
+        # whatever the shape (a shape that follows the selection's size was a new entry, through
+        # Numba's launch, on a third of the steps)
+        key = (id(kernel), id(stream), threading.get_ident()) + (() if _DRIVER else (nb, bd)) + tuple(
+            map(_kind, args))
         f = _fast.get(key)
-        if f and f(args):
+        if f and f(args, nb, bd):
             return
     dev = [_dev(a) if hasattr(a, "shape") else a for a in args]
     _launch(kernel, nb, bd, stream)(*dev)

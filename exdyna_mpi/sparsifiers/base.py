@@ -263,6 +263,14 @@ class Sparsifier(Selector):
         _, bad = self.ops.accumulate_select(self.memory.residual, grad, acc, 0, 0, self._dtype.type(np.inf), no_idx)
         return bad
 
+    def _vals_buffer(self, n, dtype):
+        """``n`` elements for the union's values, from one buffer kept across steps (grown by a
+        quarter when short): no allocation per step on either backend."""
+        buf = getattr(self, "_vals", None)
+        if buf is None or buf.shape[0] < n or buf.dtype != dtype:
+            buf = self._vals = self.ops.empty(max(n + n // 4, 1), dtype)
+        return buf[:n]
+
     def average_at(self, acc, union, out, sec):
         """The end of a union step: sum every rank's ``acc[union]`` (bit-identical everywhere),
         ``acc`` becomes the residual with ``union`` zeroed, and the returned buffer holds the sum / P
@@ -270,7 +278,7 @@ class Sparsifier(Selector):
         """
         ops, dtype = self.ops, self._dtype
         t0 = time.perf_counter()
-        vals = ops.empty(union.shape[0], dtype)
+        vals = self._vals_buffer(union.shape[0], dtype)
         ops.gather(acc, union, vals)
         sec["gather"] = time.perf_counter() - t0
         t0 = time.perf_counter()
