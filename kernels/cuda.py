@@ -920,7 +920,7 @@ class _FastLaunch:
         self.driver = None
         if _DRIVER:
             try:
-                self.driver = _DriverLaunch(self.fn, self.plan, nb, bd, stream)
+                self.driver = _DriverLaunch(self.fn, self.plan, stream)
             except Exception as e:  # pragma: no cover - a driver or cuda.core without these entry points
                 warnings.warn(f"exdyna_mpi: no raw driver launch ({e!r}); cuda.core's launch for {kernel.__name__}",
                               RuntimeWarning)
@@ -991,14 +991,13 @@ class _DriverLaunch:
     """The parameter block of one kernel (Numba's layout: an array is meminfo, parent, size,
     itemsize, data, shape, strides; a scalar its C type) and a raw ``cuLaunchKernel``."""
 
-    def __init__(self, kernel, plan, nb, bd, stream):
+    def __init__(self, kernel, plan, stream):
         launch, get = _driver()
         func = ctypes.c_void_p()
         rc = get(ctypes.byref(func), _handle(kernel))   # cuda.core loads kernels as CUkernel (a library's)
         if rc != 0:
             raise RuntimeError(f"cuKernelGetFunction failed ({rc})")
         self.func, self.launch = func, launch
-        self.nb, self.bd = nb, bd
         self.stream = ctypes.c_void_p(int(stream.__cuda_stream__()[1]) if stream else 0)
         self.slots, self.plan = [], []
         for how in plan:

@@ -49,6 +49,7 @@ class BlockLayout:
         self.rem = numel - self.sz_blk * self.n_blocks
         self.min_blk = self.n_blocks / (4 * nparts)
         self.blk_part = initial_blocks(self.n_blocks, nparts)
+        self._bounds_key, self._bounds_val = None, None   # _bounds' last answer
 
     def bounds(self):
         """Element offsets of partitions 0..P-1 (length P+1; a copy the caller may keep)."""
@@ -58,7 +59,7 @@ class BlockLayout:
         # the offsets of the current blk_part, remade only when it changed (the rebalancing rules
         # assign or edit it in place: the key is its contents)
         key = tuple(self.blk_part)
-        if key != getattr(self, "_bounds_key", None):
+        if key != self._bounds_key:
             b = np.zeros(self.nparts + 1, dtype=np.int64)
             np.cumsum(key, out=b[1:])
             b *= self.sz_blk
