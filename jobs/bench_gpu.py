@@ -177,12 +177,17 @@ def measure(numel, density, reps, warmup, topk=True, profile=False, controller="
         step_ms = _time_ms(cp, lambda: sp.step(grad), reps, warmup=warmup)
     else:                      # AR(0.9): g = 0.9 g + 0.44 noise, generated outside the timed steps
         noise = cp.empty_like(grad)
+        stream = cp.cuda.get_current_stream()
+
+        def advance():   # the next gradient, queued on the stream
+            rng.standard_normal(dtype=cp.float32, out=noise)
+            grad.__imul__(0.9)
+            grad.__iadd__(noise * np.float32(scale * 0.4359))
+
         times = []
         for t in range(warmup + reps):
-            rng.standard_normal(dtype=cp.float32, out=noise)
-            grad *= 0.9
-            grad += noise * np.float32(scale * 0.4359)
-            cp.cuda.get_current_stream().synchronize()   # the step's own host time is all exposed
+            advance()
+            stream.synchronize()   # the step's own host time is all exposed
             ms = _time_ms(cp, lambda: sp.step(grad), 1, warmup=0)
             if t >= warmup:
                 times.append(ms)
@@ -193,13 +198,10 @@ def measure(numel, density, reps, warmup, topk=True, profile=False, controller="
         # the same steps queued behind the gradient's producer, as after loss.backward(): the host
         # reaches step() while the device still runs the update, so the step's host time before its
         # first launch is hidden; what the host does after the count words are read is not
-        stream = cp.cuda.get_current_stream()
         start, stop = cp.cuda.Event(), cp.cuda.Event()
         queued = []
         for t in range(reps):
-            rng.standard_normal(dtype=cp.float32, out=noise)
-            grad *= 0.9
-            grad += noise * np.float32(scale * 0.4359)
+            advance()
             start.record(stream)
             sp.step(grad)
             stop.record(stream)
