@@ -227,11 +227,8 @@ def _count(x, lo, hi, thr, cs, block_counts, block_bad, mask, marks):
     _block_total2(cnt, 0, block_counts, block_bad)
 
 
-@cuda.jit
-def _filter_marks(x, lo, hi, thr, cs, block_counts, block_bad, mask):
-    """Keep the marked elements of this block's chunk of [lo, hi) with ``|x| >= thr``, clear the
-    others' bits, count the kept ones per block: the select of ``select_marked``, which reads the
-    mask (1/32 of the bytes of ``x``) and ``x`` only where a bit is set."""
+@cuda.jit(device=True)
+def _filter(x, lo, hi, thr, cs, block_counts, block_bad, mask):
     t = cuda.threadIdx.x
     b = cuda.blockIdx.x
     s = b * cs
@@ -255,6 +252,84 @@ def _filter_marks(x, lo, hi, thr, cs, block_counts, block_bad, mask):
             cnt += cuda.popc(keep)
         q += cuda.blockDim.x
     _block_total2(cnt, 0, block_counts, block_bad)
+
+
+@cuda.jit
+def _filter_marks(x, lo, hi, thr, cs, block_counts, block_bad, mask):
+    """Keep the marked elements of this block's chunk of [lo, hi) with ``|x| >= thr``, clear the
+    others' bits, count the kept ones per block: the select of ``select_marked``, which reads the
+    mask (1/32 of the bytes of ``x``) and ``x`` only where a bit is set."""
+    _filter(x, lo, hi, thr, cs, block_counts, block_bad, mask)
+
+
+@cuda.jit
+def _filter_marks_at(x, lo, hi, thr_at, ctl, cs, block_counts, block_bad, mask):
+    """``_filter_marks`` at the threshold ``_resolve_fine`` left on the device (``thr_at[0]``), when
+    it settled one (``ctl[0]``); else nothing: the marks stay for the host's own select."""
+    if ctl[0] == 0:
+        return
+    _filter(x, lo, hi, thr_at[0], cs, block_counts, block_bad, mask)
+
+
+@cuda.jit
+def _resolve_fine(hist, nf, k, shift_f, key0_f, cap, tol, totals, ctl, thr_bits):
+    """The measured controller's threshold from the fine window, on the device (one block, any
+    size): ``MeasuredController.fine_pick`` to the bit. ``hist``: the pass's fine words (nf of them,
+    bucket 0 below the window, nf - 1 at or above its top edge); ``totals[1]``: the pass's
+    non-finite count. ``j``: the highest edge 1..nf-1 with at least ``k`` elements at or above it;
+    inside the window (0 < j < nf - 1) the edge j or j + 1 nearer to k in ratio (``a * b <= k * k``,
+    exact integers) settles it when its count misses k by at most ``tol``. Writes ``ctl = [settled,
+    count]`` and the edge's bits (``(key0_f + j) << shift_f``, at least 1 << shift_f, at most
+    ``cap``) into ``thr_bits[0]``, the int view of the threshold the next kernels read."""
+    above = cuda.shared.array(HIST_MAX, np.int64)
+    part = cuda.shared.array(1024, np.int64)
+    nj = cuda.shared.array(1, np.int32)
+    t = cuda.threadIdx.x
+    bd = cuda.blockDim.x
+    seg = (nf + bd - 1) // bd
+    s = min(t * seg, nf)
+    e = min(s + seg, nf)
+    c = 0
+    for q in range(s, e):
+        c += hist[q]
+    part[t] = c
+    if t == 0:
+        nj[0] = 0
+    cuda.syncthreads()
+    run = 0   # the words of the threads above this one: the count at or above edge e
+    for q in range(t + 1, bd):
+        run += part[q]
+    q = e - 1
+    while q >= s:
+        run += hist[q]
+        above[q] = run
+        q -= 1
+    cuda.syncthreads()
+    n_ok = 0
+    for q in range(max(s, 1), e):
+        if above[q] >= k:
+            n_ok += 1
+    if n_ok != 0:
+        cuda.atomic.add(nj, 0, np.int32(n_ok))
+    cuda.syncthreads()
+    if t == 0:
+        j = np.int64(nj[0])   # above[] does not grow with j: edges 1..j hold k or more
+        go = 0
+        cnt = np.int64(0)
+        if totals[1] == 0 and 0 < j and j < nf - 1:
+            a = above[j]
+            b2 = above[j + 1]
+            if b2 == 0 or a * b2 <= k * k:
+                cnt = a
+            else:
+                cnt = b2
+                j += 1
+            if abs(np.float64(cnt) / np.float64(k) - 1.0) <= tol:
+                go = 1
+                key = max(np.int64(key0_f) + j, np.int64(1))
+                thr_bits[0] = min(key << shift_f, cap)
+        ctl[0] = go
+        ctl[1] = cnt
 
 
 @cuda.jit
@@ -295,9 +370,9 @@ def _scan(block_counts, block_bad, nb, offsets, totals):
         totals[1] = shb[0]
 
 
-def _make_compact(tile_scan):
-    @cuda.jit
-    def _compact(mask, lo, hi, cs, offsets, idx):
+def _make_compact(tile_scan, guarded=False):
+    @cuda.jit(device=True)
+    def _body(mask, lo, hi, cs, offsets, idx):
         """Write the hits of this block's chunk, ascending, at idx[offsets[b]:], from the hit mask.
 
         The chunk ``[lo + b*cs, ...)`` starts on a mask word (``cs`` is a multiple of 32). A tile is
@@ -340,11 +415,27 @@ def _make_compact(tile_scan):
             base += tot
             k += tile
 
+    if guarded:
+        @cuda.jit
+        def _compact_at(mask, lo, hi, cs, offsets, idx, ctl):
+            """``_compact`` when ``ctl[0]`` (``_resolve_fine`` settled), else nothing: the marks stay."""
+            if ctl[0] == 0:
+                return
+            _body(mask, lo, hi, cs, offsets, idx)
+
+        return _compact_at
+
+    @cuda.jit
+    def _compact(mask, lo, hi, cs, offsets, idx):
+        _body(mask, lo, hi, cs, offsets, idx)
+
     return _compact
 
 
 _compact_safe = _make_compact(_tile_scan_shared)
 _compact_fast = _make_compact(_tile_scan_warp)
+_compact_safe_at = _make_compact(_tile_scan_shared, guarded=True)
+_compact_fast_at = _make_compact(_tile_scan_warp, guarded=True)
 
 
 # ---------------------------------------------------------------------------- histogram kernels
@@ -765,6 +856,36 @@ def _scatter_mean_zero(out, residual, idx, sums, p):
         j += stride
 
 
+@cuda.jit
+def _zero_fill_at(x, ctl):
+    """``x[:] = 0`` when ``ctl[0]`` (the output of a step ``_resolve_fine`` settled; else untouched:
+    a refused step leaves the caller's buffer, possibly its gradient, as it was)."""
+    if ctl[0] == 0:
+        return
+    i = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    n = x.shape[0]
+    while i < n:
+        x[i] = 0
+        i += stride
+
+
+@cuda.jit
+def _take_mean_zero_at(out, acc, idx, totals, p, ctl):
+    """One rank's union is its own selection: ``out[i] = acc[i] / p`` and ``acc[i] = 0`` at its
+    ``totals[0]`` indices (``gather`` then ``scatter_mean_zero``, to the bit), when ``ctl[0]``."""
+    if ctl[0] == 0:
+        return
+    j = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    n = totals[0]
+    while j < n:
+        i = idx[j]
+        out[i] = acc[i] / p
+        acc[i] = 0
+        j += stride
+
+
 # ---------------------------------------------------------------------------- launchers
 class Scratch:
     """The small int64 buffers of one selection (block counts, block offsets, totals, histograms)
@@ -779,7 +900,7 @@ class Scratch:
 
     @staticmethod
     def size():
-        return 3 * NB_MAX + 2 + HIST_MAX
+        return 3 * NB_MAX + 2 + HIST_MAX + 4
 
     def __init__(self, words, zeros=None):
         self.words = words
@@ -790,6 +911,10 @@ class Scratch:
         # the histograms' device counts, right after totals: one copy reads [count, bad, hist...]
         self.hist = words[3 * NB_MAX + 2:3 * NB_MAX + 2 + HIST_MAX]
         self.totals_hist = words[3 * NB_MAX:3 * NB_MAX + 2 + HIST_MAX]
+        # ``finish_fine_async``'s words: [settled, count] and the threshold's bits (its own word)
+        at = 3 * NB_MAX + 2 + HIST_MAX
+        self.ctl = words[at:at + 2]
+        self.thr_word = words[at + 2:at + 3]
         self._zeros = zeros or _zeros
         self.mask = None
         self.marked = None  # (lo, hi, mark) while the mask holds a measuring pass's marks
@@ -1081,13 +1206,13 @@ def _chunk(m, nb, bd):
     return math.ceil(per / unit) * unit
 
 
-def _compact_kernel(variant):
+def _compact_kernel(variant, guarded=False):
     v = variant or VARIANT
     if v == "fast":
         if SIMULATOR:
             raise RuntimeError("the 'fast' CUDA kernels need warp intrinsics, absent in the simulator")
-        return _compact_fast
-    return _compact_safe
+        return _compact_fast_at if guarded else _compact_fast
+    return _compact_safe_at if guarded else _compact_safe
 
 
 def _read_totals(scratch, stream):
@@ -1100,11 +1225,13 @@ def _read_totals(scratch, stream):
     return int(host[0]), int(host[1])
 
 
-def _scan_compact(scratch, nb, lo, hi, cs, mask, idx, stream, variant):
+def _scan_compact(scratch, nb, lo, hi, cs, mask, idx, stream, variant, guarded=False):
     _go(_scan, 1, min(SCAN_THREADS, _round32(nb)), stream, scratch.block_counts, scratch.block_bad, nb,
         scratch.offsets, scratch.totals)
     if hi > lo:
-        _go(_compact_kernel(variant), nb, BLOCK, stream, mask, lo, hi, cs, scratch.offsets, idx)
+        k = _compact_kernel(variant, guarded)
+        extra = (scratch.ctl,) if guarded else ()
+        _go(k, nb, BLOCK, stream, mask, lo, hi, cs, scratch.offsets, idx, *extra)
 
 
 def accumulate_select_async(residual, grad, acc, lo, hi, thr, idx, scratch, stream=0, variant=None):
@@ -1146,6 +1273,35 @@ def select_marked_async(x, lo, hi, thr, idx, scratch, stream=0, variant=None):
     mask = scratch.mask_for(m, keep_marks=True)
     _go(_filter_marks, nb, bd, stream, x, lo, hi, thr, cs, scratch.block_counts, scratch.block_bad, mask)
     _scan_compact(scratch, nb, lo, hi, cs, mask, idx, stream, variant)
+
+
+def finish_fine_async(acc, lo, hi, idx, out, p, k, tol, nh, fine, scratch, stream=0, variant=None):
+    """The rest of a one-rank step of the measured controller, queued right after its measuring pass
+    (``accumulate_measure_async`` with marks over ``[lo, hi)``) so the device need not wait for the
+    host: ``_resolve_fine`` settles the threshold from the fine window's words when it can (the
+    host's ``MeasuredController.fine_pick``, to the bit), and only then do the next kernels run: the
+    select of the marks, ``out[:] = 0`` and ``out[idx] = acc[idx] / p``, ``acc[idx] = 0``. When it
+    cannot (a zoom is needed, or non-finite values) they return at once and leave ``acc``, ``out``
+    and the marks as they were: the host goes its own way. ``fine = (shift_f, key0_f, nf)``;
+    ``scratch.ctl`` holds ``[settled, count]`` when it completes."""
+    shift_f, key0_f, nf = (int(v) for v in fine)
+    item = np.dtype(acc.dtype)
+    ity = np.int32 if item == np.float32 else np.int64
+    cap = (((1 << (8 * item.itemsize - 1)) - 1) >> shift_f) << shift_f
+    thr_bits = scratch.thr_word.view(ity)[:1]
+    thr_at = scratch.thr_word.view(item)[:1]
+    hw = scratch.hist[nh:nh + nf]
+    _go(_resolve_fine, 1, min(SCAN_THREADS, _round32(nf)), stream, hw, nf, int(k), shift_f, key0_f, cap,
+        float(tol), scratch.totals, scratch.ctl, thr_bits)
+    m = hi - lo
+    nb, bd = _shape(m)
+    cs = _chunk(m, nb, bd)
+    mask = scratch.mask_for(m, keep_marks=True)
+    _go(_filter_marks_at, nb, bd, stream, acc, lo, hi, thr_at, scratch.ctl, cs, scratch.block_counts,
+        scratch.block_bad, mask)
+    _scan_compact(scratch, nb, lo, hi, cs, mask, idx, stream, variant, guarded=True)
+    _go(_zero_fill_at, *_shape(out.shape[0]), stream, out, scratch.ctl)
+    _go(_take_mean_zero_at, *_shape(max(int(k), 1)), stream, out, acc, idx, scratch.totals, p, scratch.ctl)
 
 
 def count_range_async(x, lo, hi, thr, scratch, stream=0):

@@ -508,9 +508,37 @@ class MeasuredController(Controller):
         """Edge j (count >= k) or edge j + 1 (count < k), whichever is nearer to k in ratio; never
         an edge that selects nothing when the other selects something."""
         a, b = int(above[j]), int(above[j + 1])
-        if b == 0 or a * b == 0 or math.log(a / self.k) <= math.log(self.k / b):
+        if b == 0 or a * b <= self.k * self.k:   # a / k <= k / b, in exact integers (as on the device)
             return float(edges[j]), a
         return float(edges[j + 1]), b
+
+    def _tol(self, shift, mb):
+        """How far (in ratio) from k an exact edge's count may be and still settle the threshold, at
+        a window of bucket width ``shift``: TOL; FINE_TOL at the fine resolution; anything deeper."""
+        if shift <= mb - self.DEEP_BITS:
+            return math.inf
+        return self.FINE_TOL if shift <= mb - self.FINE_BITS else self.TOL
+
+    def fine_pick(self, plan, words):
+        """What ``resolve`` settles on from the fine window alone, with no zoom: ``(threshold,
+        count)``, or None (no fine window, the k-th value outside it, or the nearest edge's count
+        further than ``_tol`` from k). ``kernels.cuda._resolve_fine`` computes the same on the device,
+        so a one-rank GPU step can go on before the host has read the words (``fine_tol``)."""
+        if plan.fine is None:
+            return None
+        n, shift, key0 = plan.fine
+        nb = plan.hist[0]
+        j, above = self._locate(np.asarray(words, dtype=np.int64)[nb:nb + n])
+        if not 0 < j < n - 1:
+            return None
+        thr, count = self._pick(above, j, self._edges(plan.dtype, shift, key0, n))
+        if abs(count / self.k - 1.0) <= self._tol(shift, self._mantissa_bits(plan.dtype)):
+            return thr, count
+        return None
+
+    def fine_tol(self, plan):
+        """``_tol`` of the plan's fine window: ``fine_pick``'s bound, for the device."""
+        return self._tol(plan.fine[1], self._mantissa_bits(plan.dtype))
 
     def resolve(self, plan, words, fused):
         """Set ``plan.threshold`` (and ``plan.expected``) from the summed histograms ``words``.
@@ -548,9 +576,7 @@ class MeasuredController(Controller):
                 return self._done(plan, *best)
             if exact:
                 thr, count = best
-                miss = abs(count / self.k - 1.0)
-                if (miss <= self.TOL or (shift <= mb - self.FINE_BITS and miss <= self.FINE_TOL)
-                        or shift <= mb - self.DEEP_BITS):
+                if abs(count / self.k - 1.0) <= self._tol(shift, mb):
                     return self._done(plan, thr, count)
                 a, b = j, j + 1                  # zoom into the bucket that holds the k-th value
             else:

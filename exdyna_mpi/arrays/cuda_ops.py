@@ -132,6 +132,34 @@ class CudaOps:
         return int(w[1])
 
     @staticmethod
+    def accumulate_measure_finish(residual, grad, acc, lo, hi, coarse, fine, stride, mark, finish):
+        """``accumulate_measure`` for one rank with the rest of the step queued behind it before the
+        host reads the words (``kernels.cuda.finish_fine_async``): ``finish = (idx, out, p, k, tol)``.
+        The device settles the threshold from the fine window when ``MeasuredController.fine_pick``
+        would, and then selects, zeroes ``out`` and writes the mean while the host resolves on its
+        own; the caller tells ``finish_settled`` which way it went. Returns the non-finite count."""
+        s = _scratch_here()
+        shift_f, key0_f, hist_f = fine
+        nh, nf = coarse[2].shape[0], hist_f.shape[0]
+        _k.accumulate_measure_async(residual, grad, acc, int(lo), int(hi), acc.dtype.type(mark), coarse[0], coarse[1],
+                                    nh, s, BACKEND.stream(), (shift_f, key0_f, nf), stride)
+        pending = BACKEND.read_words_async(s.totals_hist[: 2 + nh + nf])
+        idx, out, p, k, tol = finish
+        _k.finish_fine_async(acc, int(lo), int(hi), idx, out, acc.dtype.type(p), k, tol, nh, (shift_f, key0_f, nf), s,
+                             BACKEND.stream())
+        w = BACKEND.wait_words(pending)
+        coarse[2][:] += w[2:2 + nh]
+        hist_f += w[2 + nh:2 + nh + nf]
+        return int(w[1])
+
+    @staticmethod
+    def finish_settled(settled):
+        """After ``accumulate_measure_finish``: ``settled`` (the host's ``fine_pick`` found what the
+        device did) means the marks were consumed by the device's select; else they stand."""
+        if settled:
+            _scratch_here().marked = None
+
+    @staticmethod
     def select_marked(x, lo, hi, thr, idx, expect=None, keep=False):
         # the marks of the measuring pass over [lo, hi) hold every hit when thr >= mark: read the
         # mask, not x; ``expect`` (the count the caller knows exactly) spares the host a wait. The

@@ -43,6 +43,13 @@ class SimulatedBackend:
         """A small device int64 array as a host int64 array (one device->host copy on a GPU)."""
         return np.array(w, dtype=np.int64)
 
+    def read_words_async(self, w):
+        """Queue the copy of a small device int64 array to the host; ``wait_words`` hands it back."""
+        return np.array(w, dtype=np.int64)
+
+    def wait_words(self, handle):
+        return handle
+
     def to_host(self, x):
         return np.asarray(x)
 
@@ -74,6 +81,7 @@ class CupyBackend:  # pragma: no cover - real GPU only
             cupy = None
         self.xp = cupy
         self._streams = {}  # (device id, CuPy stream pointer) -> Numba external stream
+        self._words = {}    # (device id, stream pointer) -> (pinned int64 buffer, event): read_words_async
 
     def stream(self):
         """The Numba view of CuPy's current stream (on the current device)."""
@@ -102,6 +110,28 @@ class CupyBackend:  # pragma: no cover - real GPU only
 
     def read_words(self, w):
         return w.get(stream=self.xp.cuda.get_current_stream()).astype(np.int64, copy=False)
+
+    def read_words_async(self, w):
+        """Queue ``w``'s copy into a pinned buffer of this stream and an event behind it: the host
+        can wait for those words while the device goes on with what is queued after them."""
+        stream = self.xp.cuda.get_current_stream()
+        key = (self.device_key(), stream.ptr)
+        got = self._words.get(key)
+        if got is None or got[0].shape[0] < w.shape[0]:
+            if len(self._words) > 256:
+                self._words.clear()
+            got = self._words[key] = (self.pinned_empty(max(w.shape[0], 64), np.int64),
+                                      self.xp.cuda.Event(block=False, disable_timing=True))
+        buf, ev = got
+        host = buf[:w.shape[0]]
+        w.get(out=host, stream=stream, blocking=False)
+        ev.record(stream)
+        return host, ev
+
+    def wait_words(self, handle):
+        host, ev = handle
+        ev.synchronize()
+        return host.astype(np.int64, copy=True)
 
     def to_host(self, x):
         return self.xp.asnumpy(x)

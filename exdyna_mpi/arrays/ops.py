@@ -4,7 +4,9 @@ One protocol, two implementations: ``HostOps`` runs the ``@njit`` kernels (``ker
 ``kernels/cpu_controller.py``) on NumPy buffers; ``CudaOps`` (``cuda_ops.py``) runs the CUDA kernels
 (``kernels/cuda.py``) on CUDA buffers, bit-identical. Sparsifiers call these methods only, never a
 kernel directly, so one sparsifier body serves both devices. tests/unit/test_layers.py checks that
-both implement every method of ``Ops`` with the same signature.
+both implement every method of ``Ops`` with the same signature. A device backend may add the methods
+of ``DEVICE_ONLY`` (work it queues ahead of the host; ``CudaOps`` documents them); callers test for
+them with ``hasattr``.
 """
 import os
 import threading
@@ -33,6 +35,11 @@ def _marks_for(x, lo, hi):
     if now is None or now[0]() is not x or now[1] != lo or now[2] != hi:
         return None
     return now[3], now[4]
+
+
+#: Methods only a device backend has: it can queue the rest of a one-rank step behind the measuring
+#: pass, so the device need not wait while the host reads the pass's words and resolves.
+DEVICE_ONLY = ("accumulate_measure_finish", "finish_settled")
 
 
 @runtime_checkable

@@ -271,11 +271,14 @@ class Sparsifier(Selector):
             buf = self._vals = self.ops.empty(max(n + n // 4, 1), dtype)
         return buf[:n]
 
-    def average_at(self, acc, union, out, sec):
+    def average_at(self, acc, union, out, sec, done=False):
         """The end of a union step: sum every rank's ``acc[union]`` (bit-identical everywhere),
         ``acc`` becomes the residual with ``union`` zeroed, and the returned buffer holds the sum / P
-        at ``union``, 0 elsewhere. Phase times go into ``sec``.
+        at ``union``, 0 elsewhere. Phase times go into ``sec``. ``done``: the device already wrote
+        both (a one-rank step finished behind its pass); only the buffers change hands.
         """
+        if done:
+            return self.memory.commit(acc, out)
         ops, dtype = self.ops, self._dtype
         t0 = time.perf_counter()
         vals = self._vals_buffer(union.shape[0], dtype)

@@ -130,7 +130,7 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
         that also fills whatever the controller's plan asks for. A measuring plan selects nothing
         here: the pass histograms ``|acc|`` over the owned range, ``choose`` selects."""
         lo, hi = self._range_at(step.t)
-        fused = _FusedPass(self, grad, acc, lo, hi, step.sec)
+        fused = _FusedPass(self, grad, acc, lo, hi, step.sec, step.out)
         count, bad, words = fused.run(self.controller.plan(step.t, step.dtype))
         if fused.plan.measure:
             return Selection(acc, 0, (), bad, sums=words, fused=fused)
@@ -140,8 +140,17 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
         """The threshold from the summed histograms (the controller may zoom: owned-range reads and
         small Allreduces), then select in the owned range (an O(N/P) read)."""
         fused = sel.fused
+        pick = self.controller.fine_pick(fused.plan, sums) if fused.finish is not None else None
         plan, _ = self.controller.resolve(fused.plan, sums, fused)
         fused.plan = plan
+        if pick is not None:   # the device settled the same threshold and finished the step behind the pass
+            if (plan.threshold, plan.expected) != pick or self.controller.zooms:   # pragma: no cover
+                raise RuntimeError(f"exdyna: the device settled {pick}, the host {plan.threshold, plan.expected}")
+            self.ops.finish_settled(True)
+            fused.count = sel.count = pick[1]
+            self.memory.output(fused.finish[1], zeroed=True)
+            sel.words, sel.done = (), True
+            return sel
         t0 = time.perf_counter()
         thr = threshold_for(plan.threshold, plan.dtype)
         idx = self._idx_buffer(fused.hi - fused.lo)
@@ -186,7 +195,7 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
             counts_blk = self.ops.to_host(self.layout.block_counts(union, self.ops.xp))
             self.layout.rebalance_blocks(None, t + 1, counts=counts_blk)
             step.sec["balance"] = time.perf_counter() - t0
-        res = self.average_at(sel.acc, union, step.out, step.sec)
+        res = self.average_at(sel.acc, union, step.out, step.sec, done=getattr(sel, "done", False))
         selected = int(counts.sum())
         stats = dict(counts=counts, selected=selected, density=selected / self.numel, threshold=plan.threshold,
                      bounds=bounds, owned=np.array(owners(t, self.nranks)), quota_moved=moved)
@@ -198,6 +207,20 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
         elif bal == "adaptive":
             self.layout.rebalance_adaptive(counts, t + 1)
         return res, stats
+
+    def _finish_ahead(self, plan, fused):
+        """``(idx, out, p, k, tol)`` when the device can finish this step behind its measuring pass
+        without waiting for the host (``Ops.accumulate_measure_finish``): one rank (nothing to
+        exchange), the measured controller with a fine window and marks, the exact exchange; else
+        None. The host waits for the pass's words, not for the pass's whole step: on an H100 the
+        host's resolve and launches after that wait were a third of a 100M-element step."""
+        ops = self.ops
+        if (self.nranks != 1 or not plan.measure or plan.fine is None or fused.mark is None
+                or not hasattr(ops, "accumulate_measure_finish") or not hasattr(self.controller, "fine_pick")
+                or self._deadline_mode() is not None or self.numel >= 2**31):
+            return None
+        out = fused.out if fused.out is not None else ops.empty(self.numel, plan.dtype)
+        return (self._idx_buffer(fused.hi - fused.lo), out, 1, self.controller.k, self.controller.fine_tol(plan))
 
     def _quota_bound(self):
         """The ``max_imbalance`` in force (None: off, or one rank)."""
@@ -248,10 +271,11 @@ class _FusedPass:
     """The per-element pass of one ExDyna step over the owned range ``[lo, hi)``, lent to the
     controller (``algorithm.controllers.FusedPass`` documents the interface)."""
 
-    def __init__(self, sp, grad, acc, lo, hi, sec):
-        self.sp, self.grad, self.acc, self.lo, self.hi, self.sec = sp, grad, acc, lo, hi, sec
+    def __init__(self, sp, grad, acc, lo, hi, sec, out=None):
+        self.sp, self.grad, self.acc, self.lo, self.hi, self.sec, self.out = sp, grad, acc, lo, hi, sec, out
         self.plan, self.count, self.counts = None, 0, None
         self.mark, self.local = None, None   # a measuring pass's mark and this rank's own words
+        self.finish = None                   # what the device was given to finish the step with
 
     def run(self, plan):
         sp, ops = self.sp, self.sp.ops
@@ -263,9 +287,14 @@ class _FusedPass:
             nb = plan.hist[0]
             fine = (plan.fine[1], plan.fine[2], hist[nb:]) if plan.fine else None
             self.mark = sp.controller.mark(plan)
-            bad = ops.accumulate_measure(sp.memory.residual, self.grad, self.acc, self.lo, self.hi,
-                                         (plan.hist[1], plan.hist[2], hist[:nb]), fine, plan.stride, self.mark,
-                                         sp.threads)
+            coarse = (plan.hist[1], plan.hist[2], hist[:nb])
+            self.finish = sp._finish_ahead(plan, self)
+            if self.finish is not None:
+                bad = ops.accumulate_measure_finish(sp.memory.residual, self.grad, self.acc, self.lo, self.hi, coarse,
+                                                    fine, plan.stride, self.mark, self.finish)
+            else:
+                bad = ops.accumulate_measure(sp.memory.residual, self.grad, self.acc, self.lo, self.hi, coarse, fine,
+                                             plan.stride, self.mark, sp.threads)
             self.local = hist
             count = 0
         elif plan.hist is None:

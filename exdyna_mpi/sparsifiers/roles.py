@@ -65,13 +65,14 @@ class ErrorFeedback:
         if acc is not None:
             self._spare = acc
 
-    def output(self, out):
+    def output(self, out, zeroed=False):
         """This step's zeroed output buffer, made now (``out`` zeroed, or a fresh one; ``commit``
         returns it): a selector that knows the gradient is consumed may queue the zeroing where the
-        device would otherwise wait for the host (an O(N) write on the critical path otherwise)."""
+        device would otherwise wait for the host (an O(N) write on the critical path otherwise).
+        ``zeroed``: ``out`` is zeroed already (by a kernel queued earlier)."""
         if self._out is None:
             self._out = self.ops.zeros(self.numel, self.dtype) if out is None else out
-            if out is not None:
+            if out is not None and not zeroed:
                 self.ops.fill_zero(out)
         return self._out
 

@@ -97,6 +97,7 @@ def test_no_full_length_copy_to_host(cp, monkeypatch):
     moved = []
     backend = _device.BACKEND
     real_stage, real_words, real_asnumpy = dt._to_host_async, backend.read_words, cp.asnumpy
+    real_words_async = backend.read_words_async
 
     def stage(dev, host):
         moved.append(dev.nbytes)
@@ -105,6 +106,10 @@ def test_no_full_length_copy_to_host(cp, monkeypatch):
     def words(w):
         moved.append(w.nbytes)
         return real_words(w)
+
+    def words_async(w):   # a one-rank step's words, read while the device finishes the step
+        moved.append(w.nbytes)
+        return real_words_async(w)
 
     def asnumpy(a, *args, **kw):
         moved.append(a.nbytes)
@@ -117,6 +122,7 @@ def test_no_full_length_copy_to_host(cp, monkeypatch):
     sp.step(g)  # warm-up: compile, allocate
     monkeypatch.setattr(dt, "_to_host_async", stage)
     monkeypatch.setattr(backend, "read_words", words)
+    monkeypatch.setattr(backend, "read_words_async", words_async)
     monkeypatch.setattr(cp, "asnumpy", asnumpy)
     for _ in range(3):
         sp.step(g)
@@ -177,3 +183,29 @@ def test_driver_launch_takes_any_grid_with_one_entry(cp):
         assert cp.array_equal(out, src[idx]), m
     keys = [k for k in kc._fast if k[0] == id(kc._gather)]
     assert len(keys) == 1 and kc._fast[keys[0]], keys
+
+
+@pytest.mark.parametrize("out_kind", ["none", "grad"])
+def test_one_rank_step_finished_on_device_matches_cpu(cp, monkeypatch, out_kind):
+    # P = 1: the device settles the threshold and finishes the step behind the measuring pass
+    # (CudaOps.accumulate_measure_finish); the steps it finishes are the CPU's, to the bit
+    from exdyna_mpi.arrays import cuda_ops
+
+    settled = []
+    real = cuda_ops.CudaOps.finish_settled
+    monkeypatch.setattr(cuda_ops.CudaOps, "finish_settled", staticmethod(lambda ok: (settled.append(ok), real(ok))[1]))
+    n = 1_000_003
+    ref = exdyna_mpi.ExDyna(n, 0.001, MPI.COMM_SELF, device="cpu")
+    dev = exdyna_mpi.ExDyna(n, 0.001, MPI.COMM_SELF, device="cuda")
+    rng = np.random.default_rng(7)
+    g = rng.standard_normal(n)
+    for step in range(16):
+        g = 0.9 * g + 0.45 * rng.standard_normal(n)
+        h = (g * 0.01).astype(np.float32)
+        want = ref.step(h.copy())
+        d = cp.asarray(h)
+        got = dev.step(d) if out_kind == "none" else dev.step(d, out=d)
+        assert cp.asnumpy(got).tobytes() == want.tobytes(), step
+        assert dev.residual.tobytes() == ref.residual.tobytes(), step
+        assert list(dev.stats.counts) == list(ref.stats.counts) and dev.stats.threshold == ref.stats.threshold
+    assert sum(settled) >= 4, settled
