@@ -466,6 +466,7 @@ class MeasuredController(Controller):
         self.n_fine, self.fine_bits = self.N_FINE << more, self.FINE_BITS + more
         self.expected = None      # the total count the last threshold selects (exact, from the sums)
         self.zooms = 0            # extra owned-range passes of the last step (a diagnostic)
+        self.settled_fine = False  # the last resolve settled in the fine window at once (fine_pick)
         self.zoom_words = []      # and the words each of them summed
         self._specs_key, self._specs = None, None   # window_specs' last answer
 
@@ -549,9 +550,13 @@ class MeasuredController(Controller):
         exact counts put the k-th value outside it starts again from the wide window, exact.
         """
         words = np.asarray(words, dtype=np.int64)
+        self.zooms, self.zoom_words = 0, []
+        picked = self.fine_pick(plan, words)
+        self.settled_fine = picked is not None
+        if picked is not None:   # the common case, in one look (what the loop below does first)
+            return self._done(plan, *picked)
         dtype, mb = plan.dtype, self._mantissa_bits(plan.dtype)
         nb = plan.hist[0]
-        self.zooms, self.zoom_words = 0, []
         spec, hist, exact = plan.hist, words[:nb] * plan.stride, plan.stride == 1
         if plan.fine is not None:
             j, _ = self._locate(words[nb:])
