@@ -62,3 +62,18 @@ def test_gather_scatter_zero():
     cpu.zero_at(src, idx)
     assert src[[1, 4, 9]].tolist() == [0, 0, 0]
     assert cpu.count_range(np.array([-2, 1, 3], np.float32), 0, 3, np.float32(2)) == 2
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_host_fill_zero_writes_exactly_its_view(dtype):
+    # HostOps.fill_zero memsets a contiguous buffer: +0.0 bits, nothing outside the view
+    from exdyna_mpi.arrays import HostOps
+
+    base = np.full(1003, -2.5, dtype)
+    HostOps.fill_zero(base[7:1000])
+    assert not base[7:1000].any() and not np.signbit(base[7:1000]).any()
+    assert (base[:7] == -2.5).all() and (base[1000:] == -2.5).all()
+    strided = np.full(20, 3.0, dtype)
+    HostOps.fill_zero(strided[::3])
+    assert not strided[::3].any() and (np.delete(strided, np.arange(0, 20, 3)) == 3.0).all()
+    HostOps.fill_zero(np.empty(0, dtype))
