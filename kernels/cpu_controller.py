@@ -283,7 +283,7 @@ def _measure_range(residual, grad, acc, bits, lo, hi, sign_off, shift, key0, his
                    hist_f, low_f, scratch, marks):
     # the owned-range part of ``accumulate_measure`` over [lo, hi): marks go to marks[0:]
     if scratch.shape[0] < _CHUNK + 2:   # the mark extraction writes up to two words past a chunk
-        scratch = np.empty(_CHUNK + 2, np.int32)
+        scratch = np.empty(_CHUNK + 2, np.int64)
     mx = 0
     top_f = hist_f.shape[0] - 1
     keep = marks.shape[0] > 0
@@ -300,6 +300,14 @@ def _measure_range(residual, grad, acc, bits, lo, hi, sign_off, shift, key0, his
         for i in range(m):
             a[i] = rs[i] + gs[i]
         if top_f >= 0:
+            # the marks go straight to ``marks`` (global indices) while it has room for the whole
+            # chunk (a copy from the scratch cost 0.3 ms per 5M elements), else to the scratch
+            # (chunk offsets) and are copied. The two spare writes of a group stay inside that room:
+            # they land at c and c + 1 with c <= (groups before this one) * 64 <= m - 64. (A run's
+            # slice of ``marks`` on threads must not be written past its end.)
+            direct = keep and marks.shape[0] - n_f >= m
+            out = marks[n_f:] if direct else scratch
+            base = s0 if direct else 0
             # a 64-bit mask per group (the select form vectorises; a rescan of each group that holds
             # a mark did not: on error-feedback streams most groups hold one), then its set bits
             c = 0
@@ -310,28 +318,29 @@ def _measure_range(residual, grad, acc, bits, lo, hi, sign_off, shift, key0, his
                 for i in range(_GROUP):
                     w |= (one << uint64(i)) if (bg[i] & sign_off) >= low_f else zero
                 # a group holds about one mark: the first two without a branch (trailing_zeros(0)
-                # is 64, written but not counted: scratch has two spare words); a loop over the
-                # set bits mispredicted once a group and cost more than the add
-                scratch[c] = g0 + trailing_zeros(w)
+                # is 64, written but not counted: two spare words); a loop over the set bits
+                # mispredicted once a group and cost more than the add
+                at = base + g0
+                out[c] = at + trailing_zeros(w)
                 c += w != zero
                 w &= w - one
-                scratch[c] = g0 + trailing_zeros(w)
+                out[c] = at + trailing_zeros(w)
                 c += w != zero
                 w &= w - one
                 while w:
-                    scratch[c] = g0 + trailing_zeros(w)
+                    out[c] = at + trailing_zeros(w)
                     c += 1
                     w &= w - one
             for i in range(full, m):
                 if (bs[i] & sign_off) >= low_f:    # on the bits: NaN goes to the top, as on CUDA
-                    scratch[c] = i
+                    out[c] = base + i
                     c += 1
             for q in range(c):
-                b = bs[scratch[q]] & sign_off
+                b = bs[out[q] - base] & sign_off
                 mx = b if b > mx else mx
                 j = (b >> shift_f) - key0_f
                 hist_f[j if j < top_f else top_f] += 1
-            if keep:
+            if keep and not direct:
                 for q in range(c):
                     marks[n_f + q] = s0 + scratch[q]
             n_f += c
@@ -358,7 +367,7 @@ def measure_part(residual, grad, acc, bits, lo, hi, t, nparts, per, sign_off, sh
     ua, ub = hi + (t * (n - hi)) // nparts, hi + ((t + 1) * (n - hi)) // nparts
     m2 = _add_max(residual[ua:ub], grad[ua:ub], acc[ua:ub], bits[ua:ub], sign_off)
     a, b = min(lo + t * per, hi), min(lo + (t + 1) * per, hi)
-    scratch = np.empty(_CHUNK + 2, np.int32)   # (two spare words: see _measure_range)
+    scratch = np.empty(_CHUNK + 2, np.int64)   # (two spare words: see _measure_range)
     m3, nf = _measure_range(residual, grad, acc, bits, a, b, sign_off, shift, key0, hist, stride, shift_f, key0_f,
                             hist_f, low_f, scratch, marks)
     m = m1 if m1 > m2 else m2
@@ -451,7 +460,7 @@ def host_accumulate_measure(residual, grad, acc, lo, hi, coarse, fine, stride, m
                                              hist, int(stride), ity(shift_f), ity(key0_f), hist_f, low_f, marks,
                                              nparts)
     else:
-        scratch = np.empty(_CHUNK + 2, np.int32)   # (two spare words: see _measure_range)
+        scratch = np.empty(_CHUNK + 2, np.int64)   # (two spare words: see _measure_range)
         mx, n_f = accumulate_measure(residual, grad, acc, bits, lo, hi, sign_off, ity(shift), ity(key0), hist,
                                      int(stride), ity(shift_f), ity(key0_f), hist_f, low_f, scratch, marks)
     exp_mask = 0x7F800000 if acc.dtype == np.float32 else 0x7FF0000000000000

@@ -30,7 +30,7 @@ def _run(r, g, plan, lo, hi, nparts, fine=True, keep=True):
     args = (r, g, acc, bits, lo, hi, sign_off, ity(plan.hist[1]), ity(plan.hist[2]), hist, plan.stride, ity(shift_f),
             ity(key0_f), hf, low_f)
     if nparts == 0:
-        mx, nf = kc.accumulate_measure(*args, np.empty(kc._CHUNK, np.int32), marks)
+        mx, nf = kc.accumulate_measure(*args, np.empty(kc._CHUNK, np.int64), marks)
     else:
         mx, nf = kc.accumulate_measure_threads(*args, marks, nparts)
     return acc, hist, hf, int(mx), int(nf), marks[:nf] if keep else None
@@ -51,6 +51,33 @@ def test_parallel_equals_serial(dtype, lo, hi, fine, keep):
             assert np.array_equal(got[5], want[5]), nparts
     if fine and hi - lo > 1000:
         assert want[4] > 0   # the case has marks to move
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_every_element_marked(dtype):
+    # marks as dense as the range: each run's slice of the buffer fills up to its end, where the
+    # kernel must switch from writing marks in place (two spare words past them) to its scratch
+    r, g, plan = _case(5, 50_000, dtype)
+    c = MeasuredController(50_000, 0.01, 2)
+    c.threshold, c.seen = float(np.abs(r + g).min()) * 0.5, True
+    plan = c.plan(1, dtype)
+    lo, hi = 1000, 49_000
+    want = _run(r, g, plan, lo, hi, 0)
+    assert want[4] == hi - lo and np.array_equal(want[5], np.arange(lo, hi))
+    for nparts in (2, 3, 7):
+        got = _run(r, g, plan, lo, hi, nparts)
+        assert got[0].tobytes() == want[0].tobytes() and got[3:5] == want[3:5], nparts
+        assert np.array_equal(got[2], want[2]) and np.array_equal(got[5], want[5]), nparts
+    # nothing is written past the marks buffer (kernels do not check bounds: sentinels do)
+    acc = np.empty_like(r)
+    bits, sign_off = kc.int_view(acc)
+    ity = bits.dtype.type
+    buf = np.full(hi - lo + 4, -7, np.int64)
+    kc.accumulate_measure(r, g, acc, bits, lo, hi, sign_off, ity(plan.hist[1]), ity(plan.hist[2]),
+                          np.zeros(plan.hist[0], np.int64), plan.stride, ity(plan.fine[1]), ity(plan.fine[2]),
+                          np.zeros(plan.fine[0], np.int64), ity((int(plan.fine[2]) + 1) << int(plan.fine[1])),
+                          np.empty(kc._CHUNK + 2, np.int64), buf[:hi - lo])
+    assert (buf[hi - lo:] == -7).all() and np.array_equal(buf[:hi - lo], np.arange(lo, hi))
 
 
 def test_wrapper_uses_threads_and_reports_nonfinite(monkeypatch):
