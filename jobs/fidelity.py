@@ -13,6 +13,8 @@ Workloads (offline, CPU, no downloads):
 - ``lstm``: a byte-level 2-layer LSTM (2.05M parameters, jobs/models.py ``CharLSTM``) on the Python
   standard library's own source files, split by file (crc32 of the path) into train and validation;
   metric: validation loss (nats per byte) and perplexity. The analogue of the ExDyna authors' LSTM.
+  Every LSTM run (dense included) clips the gradient norm at 0.25; ``--lstm-clip`` changes that base
+  clip for all of them (0: none). The learning rate is constant: no schedule follows ``--lstm-steps``.
 - ``cnn``: the digits CNN at width 48 (141k parameters); metric: test accuracy.
 
 Grid: dense once, then every sparsifier of ``--sparsifiers`` at every density of ``--densities``, plus
@@ -60,6 +62,8 @@ def parse_args(argv=None):
                     help="CI smoke: short step budgets, density 0.01 only, small validation set")
     ap.add_argument("--lstm-steps", type=int, default=0, help="step budget of the LSTM (0: workload default)")
     ap.add_argument("--cnn-steps", type=int, default=0, help="step budget of the CNN (0: workload default)")
+    ap.add_argument("--lstm-clip", type=float, default=LSTMWork.base_options["clip_norm"], metavar="NORM",
+                    help="the LSTM's base clip_norm, applied to every LSTM run (dense included); 0: no base clip")
     ap.add_argument("--evals", type=int, default=0, help="evaluations per run (0: workload default)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cores / ranks on this node)")
@@ -68,6 +72,8 @@ def parse_args(argv=None):
     ap.add_argument("--report", default="", metavar="JSONL[,JSONL...]",
                     help="no training: rebuild table and plots from these files into --out (no MPI needed)")
     args = ap.parse_args(argv)
+    if args.lstm_clip < 0:
+        ap.error("--lstm-clip must be >= 0 (0: no base clip)")
     if args.quick:
         if args.densities == GRID_DENSITIES:
             args.densities = "0.01"
@@ -193,6 +199,29 @@ class LSTMWork(Workload):
 WORKLOADS = {"lstm": LSTMWork, "cnn": CNNWork}
 
 
+def make_workload(name, args):
+    """The workload ``name`` (not set up yet), with the base options the command line sets:
+    ``--lstm-clip`` replaces the LSTM's ``clip_norm`` (0 removes it) for every run, dense included."""
+    wl = WORKLOADS[name]()
+    if name == "lstm":
+        base = {k: v for k, v in wl.base_options.items() if k != "clip_norm"}
+        if args.lstm_clip > 0:
+            base["clip_norm"] = args.lstm_clip
+        wl.base_options = base
+    return wl
+
+
+def run_options(wl, recipe, steps):
+    """Adapter options of one run: the workload's base options, then the recipe on top."""
+    options = dict(wl.base_options)
+    options.update(recipe)
+    if "clip_norm" in wl.base_options and "clip_norm" in recipe:   # a recipe never loosens the base clip
+        options["clip_norm"] = min(wl.base_options["clip_norm"], recipe["clip_norm"])
+    if isinstance(options.get("warmup_steps"), float) and options["warmup_steps"] < 1:
+        options["warmup_steps"] = int(round(options["warmup_steps"] * steps))
+    return options
+
+
 # ---------------------------------------------------------------------------------------------
 # Training
 
@@ -223,12 +252,7 @@ def train_one(wl, label, name, density, recipe, args, comm, steps, evals, log):
     from exdyna_mpi.adapters.torch import DistributedOptimizer
 
     rank, P = comm.Get_rank(), comm.Get_size()
-    options = dict(wl.base_options)
-    options.update(recipe)
-    if "clip_norm" in wl.base_options and "clip_norm" in recipe:   # a recipe never loosens the base clip
-        options["clip_norm"] = min(wl.base_options["clip_norm"], recipe["clip_norm"])
-    if isinstance(options.get("warmup_steps"), float) and options["warmup_steps"] < 1:
-        options["warmup_steps"] = int(round(options["warmup_steps"] * steps))
+    options = run_options(wl, recipe, steps)
     sp_opts = parse_kv(",".join(args.opt)) if name != "dense" else {}
     torch.manual_seed(args.seed)
     model = wl.model()
@@ -286,7 +310,8 @@ def train_one(wl, label, name, density, recipe, args, comm, steps, evals, log):
     last = evals_out[-1]
     warm = int(options.get("warmup_steps", 0) or 0)
     summary = {"kind": "run", "workload": wl.name, "run": label, "sparsifier": name, "target": density,
-               "recipe": recipe, "options": {**options, **sp_opts}, "ranks": P, "numel": numel, "steps": steps,
+               "recipe": recipe, "options": {**options, **sp_opts}, "base_options": dict(wl.base_options),
+               "ranks": P, "numel": numel, "steps": steps,
                "seed": args.seed, wl.quality: last[wl.quality],
                **{k: v for k, v in last.items() if k not in ("kind", "workload", "run", "step", "bytes_total")},
                "quality_key": wl.quality, "higher_is_better": wl.higher_is_better,
@@ -518,7 +543,7 @@ def main(argv=None):
     t_job = time.perf_counter()
     summaries = []
     for wname in wls:
-        wl = WORKLOADS[wname]()
+        wl = make_workload(wname, args)
         wl.setup(args.seed, rank, P, args.quick)
         steps = {"lstm": args.lstm_steps, "cnn": args.cnn_steps}[wname] or (wl.quick_steps if args.quick else wl.steps)
         evals = args.evals or (3 if args.quick else wl.evals)

@@ -94,3 +94,31 @@ def test_report_averages_seeds(quick_run, tmp_path):
     lo, hi = 100 * (run["test_acc"] - 0.10), 100 * run["test_acc"]
     assert f"{(lo + hi) / 2:.2f} % [{lo:.2f}, {hi:.2f}]" in table, table
     assert f"mean over seeds {run['seed']}, 7" in table
+
+
+def test_lstm_clip_option_reaches_every_lstm_run():
+    """--lstm-clip sets the LSTM's base clip_norm for every run, dense included (0: none); the default
+    is the workload's 0.25; the CNN keeps its own options; a recipe's clip still cannot loosen it.
+    No MPI: parse, build the workload, compute the run options."""
+    sys.path.insert(0, os.path.join(ROOT, "jobs"))
+    import fidelity
+
+    def opts(argv, wname="lstm", recipe=None):
+        args = fidelity.parse_args(argv)
+        wl = fidelity.make_workload(wname, args)
+        return args, fidelity.run_options(wl, recipe or {}, 100)
+
+    args, o = opts([])
+    assert args.lstm_clip == 0.25 and o == {"clip_norm": 0.25}                # today's behaviour
+    assert fidelity.LSTMWork.base_options == {"clip_norm": 0.25}              # the class is not changed
+    args, o = opts(["--lstm-clip", "1.0"])
+    assert args.lstm_clip == 1.0 and o == {"clip_norm": 1.0}
+    assert opts(["--lstm-clip", "1.0"], recipe={"clip_norm": 0.5})[1]["clip_norm"] == 0.5
+    assert opts(["--lstm-clip", "0.1"], recipe={"clip_norm": 0.5})[1]["clip_norm"] == 0.1
+    args, o = opts(["--lstm-clip", "0"])
+    assert args.lstm_clip == 0 and o == {}                                    # no base clip at all
+    assert opts(["--lstm-clip", "0"], recipe={"clip_norm": 2.0})[1] == {"clip_norm": 2.0}
+    assert opts(["--lstm-clip", "0"], recipe={"warmup_steps": 0.2})[1] == {"warmup_steps": 20}
+    assert opts(["--lstm-clip", "1.0"], wname="cnn")[1] == {}                 # the CNN has no base clip
+    with pytest.raises(SystemExit):
+        fidelity.parse_args(["--lstm-clip", "-1"])
