@@ -43,6 +43,27 @@ def _words(scratch, nw):
     return BACKEND.read_words(scratch.totals_hist[: 2 + nw])
 
 
+def _measure_async(residual, grad, acc, lo, hi, coarse, fine, stride, mark):
+    """Queue the measuring pass (``CudaOps.accumulate_measure``); (its scratch, histogram words)."""
+    s = _scratch_here()
+    shift_f, key0_f, hist_f = fine if fine is not None else (0, 0, np.zeros(0, np.int64))
+    nh, nf = coarse[2].shape[0], hist_f.shape[0]
+    thr = acc.dtype.type(np.nan if mark is None else mark)
+    _k.accumulate_measure_async(residual, grad, acc, int(lo), int(hi), thr, coarse[0], coarse[1], nh, s,
+                                BACKEND.stream(), (shift_f, key0_f, nf), stride)
+    return s, nh + nf
+
+
+def _add_measure_words(w, coarse, fine):
+    """Add the pass's words ``[marked, nonfinite, coarse..., fine...]`` to the host histograms;
+    the non-finite count."""
+    nh = coarse[2].shape[0]
+    coarse[2][:] += w[2:2 + nh]
+    if fine is not None:
+        fine[2][:] += w[2 + nh:2 + nh + fine[2].shape[0]]
+    return int(w[1])
+
+
 class CudaOps:
     """Per-element ops on CUDA buffers: the ``Ops`` protocol (``arrays/ops.py``).
 
@@ -120,16 +141,8 @@ class CudaOps:
     def accumulate_measure(residual, grad, acc, lo, hi, coarse, fine, stride, mark=None, threads=1):
         # the histogram pass with the marks (hit-mask bits) of |acc| >= mark instead of a selection
         # (``threads``: host threads, nothing to do with the device)
-        s = _scratch_here()
-        shift_f, key0_f, hist_f = fine if fine is not None else (0, 0, np.zeros(0, np.int64))
-        nh, nf = coarse[2].shape[0], hist_f.shape[0]
-        thr = acc.dtype.type(np.nan if mark is None else mark)
-        _k.accumulate_measure_async(residual, grad, acc, int(lo), int(hi), thr, coarse[0], coarse[1], nh, s,
-                                    BACKEND.stream(), (shift_f, key0_f, nf), stride)
-        w = _words(s, nh + nf)
-        coarse[2][:] += w[2:2 + nh]
-        hist_f += w[2 + nh:2 + nh + nf]
-        return int(w[1])
+        s, nw = _measure_async(residual, grad, acc, lo, hi, coarse, fine, stride, mark)
+        return _add_measure_words(_words(s, nw), coarse, fine)
 
     @staticmethod
     def accumulate_measure_finish(residual, grad, acc, lo, hi, coarse, fine, stride, mark, finish):
@@ -137,27 +150,19 @@ class CudaOps:
         host reads the words (``kernels.cuda.finish_fine_async``): ``finish = (idx, out, p, k, tol)``.
         The device settles the threshold from the fine window when ``MeasuredController.fine_pick``
         would, and then selects, zeroes ``out`` and writes the mean while the host resolves on its
-        own; the caller tells ``finish_settled`` which way it went. Returns the non-finite count."""
-        s = _scratch_here()
-        shift_f, key0_f, hist_f = fine
-        nh, nf = coarse[2].shape[0], hist_f.shape[0]
-        _k.accumulate_measure_async(residual, grad, acc, int(lo), int(hi), acc.dtype.type(mark), coarse[0], coarse[1],
-                                    nh, s, BACKEND.stream(), (shift_f, key0_f, nf), stride)
-        pending = BACKEND.read_words_async(s.totals_hist[: 2 + nh + nf])
+        own; the caller calls ``finish_settled`` when it did. Returns the non-finite count."""
+        s, nw = _measure_async(residual, grad, acc, lo, hi, coarse, fine, stride, mark)
+        pending = BACKEND.read_words_async(s.totals_hist[: 2 + nw])
         idx, out, p, k, tol = finish
-        _k.finish_fine_async(acc, int(lo), int(hi), idx, out, acc.dtype.type(p), k, tol, nh, (shift_f, key0_f, nf), s,
-                             BACKEND.stream())
-        w = BACKEND.wait_words(pending)
-        coarse[2][:] += w[2:2 + nh]
-        hist_f += w[2 + nh:2 + nh + nf]
-        return int(w[1])
+        _k.finish_fine_async(acc, int(lo), int(hi), idx, out, acc.dtype.type(p), k, tol, coarse[2].shape[0],
+                             (fine[0], fine[1], fine[2].shape[0]), s, BACKEND.stream())
+        return _add_measure_words(BACKEND.wait_words(pending), coarse, fine)
 
     @staticmethod
-    def finish_settled(settled):
-        """After ``accumulate_measure_finish``: ``settled`` (the host's ``fine_pick`` found what the
-        device did) means the marks were consumed by the device's select; else they stand."""
-        if settled:
-            _scratch_here().marked = None
+    def finish_settled():
+        """After ``accumulate_measure_finish``, when the host's ``fine_pick`` settled (so the device
+        did): the device's select consumed the marks. (Otherwise they stand for the host's select.)"""
+        _scratch_here().marked = None
 
     @staticmethod
     def select_marked(x, lo, hi, thr, idx, expect=None, keep=False):

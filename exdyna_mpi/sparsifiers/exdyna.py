@@ -145,7 +145,7 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
         if fused.finish is not None and self.controller.settled_fine:
             # fine_pick settled it, so the device did too (kernels.cuda._resolve_fine, the same
             # integer logic: tests/cudasim/test_finish_ahead.py) and finished the step behind the pass
-            self.ops.finish_settled(True)
+            self.ops.finish_settled()
             fused.count = sel.count = plan.expected
             self.memory.output(fused.finish[1], zeroed=True)
             sel.words, sel.done = (), True
