@@ -39,6 +39,7 @@ from numba import njit, uint64
 from numba.cpython.unsafe.numbers import trailing_zeros
 
 from .cpu import _add_count_nonfinite, _add_select
+from .cpu_stream import stream_add_copy, stream_add_max
 
 _CHUNK = 4096  # elements per inner block: the forecast and its buckets are read back from L1
 
@@ -231,21 +232,9 @@ def host_hist_range(x, lo, hi, shift, key0, hist):
 # ---------------------------------------------------------------------------- the measuring pass
 @njit(cache=True, nogil=True)
 def _add_max(r, g, acc, bits, sign_off):
-    # acc = r + g, and the largest |acc| bit pattern (>= the exponent mask: a non-finite value)
-    n = acc.shape[0]
-    mx = 0
-    for s in range(0, n, _CHUNK):
-        e = min(s + _CHUNK, n)
-        rs = r[s:e]
-        gs = g[s:e]
-        a = acc[s:e]
-        bs = bits[s:e]
-        for i in range(e - s):
-            a[i] = rs[i] + gs[i]
-        for i in range(e - s):
-            b = bs[i] & sign_off
-            mx = b if b > mx else mx
-    return mx
+    # acc = r + g (streamed past the cache), and the largest |acc| bit pattern (>= the exponent
+    # mask: a non-finite value), taken from the sums in registers
+    return stream_add_max(r, g, acc, bits, sign_off)
 
 
 _GROUP = 64  # elements per max-test group of the measuring pass's owned range
@@ -264,7 +253,9 @@ def accumulate_measure(residual, grad, acc, bits, lo, hi, sign_off, shift, key0,
     ``marks`` in ascending order when it is not empty (capacity ``hi - lo``: the select and the
     zooms that follow read only those).
 
-    Per chunk: the add vectorises; then per group of 64 elements a vectorised compare builds a
+    ``acc`` is written with nontemporal stores (``cpu_stream``: no read of the old ``acc``); the
+    owned range's sums are read back from an L1 copy of each chunk. Per chunk: the add vectorises;
+    then per group of 64 elements a vectorised compare builds a
     64-bit mask whose set bits are the marks (on error-feedback streams the fine window holds 6-24x
     k values, so most groups hold one: a rescan of those groups cost more than the add); the marks
     touch the fine histogram; the coarse one reads one element in ``stride``.
@@ -290,15 +281,14 @@ def _measure_range(residual, grad, acc, bits, lo, hi, sign_off, shift, key0, his
     n_f = 0
     one = uint64(1)
     zero = uint64(0)
+    # acc is streamed past the cache; the chunk's sums are read back from this copy, in L1
+    chunk = np.empty(_CHUNK, acc.dtype)
+    chunk_bits = chunk.view(bits.dtype)
     for s0 in range(lo, hi, _CHUNK):
         e0 = min(s0 + _CHUNK, hi)
         m = e0 - s0
-        rs = residual[s0:e0]
-        gs = grad[s0:e0]
-        a = acc[s0:e0]
-        bs = bits[s0:e0]
-        for i in range(m):
-            a[i] = rs[i] + gs[i]
+        bs = chunk_bits[:m]
+        stream_add_copy(residual[s0:e0], grad[s0:e0], acc[s0:e0], chunk)
         if top_f >= 0:
             # the marks go straight to ``marks`` (global indices) while it has room for the whole
             # chunk (a copy from the scratch cost 0.3 ms per 5M elements), else to the scratch

@@ -18,6 +18,7 @@ the step's first collective), so every rank computes the same threshold sequence
 Pure host logic: per-element work happens only inside the ``FusedPass`` (the sparsifier's ops).
 """
 import math
+import struct
 import time
 
 import numpy as np
@@ -29,6 +30,7 @@ def target_count(density, numel):
 
 
 _EDGES = {}   # (dtype char, shift, key0, nb) -> _edges(...), read-only
+_I32, _F32, _I64, _F64 = (struct.Struct(f) for f in ("<i", "<f", "<q", "<d"))   # an edge's bits
 
 
 class PassPlan:
@@ -222,6 +224,17 @@ class HistogramController(Controller):
     def _key(value, dtype, shift):
         bits = np.array([abs(value)], dtype=dtype).view(np.int32 if np.dtype(dtype) == np.float32 else np.int64)
         return int(bits[0]) >> shift
+
+    @staticmethod
+    def _edge(dtype, shift, key):
+        """``_edges(dtype, shift, key0, nb)[key - key0]`` alone, as a Python float, with no array (a
+        step needs one or two edges of a window that moves every step: the host time before a GPU
+        step's first launch and after its words)."""
+        if np.dtype(dtype) == np.float32:
+            bits = min(max(key, 1) << shift, ((0x7FFFFFFF >> shift) << shift))
+            return _F32.unpack(_I32.pack(bits))[0]
+        bits = min(max(key, 1) << shift, ((0x7FFFFFFFFFFFFFFF >> shift) << shift))
+        return _F64.unpack(_I64.pack(bits))[0]
 
     @staticmethod
     def _edges(dtype, shift, key0, nb):
@@ -474,6 +487,7 @@ class MeasuredController(Controller):
     _mantissa_bits = staticmethod(HistogramController._mantissa_bits)
     _key = staticmethod(HistogramController._key)
     _edges = staticmethod(HistogramController._edges)
+    _edge = staticmethod(HistogramController._edge)
 
     def wide_spec(self, dtype):
         mb = self._mantissa_bits(dtype)
@@ -501,17 +515,19 @@ class MeasuredController(Controller):
     def _locate(self, hist):
         """``j`` with ``above[j] >= k > above[j + 1]`` among the exact edges 1..nb-1 of an open-ended
         histogram: 0 when the k-th value lies below edge 1, nb - 1 when at or above the top edge."""
-        above = np.cumsum(np.asarray(hist, dtype=np.int64)[::-1])[::-1]
-        ok = np.nonzero(above[1:] >= self.k)[0]
-        return (int(ok[-1]) + 1 if ok.size else 0), above
+        rising = np.cumsum(np.asarray(hist, dtype=np.int64)[::-1])   # rising[m] = above[nb - 1 - m]
+        above = rising[::-1]
+        # the largest j >= 1 with above[j] >= k: the first m with rising[m] >= k, j = nb - 1 - m
+        j = rising.shape[0] - 1 - int(np.searchsorted(rising, self.k))
+        return (j if j >= 1 else 0), above
 
-    def _pick(self, above, j, edges):
+    def _pick(self, above, j, edge):
         """Edge j (count >= k) or edge j + 1 (count < k), whichever is nearer to k in ratio; never
-        an edge that selects nothing when the other selects something."""
+        an edge that selects nothing when the other selects something. ``edge(j)``: edge j's level."""
         a, b = int(above[j]), int(above[j + 1])
         if b == 0 or a * b <= self.k * self.k:   # a / k <= k / b, in exact integers (as on the device)
-            return float(edges[j]), a
-        return float(edges[j + 1]), b
+            return float(edge(j)), a
+        return float(edge(j + 1)), b
 
     def _tol(self, shift, mb):
         """How far (in ratio) from k an exact edge's count may be and still settle the threshold, at
@@ -532,7 +548,7 @@ class MeasuredController(Controller):
         j, above = self._locate(np.asarray(words, dtype=np.int64)[nb:nb + n])
         if not 0 < j < n - 1:
             return None
-        thr, count = self._pick(above, j, self._edges(plan.dtype, shift, key0, n))
+        thr, count = self._pick(above, j, lambda i: self._edge(plan.dtype, shift, key0 + i))
         if abs(count / self.k - 1.0) <= self._tol(shift, self._mantissa_bits(plan.dtype)):
             return thr, count
         return None
@@ -570,7 +586,7 @@ class MeasuredController(Controller):
             j, above = self._locate(hist)
             edges = self._edges(dtype, shift, key0, n)
             if exact:
-                best = self._pick(above, min(max(j, 1), n - 2), edges)
+                best = self._pick(above, min(max(j, 1), n - 2), edges.__getitem__)
             if (j == 0 or j == n - 1) and (exact or not wide):
                 if not wide:      # outside this window: one bucket per octave, every element
                     spec, wide, exact = wide_spec, True, True
@@ -599,7 +615,7 @@ class MeasuredController(Controller):
         if plan.fine is None:
             return None
         n, shift, key0 = plan.fine
-        return float(self._edges(plan.dtype, shift, key0, 2)[1])
+        return self._edge(plan.dtype, shift, key0 + 1)
 
     def local_count(self, plan, words):
         """This rank's count at ``plan.threshold`` from its own words of the measuring pass, exact

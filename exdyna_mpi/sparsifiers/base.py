@@ -193,8 +193,9 @@ class Sparsifier(Selector):
         n_sum = self.sum_size(step)
         if n_sum:   # a summed first collective: measure, agree, then choose (roles.Selector.sum_size)
             t0 = time.perf_counter()
-            sums = list(sel.sums) if err is None else [0] * n_sum
-            summed = self._host_exchange().sum_words(StepWords.flags(err, code) + sums, self._word_dtype())
+            sums = sel.sums if err is None else np.zeros(n_sum, np.int64)
+            summed = self._host_exchange().sum_words(np.concatenate((StepWords.flags(err, code), sums)),
+                                                     self._word_dtype())
             sec["sum_words"] = time.perf_counter() - t0
             if not StepWords.flags_ok(summed, self.nranks):
                 words = self.exchange.agree(StepWords.make(0, err, code))   # the error path: details

@@ -114,15 +114,21 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
         return self._idx
 
     # ------------------------------------------------------------------ the selector
+    def _plan_of(self, step):
+        """The controller's plan of ``step`` (the one ``select`` ran, when it did: asked again only
+        for its shape, which ``choose`` does not change)."""
+        plan = getattr(step, "plan", None)   # (a caller's own step object may have no such slot)
+        return plan if plan is not None else self.controller.plan(step.t, step.dtype)
+
     def report_size(self, step):
         """The controller's words (its histograms, if any) ride in the first collective, gathered;
         a measuring controller's are summed instead (``sum_size``)."""
-        plan = self.controller.plan(step.t, step.dtype)
+        plan = self._plan_of(step)
         return 0 if plan.measure else plan.n_words
 
     def sum_size(self, step):
         """A measuring controller's histograms, summed over ranks in the first collective."""
-        plan = self.controller.plan(step.t, step.dtype)
+        plan = self._plan_of(step)
         return plan.n_words if plan.measure else 0
 
     def select(self, step, grad, acc):
@@ -131,7 +137,8 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
         here: the pass histograms ``|acc|`` over the owned range, ``choose`` selects."""
         lo, hi = self._range_at(step.t)
         fused = _FusedPass(self, grad, acc, lo, hi, step.sec, step.out)
-        count, bad, words = fused.run(self.controller.plan(step.t, step.dtype))
+        plan = step.plan = self.controller.plan(step.t, step.dtype)
+        count, bad, words = fused.run(plan)
         if fused.plan.measure:
             return Selection(acc, 0, (), bad, sums=words, fused=fused)
         return Selection(acc, count, words, bad, fused=fused)
@@ -306,7 +313,8 @@ class _FusedPass:
                                                     idx, plan.hist[1], plan.hist[2], hist[:nb], predict=plan.predict,
                                                     fine=fine, forecast=forecast, stride=plan.stride)
         self.count = int(count)
-        return self.count, bad, hist.tolist()
+        # a measuring pass's words are summed as an array; the others join the gathered word list
+        return self.count, bad, (hist if plan.measure else hist.tolist())
 
     def rerun(self, plan):
         count, _, words = self.run(plan)

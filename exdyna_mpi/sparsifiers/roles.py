@@ -121,12 +121,13 @@ class Selection:
 
 class Step:
     """One step's context: index ``t``, ``dtype`` (the residual's, or the input's on the first step),
-    the caller's ``out`` buffer (or None), and ``sec`` (phase timings)."""
+    the caller's ``out`` buffer (or None), ``sec`` (phase timings) and ``plan`` (whatever the selector
+    planned for this step in ``select``, for its later calls; None before)."""
 
-    __slots__ = ("t", "dtype", "out", "sec")
+    __slots__ = ("t", "dtype", "out", "sec", "plan")
 
     def __init__(self, t, dtype, out):
-        self.t, self.dtype, self.out, self.sec = t, dtype, out, {}
+        self.t, self.dtype, self.out, self.sec, self.plan = t, dtype, out, {}, None
 
 
 class Selector:

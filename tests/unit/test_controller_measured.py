@@ -99,3 +99,32 @@ def test_state_round_trip_resumes_bit_exactly():
     for g in grads[3:]:
         assert a.step(g).tobytes() == b.step(g).tobytes()
         assert a.stats.threshold == b.stats.threshold
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_one_edge_is_the_edges_entry(dtype):
+    # _edge (a step's one or two edges, no array) against _edges, where keys fit the dtype's width
+    mb, width = (23, 32) if dtype == np.float32 else (52, 64)
+    top = (1 << (width - 1)) - 1
+    for shift in (mb, mb - 3, mb - 7, mb - 12, 1, 0):
+        for key0 in (-5, 0, 1, 100, (top >> shift) - 8, (top >> shift) - 12):
+            edges = MeasuredController._edges(dtype, shift, key0, 8)
+            for j in range(9):
+                one = MeasuredController._edge(dtype, shift, key0 + j)
+                assert type(one) is float
+                assert one == edges[j] or (np.isnan(one) and np.isnan(edges[j])), (shift, key0, j)
+
+
+def test_locate_finds_the_last_edge_with_k_above():
+    # _locate's search against the definition: the largest j >= 1 with above[j] >= k, else 0
+    c = MeasuredController(10**6, 0.001)
+    rng = np.random.default_rng(3)
+    for _ in range(3000):
+        n = int(rng.integers(2, 40))
+        hist = rng.integers(0, 3, n) * rng.integers(0, 2000, n)
+        c.k = int(rng.integers(1, 3000))
+        above = np.cumsum(hist[::-1])[::-1]
+        ok = [j for j in range(1, n) if above[j] >= c.k]
+        j, got_above = c._locate(hist)
+        assert j == (ok[-1] if ok else 0)
+        assert np.array_equal(got_above, above)
