@@ -242,7 +242,7 @@ _GROUP = 64  # elements per max-test group of the measuring pass's owned range
 
 @njit(cache=True, nogil=True)
 def accumulate_measure(residual, grad, acc, bits, lo, hi, sign_off, shift, key0, hist, stride, shift_f, key0_f,
-                       hist_f, low_f, scratch, marks):
+                       hist_f, low_f, scratch, marks, vals):
     """The measuring pass: ``acc = residual + grad`` everywhere, and over the owned range ``[lo, hi)``
     the histograms of ``|acc|`` that ``accumulate_select_hist`` (``predict=False``) makes: ``hist``
     counts every ``stride``-th element (global index), ``hist_f`` every element (bucket 0: all below
@@ -265,14 +265,15 @@ def accumulate_measure(residual, grad, acc, bits, lo, hi, sign_off, shift, key0,
     m2 = _add_max(residual[hi:], grad[hi:], acc[hi:], bits[hi:], sign_off)
     mx = m2 if m2 > mx else mx
     m3, n_f = _measure_range(residual, grad, acc, bits, lo, hi, sign_off, shift, key0, hist, stride, shift_f,
-                             key0_f, hist_f, low_f, scratch, marks)
+                             key0_f, hist_f, low_f, scratch, marks, vals)
     return (m3 if m3 > mx else mx), n_f
 
 
 @njit(cache=True, nogil=True)
 def _measure_range(residual, grad, acc, bits, lo, hi, sign_off, shift, key0, hist, stride, shift_f, key0_f,
-                   hist_f, low_f, scratch, marks):
-    # the owned-range part of ``accumulate_measure`` over [lo, hi): marks go to marks[0:]
+                   hist_f, low_f, scratch, marks, vals):
+    # the owned-range part of ``accumulate_measure`` over [lo, hi): marks go to marks[0:], their
+    # values to vals[0:]
     if scratch.shape[0] < _CHUNK + 2:   # the mark extraction writes up to two words past a chunk
         scratch = np.empty(_CHUNK + 2, np.int64)
     mx = 0
@@ -330,9 +331,15 @@ def _measure_range(residual, grad, acc, bits, lo, hi, sign_off, shift, key0, his
                 mx = b if b > mx else mx
                 j = (b >> shift_f) - key0_f
                 hist_f[j if j < top_f else top_f] += 1
-            if keep and not direct:
+            if keep:
+                # the marks' values from the chunk in L1: the select and the zooms that follow read
+                # these, not acc, which the streaming stores left out of the cache (78k marks read
+                # from acc took 0.43-0.47 ms per 5M elements, about 10 % of a step at P=2)
                 for q in range(c):
-                    marks[n_f + q] = s0 + scratch[q]
+                    vals[n_f + q] = chunk[out[q] - base]
+                if not direct:
+                    for q in range(c):
+                        marks[n_f + q] = s0 + scratch[q]
             n_f += c
         else:
             for i in range(m):
@@ -346,7 +353,7 @@ def _measure_range(residual, grad, acc, bits, lo, hi, sign_off, shift, key0, his
 
 @njit(cache=True, nogil=True)
 def measure_part(residual, grad, acc, bits, lo, hi, t, nparts, per, sign_off, shift, key0, hist, stride, shift_f,
-                 key0_f, hist_f, low_f, marks):
+                 key0_f, hist_f, low_f, marks, vals):
     """Part ``t`` of ``nparts`` of ``accumulate_measure`` (``nogil``: parts run on threads at once): the
     run ``[lo + t per, lo + (t + 1) per)`` of the owned range (``per``: whole chunks) into its own
     ``hist``/``hist_f``, its marks into ``marks`` (that run's slice of the marks buffer, or empty),
@@ -359,29 +366,30 @@ def measure_part(residual, grad, acc, bits, lo, hi, t, nparts, per, sign_off, sh
     a, b = min(lo + t * per, hi), min(lo + (t + 1) * per, hi)
     scratch = np.empty(_CHUNK + 2, np.int64)   # (two spare words: see _measure_range)
     m3, nf = _measure_range(residual, grad, acc, bits, a, b, sign_off, shift, key0, hist, stride, shift_f, key0_f,
-                            hist_f, low_f, scratch, marks)
+                            hist_f, low_f, scratch, marks, vals)
     m = m1 if m1 > m2 else m2
     return (m3 if m3 > m else m), nf
 
 
 @njit(cache=True, nogil=True)
-def select_marks(x, marks, thr, idx):
-    """``idx[:count] = marks[|x[marks]| >= thr]`` in order (``idx`` may be ``marks`` itself)."""
+def select_marks(vals, marks, thr, idx):
+    """``idx[:count] = marks[|vals| >= thr]`` in order (``vals``: ``x[marks]``, kept by the pass;
+    ``idx`` may be ``marks`` itself)."""
     c = 0
     for q in range(marks.shape[0]):
         i = marks[q]
-        if abs(x[i]) >= thr:
+        if abs(vals[q]) >= thr:
             idx[c] = i
             c += 1
     return c
 
 
 @njit(cache=True, nogil=True)
-def hist_marks(bits, marks, sign_off, shift, key0, hist):
-    """``hist += histogram(|x[marks]|)`` (``bits``: x viewed as integers)."""
+def hist_marks(vbits, sign_off, shift, key0, hist):
+    """``hist += histogram(|x[marks]|)`` (``vbits``: the marks' values ``x[marks]`` viewed as integers)."""
     top = hist.shape[0] - 1
-    for q in range(marks.shape[0]):
-        j = ((bits[marks[q]] & sign_off) >> shift) - key0
+    for q in range(vbits.shape[0]):
+        j = ((vbits[q] & sign_off) >> shift) - key0
         hist[0 if j < 0 else (j if j < top else top)] += 1
 
 
@@ -400,7 +408,7 @@ _POOL = {}   # threads -> a ThreadPoolExecutor (made on first use)
 
 
 def accumulate_measure_threads(residual, grad, acc, bits, lo, hi, sign_off, shift, key0, hist, stride, shift_f,
-                               key0_f, hist_f, low_f, marks, nparts):
+                               key0_f, hist_f, low_f, marks, vals, nparts):
     """``accumulate_measure`` on ``nparts`` threads, the same bits: Python threads running the
     ``nogil`` kernel ``measure_part`` (not Numba's parallel layer, which would share, and resize, the
     OpenMP pool of a torch in the same process). The owned range is cut into runs of whole chunks
@@ -415,7 +423,8 @@ def accumulate_measure_threads(residual, grad, acc, bits, lo, hi, sign_off, shif
     keep = marks.shape[0] > 0
     starts = [min(t * per, hi - lo) for t in range(nparts + 1)]
     futs = [pool.submit(measure_part, residual, grad, acc, bits, lo, hi, t, nparts, per, sign_off, shift, key0, hs[t],
-                        stride, shift_f, key0_f, hfs[t], low_f, marks[starts[t]:starts[t + 1]] if keep else marks)
+                        stride, shift_f, key0_f, hfs[t], low_f, marks[starts[t]:starts[t + 1]] if keep else marks,
+                        vals[starts[t]:starts[t + 1]] if keep else vals)
             for t in range(nparts)]
     got = [f.result() for f in futs]
     hist += hs.sum(axis=0)
@@ -424,16 +433,18 @@ def accumulate_measure_threads(residual, grad, acc, bits, lo, hi, sign_off, shif
     for t, (_, nf) in enumerate(got):
         if keep and t:   # each run's marks start at its own offset, never before pos
             marks[pos:pos + nf] = marks[starts[t]:starts[t] + nf]
+            vals[pos:pos + nf] = vals[starts[t]:starts[t] + nf]
         pos += int(nf)
     return max(int(m) for m, _ in got), pos
 
 
-def host_accumulate_measure(residual, grad, acc, lo, hi, coarse, fine, stride, marks=None, threads=1):
+def host_accumulate_measure(residual, grad, acc, lo, hi, coarse, fine, stride, marks=None, threads=1, vals=None):
     """HostOps wrapper: fills the host histograms ``coarse = (shift, key0, hist)`` and ``fine`` (or
     None); returns ``(nonfinite, n_marks)``: the number of non-finite values of ``acc`` and of
     elements of ``[lo, hi)`` at or above the fine window's bucket-1 edge, whose indices go to
-    ``marks[:n_marks]`` when given (capacity ``hi - lo``). ``threads`` > 1: the pass on up to that
-    many threads (the same bits)."""
+    ``marks[:n_marks]`` when given (capacity ``hi - lo``), and their values to ``vals[:n_marks]``
+    (acc's dtype, the same capacity; required with ``marks``). ``threads`` > 1: the pass on up to
+    that many threads (the same bits)."""
     bits, sign_off = int_view(acc)
     ity = bits.dtype.type
     shift, key0, hist = coarse
@@ -443,16 +454,18 @@ def host_accumulate_measure(residual, grad, acc, lo, hi, coarse, fine, stride, m
     else:
         shift_f, key0_f, hist_f, low_f = 0, 0, np.zeros(0, np.int64), sign_off
     if marks is None or fine is None:
-        marks = np.empty(0, np.int64)
+        marks, vals = np.empty(0, np.int64), np.empty(0, acc.dtype)
+    elif vals is None or vals.dtype != acc.dtype or vals.shape[0] < marks.shape[0]:
+        raise ValueError("host_accumulate_measure: marks need vals of acc's dtype and at least their length")
     nparts = min(int(threads), acc.shape[0] // PARALLEL_MIN)
     if nparts > 1:
         mx, n_f = accumulate_measure_threads(residual, grad, acc, bits, lo, hi, sign_off, ity(shift), ity(key0),
                                              hist, int(stride), ity(shift_f), ity(key0_f), hist_f, low_f, marks,
-                                             nparts)
+                                             vals, nparts)
     else:
         scratch = np.empty(_CHUNK + 2, np.int64)   # (two spare words: see _measure_range)
         mx, n_f = accumulate_measure(residual, grad, acc, bits, lo, hi, sign_off, ity(shift), ity(key0), hist,
-                                     int(stride), ity(shift_f), ity(key0_f), hist_f, low_f, scratch, marks)
+                                     int(stride), ity(shift_f), ity(key0_f), hist_f, low_f, scratch, marks, vals)
     exp_mask = 0x7F800000 if acc.dtype == np.float32 else 0x7FF0000000000000
     # (a window whose first edge lies above the finite range does not mark inf: count them all)
     return (int(count_nonfinite(acc)) if int(mx) >= exp_mask or int(low_f) > exp_mask else 0), int(n_f)

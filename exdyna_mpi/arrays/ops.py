@@ -20,22 +20,26 @@ from ..kernels import cpu as _k
 from ..kernels import cpu_controller as _kc
 
 
-_marks = threading.local()   # per thread: the last measuring pass's (acc, lo, hi, mark, indices)
+_marks = threading.local()   # per thread: the last measuring pass's (acc, lo, hi, mark, indices, values)
 
 
-def _marks_buffer(m):
-    buf = getattr(_marks, "buf", None)
+def _marks_buffers(m, dtype):
+    """(indices, values) buffers of capacity ``m``, kept per thread (pages are touched only where
+    marks land)."""
+    buf, vals = getattr(_marks, "buf", None), getattr(_marks, "vals", None)
     if buf is None or buf.shape[0] < m:
-        buf = _marks.buf = np.empty(max(m, 1), np.int64)   # pages are touched only where marks land
-    return buf
+        buf = _marks.buf = np.empty(max(m, 1), np.int64)
+    if vals is None or vals.shape[0] < m or vals.dtype != dtype:
+        vals = _marks.vals = np.empty(max(m, 1), dtype)
+    return buf[:m], vals[:m]
 
 
 def _marks_for(x, lo, hi):
-    """``(mark, indices)`` of the measuring pass over ``x[lo:hi]`` on this thread, else None."""
+    """``(mark, indices, values)`` of the measuring pass over ``x[lo:hi]`` on this thread, else None."""
     now = getattr(_marks, "now", None)
     if now is None or now[0]() is not x or now[1] != lo or now[2] != hi:
         return None
-    return now[3], now[4]
+    return now[3:]
 
 
 #: Methods only a device backend has: it can queue the rest of a one-rank step behind the measuring
@@ -181,7 +185,8 @@ class HostOps:
             bits, sign_off = _kc.int_view(x)
             if (int(key0) + 1) << int(shift) >= int(np.array([marks[0]], x.dtype).view(bits.dtype)[0]):
                 part = np.zeros(hist.shape[0], np.int64)
-                _kc.hist_marks(bits, marks[1], sign_off, bits.dtype.type(shift), bits.dtype.type(key0), part)
+                _kc.hist_marks(marks[2].view(bits.dtype), sign_off, bits.dtype.type(shift), bits.dtype.type(key0),
+                               part)
                 part[0] = (hi - lo) - part[1:].sum()   # every value is finite when the controller zooms
                 hist += part
                 return
@@ -194,12 +199,12 @@ class HostOps:
         # edge) their indices are kept
         _marks.now = None
         keep = mark is not None and fine is not None
-        buf = _marks_buffer(hi - lo) if keep else None
-        bad, n = _kc.host_accumulate_measure(residual, grad, acc, lo, hi, coarse, fine, stride, buf, threads)
+        buf, vals = _marks_buffers(hi - lo, acc.dtype) if keep else (None, None)
+        bad, n = _kc.host_accumulate_measure(residual, grad, acc, lo, hi, coarse, fine, stride, buf, threads, vals)
         if keep:   # the marks hold every value at or above the window's edge: a lower mark cannot be kept
             bits, _ = _kc.int_view(acc)
             edge = float(np.array([(int(fine[1]) + 1) << int(fine[0])], bits.dtype).view(acc.dtype)[0])
-            _marks.now = (weakref.ref(acc), int(lo), int(hi), max(float(mark), edge), buf[:n])
+            _marks.now = (weakref.ref(acc), int(lo), int(hi), max(float(mark), edge), buf[:n], vals[:n])
         return bad
 
     @staticmethod
@@ -208,7 +213,7 @@ class HostOps:
         if not keep:
             _marks.now = None
         if marks is not None and thr >= marks[0]:
-            return int(_kc.select_marks(x, marks[1], thr, idx))   # O(marks), not O(hi - lo)
+            return int(_kc.select_marks(marks[2], marks[1], thr, idx))   # O(marks), not O(hi - lo)
         return HostOps.select_range(x, lo, hi, thr, idx)
 
     @staticmethod

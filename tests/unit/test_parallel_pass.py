@@ -27,12 +27,15 @@ def _run(r, g, plan, lo, hi, nparts, fine=True, keep=True):
     shift_f, key0_f = (plan.fine[1], plan.fine[2]) if fine else (0, 0)
     low_f = ity((int(key0_f) + 1) << int(shift_f)) if fine else sign_off
     marks = np.full(hi - lo if keep else 0, -1, np.int64)
+    vals = np.full(hi - lo if keep else 0, -1, dtype=r.dtype)
     args = (r, g, acc, bits, lo, hi, sign_off, ity(plan.hist[1]), ity(plan.hist[2]), hist, plan.stride, ity(shift_f),
             ity(key0_f), hf, low_f)
     if nparts == 0:
-        mx, nf = kc.accumulate_measure(*args, np.empty(kc._CHUNK, np.int64), marks)
+        mx, nf = kc.accumulate_measure(*args, np.empty(kc._CHUNK, np.int64), marks, vals)
     else:
-        mx, nf = kc.accumulate_measure_threads(*args, marks, nparts)
+        mx, nf = kc.accumulate_measure_threads(*args, marks, vals, nparts)
+    if keep:   # the values kept with the marks are acc's there, to the bit
+        assert acc[marks[:nf]].tobytes() == vals[:nf].tobytes()
     return acc, hist, hf, int(mx), int(nf), marks[:nf] if keep else None
 
 
@@ -73,11 +76,13 @@ def test_every_element_marked(dtype):
     bits, sign_off = kc.int_view(acc)
     ity = bits.dtype.type
     buf = np.full(hi - lo + 4, -7, np.int64)
+    vbuf = np.full(hi - lo + 4, -7, dtype)
     kc.accumulate_measure(r, g, acc, bits, lo, hi, sign_off, ity(plan.hist[1]), ity(plan.hist[2]),
                           np.zeros(plan.hist[0], np.int64), plan.stride, ity(plan.fine[1]), ity(plan.fine[2]),
                           np.zeros(plan.fine[0], np.int64), ity((int(plan.fine[2]) + 1) << int(plan.fine[1])),
-                          np.empty(kc._CHUNK + 2, np.int64), buf[:hi - lo])
+                          np.empty(kc._CHUNK + 2, np.int64), buf[:hi - lo], vbuf[:hi - lo])
     assert (buf[hi - lo:] == -7).all() and np.array_equal(buf[:hi - lo], np.arange(lo, hi))
+    assert (vbuf[hi - lo:] == -7).all() and vbuf[:hi - lo].tobytes() == acc[lo:hi].tobytes()
 
 
 def test_wrapper_uses_threads_and_reports_nonfinite(monkeypatch):
