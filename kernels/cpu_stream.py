@@ -111,13 +111,14 @@ def _sfence(typingctx):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _split(a):
-    """(head, vector blocks): ``a[head:]`` starts on 64 bytes; blocks of 64 bytes after it. An
-    array not aligned to its own item size takes the scalar loop only."""
+def _split(r, g, a):
+    """(head, vector blocks): ``a[head:]`` starts on 64 bytes; blocks of 64 bytes after it. Arrays
+    that are not unit-stride, or an ``a`` not aligned to its own item size, take the scalar loop
+    only (the vector loop reads and writes through the data pointers)."""
     n = a.shape[0]
     item = a.itemsize
     addr = a.ctypes.data
-    if addr % item != 0:
+    if addr % item != 0 or a.strides[0] != item or r.strides[0] != item or g.strides[0] != item:
         return n, 0
     head = min(((_VEC_BYTES - addr % _VEC_BYTES) % _VEC_BYTES) // item, n)
     return head, (n - head) // (_VEC_BYTES // item)
@@ -127,7 +128,7 @@ if ENABLED:
     @njit(cache=True, nogil=True)
     def stream_add(r, g, a):
         """``a[:] = r + g`` (``r``, ``g`` at least as long as ``a``); ``a`` is not left in cache."""
-        head, nvec = _split(a)
+        head, nvec = _split(r, g, a)
         for i in range(head):
             a[i] = r[i] + g[i]
         _add_block(r, g, a, head, nvec)
@@ -139,7 +140,9 @@ if ENABLED:
     def stream_add_copy(r, g, a, c):
         """``a[:] = c[:n] = r + g``: ``a`` streamed past the cache, ``c`` (a small buffer, read back
         at once) stored plainly."""
-        head, nvec = _split(a)
+        head, nvec = _split(r, g, a)
+        if c.strides[0] != c.itemsize:
+            head, nvec = a.shape[0], 0
         for i in range(head):
             c[i] = a[i] = r[i] + g[i]
         _add_copy_block(r, g, a, c, head, nvec)
@@ -151,7 +154,7 @@ if ENABLED:
     def stream_add_max(r, g, a, bits, sign_off):
         """``a[:] = r + g``; returns the largest ``bits & sign_off`` of the sums (``bits``: ``a``
         viewed as integers of its width: the scalar parts read it back)."""
-        head, nvec = _split(a)
+        head, nvec = _split(r, g, a)
         mx = sign_off & 0
         for i in range(head):
             a[i] = r[i] + g[i]
