@@ -39,7 +39,7 @@ from numba import njit, uint64
 from numba.cpython.unsafe.numbers import trailing_zeros
 
 from .cpu import _add_count_nonfinite, _add_select
-from .cpu_stream import stream_add_copy, stream_add_max
+from .cpu_stream import add_mask_groups, group_aligned, store_fence, stream_add_copy, stream_add_max
 
 _CHUNK = 4096  # elements per inner block: the forecast and its buckets are read back from L1
 
@@ -269,6 +269,27 @@ def accumulate_measure(residual, grad, acc, bits, lo, hi, sign_off, shift, key0,
     return (m3 if m3 > mx else mx), n_f
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _take_marks(w, at, out, c):
+    """The set bits of the 64-bit group mask ``w`` as ``at + bit`` into ``out[c:]``; the new ``c``.
+    A group holds about one mark: the first two without a branch (``trailing_zeros(0)`` is 64,
+    written but not counted: two spare words); a loop over the set bits mispredicted once a group
+    and cost more than the add."""
+    one = uint64(1)
+    zero = uint64(0)
+    out[c] = at + trailing_zeros(w)
+    c += w != zero
+    w &= w - one
+    out[c] = at + trailing_zeros(w)
+    c += w != zero
+    w &= w - one
+    while w:
+        out[c] = at + trailing_zeros(w)
+        c += 1
+        w &= w - one
+    return c
+
+
 @njit(cache=True, nogil=True)
 def _measure_range(residual, grad, acc, bits, lo, hi, sign_off, shift, key0, hist, stride, shift_f, key0_f,
                    hist_f, low_f, scratch, marks, vals):
@@ -282,14 +303,28 @@ def _measure_range(residual, grad, acc, bits, lo, hi, sign_off, shift, key0, his
     n_f = 0
     one = uint64(1)
     zero = uint64(0)
-    # acc is streamed past the cache; the chunk's sums are read back from this copy, in L1
+    # Where acc's chunk starts on 64 bytes (a block-aligned partition of a 64-byte-aligned buffer),
+    # one vector loop adds, streams acc past the cache and compares the sums in registers: a 64-bit
+    # word per group of 64 elements (``cpu_stream.add_mask_groups``); the few sums read again (the
+    # marks', the coarse sample's) are recomputed from residual and grad, still in cache. Elsewhere
+    # acc is streamed and the chunk's sums copied to L1 (``stream_add_copy``) and read back.
     chunk = np.empty(_CHUNK, acc.dtype)
     chunk_bits = chunk.view(bits.dtype)
+    mv = np.empty(_CHUNK, acc.dtype)           # this chunk's marks' values
+    mv_bits = mv.view(bits.dtype)
+    gmask = np.empty(_CHUNK // _GROUP, np.uint64)
     for s0 in range(lo, hi, _CHUNK):
         e0 = min(s0 + _CHUNK, hi)
         m = e0 - s0
+        full = m - m % _GROUP
+        fused = top_f >= 0 and full > 0 and group_aligned(residual, grad, acc, s0)
+        if fused:
+            add_mask_groups(residual, grad, acc, gmask, s0, full // _GROUP, sign_off, low_f)
+            for i in range(full, m):   # the tail: plain stores, read back below
+                acc[s0 + i] = residual[s0 + i] + grad[s0 + i]
+        else:
+            stream_add_copy(residual[s0:e0], grad[s0:e0], acc[s0:e0], chunk)
         bs = chunk_bits[:m]
-        stream_add_copy(residual[s0:e0], grad[s0:e0], acc[s0:e0], chunk)
         if top_f >= 0:
             # the marks go straight to ``marks`` (global indices) while it has room for the whole
             # chunk (a copy from the scratch cost 0.3 ms per 5M elements), else to the scratch
@@ -299,44 +334,39 @@ def _measure_range(residual, grad, acc, bits, lo, hi, sign_off, shift, key0, his
             direct = keep and marks.shape[0] - n_f >= m
             out = marks[n_f:] if direct else scratch
             base = s0 if direct else 0
-            # a 64-bit mask per group (the select form vectorises; a rescan of each group that holds
-            # a mark did not: on error-feedback streams most groups hold one), then its set bits
             c = 0
-            full = m - m % _GROUP
             for g0 in range(0, full, _GROUP):
-                bg = bs[g0:g0 + _GROUP]
-                w = zero
-                for i in range(_GROUP):
-                    w |= (one << uint64(i)) if (bg[i] & sign_off) >= low_f else zero
-                # a group holds about one mark: the first two without a branch (trailing_zeros(0)
-                # is 64, written but not counted: two spare words); a loop over the set bits
-                # mispredicted once a group and cost more than the add
-                at = base + g0
-                out[c] = at + trailing_zeros(w)
-                c += w != zero
-                w &= w - one
-                out[c] = at + trailing_zeros(w)
-                c += w != zero
-                w &= w - one
-                while w:
-                    out[c] = at + trailing_zeros(w)
-                    c += 1
-                    w &= w - one
+                if fused:
+                    w = gmask[g0 // _GROUP]
+                else:   # a 64-bit mask per group (the select form vectorises)
+                    bg = bs[g0:g0 + _GROUP]
+                    w = zero
+                    for i in range(_GROUP):
+                        w |= (one << uint64(i)) if (bg[i] & sign_off) >= low_f else zero
+                c = _take_marks(w, base + g0, out, c)
             for i in range(full, m):
-                if (bs[i] & sign_off) >= low_f:    # on the bits: NaN goes to the top, as on CUDA
+                b = bits[s0 + i] if fused else bs[i]
+                if (b & sign_off) >= low_f:    # on the bits: NaN goes to the top, as on CUDA
                     out[c] = base + i
                     c += 1
+            # the marks' values: from L1, or (fused) recomputed, the same bits
+            if fused:
+                for q in range(c):
+                    i = out[q] - base + s0
+                    mv[q] = residual[i] + grad[i]
+            else:
+                for q in range(c):
+                    mv[q] = chunk[out[q] - base]
             for q in range(c):
-                b = bs[out[q] - base] & sign_off
+                b = mv_bits[q] & sign_off
                 mx = b if b > mx else mx
                 j = (b >> shift_f) - key0_f
                 hist_f[j if j < top_f else top_f] += 1
             if keep:
-                # the marks' values from the chunk in L1: the select and the zooms that follow read
-                # these, not acc, which the streaming stores left out of the cache (78k marks read
-                # from acc took 0.43-0.47 ms per 5M elements, about 10 % of a step at P=2)
-                for q in range(c):
-                    vals[n_f + q] = chunk[out[q] - base]
+                # the select and the zooms that follow read these, not acc, which the streaming
+                # stores left out of the cache (78k marks read from acc took 0.43-0.47 ms per 5M
+                # elements, about 10 % of a step at P=2)
+                vals[n_f:n_f + c] = mv[:c]
                 if not direct:
                     for q in range(c):
                         marks[n_f + q] = s0 + scratch[q]
@@ -345,7 +375,16 @@ def _measure_range(residual, grad, acc, bits, lo, hi, sign_off, shift, key0, his
             for i in range(m):
                 b = bs[i] & sign_off
                 mx = b if b > mx else mx
-        _hist_every(bs, (stride - s0 % stride) % stride, m, stride, sign_off, shift, key0, hist)
+        first = (stride - s0 % stride) % stride
+        if fused:   # the coarse sample's sums again, into the chunk buffer
+            ns = 0
+            for i in range(first, m, stride):
+                chunk[ns] = residual[s0 + i] + grad[s0 + i]
+                ns += 1
+            _hist_every(chunk_bits, 0, ns, 1, sign_off, shift, key0, hist)
+        else:
+            _hist_every(bs, first, m, stride, sign_off, shift, key0, hist)
+    store_fence()
     if top_f >= 0:
         hist_f[0] += (hi - lo) - n_f
     return mx, n_f

@@ -101,6 +101,64 @@ def _add_max_block(typingctx, r, g, a, i0, nvec, sign_off):
             lambda c, b, s, a_: _vector_loop(c, b, s, a_, 0, True))
 
 
+def _splat(builder, value, vty):
+    v = builder.insert_element(ir.Constant(vty, ir.Undefined), value, ir.Constant(ir.IntType(32), 0))
+    return builder.shuffle_vector(v, ir.Constant(vty, ir.Undefined),
+                                  ir.Constant(ir.VectorType(ir.IntType(32), vty.count), [0] * vty.count))
+
+
+def _mask_loop(context, builder, sig, args):
+    """The IR of ``add_mask_groups``: per group of 64 elements from ``i0`` (``a + i0`` 64-byte
+    aligned), ``a = r + g`` nontemporal, and ``masks[j]`` = bit e set where ``(bits(a) & sign_off)
+    >= low`` for element e of group j (the compare on the sums in registers, four or eight vector
+    compares joined into one 64-bit word)."""
+    arrays = [context.make_array(sig.args[k])(context, builder, args[k]) for k in range(4)]
+    i0, ngroups, sign_off, low = args[4:8]
+    dt = sig.args[0].dtype
+    bits = 32 if dt == types.float32 else 64
+    width = _VEC_BYTES * 8 // bits
+    nvec = 64 // width
+    fty = ir.FloatType() if bits == 32 else ir.DoubleType()
+    ity = ir.IntType(bits)
+    vf, vi = ir.VectorType(fty, width), ir.VectorType(ity, width)
+    nt = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
+    off_v, low_v = _splat(builder, sign_off, vi), _splat(builder, low, vi)
+    fn = builder.function
+    entry = builder.block
+    loop = fn.append_basic_block("mask.loop")
+    done = fn.append_basic_block("mask.done")
+    zero = ir.Constant(ngroups.type, 0)
+    builder.cbranch(builder.icmp_signed(">", ngroups, zero), loop, done)
+    builder.position_at_end(loop)
+    j = builder.phi(ngroups.type)
+    j.add_incoming(zero, entry)
+    start = builder.add(i0, builder.mul(j, ir.Constant(ngroups.type, 64)))
+    parts = []
+    for v in range(nvec):
+        at = builder.add(start, ir.Constant(ngroups.type, v * width))
+        ptr = [builder.bitcast(builder.gep(a.data, [at]), vf.as_pointer()) for a in arrays[:3]]
+        s = builder.fadd(builder.load(ptr[0], align=bits // 8), builder.load(ptr[1], align=bits // 8))
+        builder.store(s, ptr[2], align=_VEC_BYTES).set_metadata("nontemporal", nt)
+        parts.append(builder.icmp_signed(">=", builder.and_(builder.bitcast(s, vi), off_v), low_v))
+    while len(parts) > 1:   # join the compare masks pairwise: element e of the group is bit e
+        n = parts[0].type.count
+        idx = ir.Constant(ir.VectorType(ir.IntType(32), 2 * n), list(range(2 * n)))
+        parts = [builder.shuffle_vector(parts[q], parts[q + 1], idx) for q in range(0, len(parts), 2)]
+    word = builder.bitcast(parts[0], ir.IntType(64))
+    builder.store(word, builder.gep(arrays[3].data, [j]), align=8)
+    jn = builder.add(j, ir.Constant(ngroups.type, 1))
+    j.add_incoming(jn, loop)
+    builder.cbranch(builder.icmp_signed("<", jn, ngroups), loop, done)
+    builder.position_at_end(done)
+    return context.get_dummy_value()
+
+
+@intrinsic
+def _add_mask_block(typingctx, r, g, a, masks, i0, ngroups, sign_off, low):
+    ity = types.int32 if a.dtype == types.float32 else types.int64
+    return types.void(r, g, a, masks, types.intp, types.intp, ity, ity), _mask_loop
+
+
 @intrinsic
 def _sfence(typingctx):
     def codegen(context, builder, sig, args):
@@ -124,7 +182,28 @@ def _split(r, g, a):
     return head, (n - head) // (_VEC_BYTES // item)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def group_aligned(r, g, a, at):
+    """True when ``add_mask_groups`` may start at element ``at``: unit strides, ``a + at`` on 64 bytes."""
+    item = a.itemsize
+    return (ENABLED and (a.ctypes.data + at * item) % _VEC_BYTES == 0 and a.strides[0] == item
+            and r.strides[0] == item and g.strides[0] == item)
+
+
 if ENABLED:
+    @njit(cache=True, nogil=True)
+    def add_mask_groups(r, g, a, masks, at, ngroups, sign_off, low):
+        """``a[at:at + 64 ngroups] = r + g`` streamed past the cache, and per group of 64 elements a
+        64-bit word in ``masks`` (uint64): bit e set where ``(bits & sign_off) >= low`` for the
+        group's element e (``bits``: the sum's IEEE pattern as a signed integer of its width).
+        Only where ``group_aligned(r, g, a, at)``; no fence (``store_fence`` after the last call)."""
+        _add_mask_block(r, g, a, masks, at, ngroups, sign_off, low)
+
+    @njit(cache=True, nogil=True)
+    def store_fence():
+        """Order the streaming stores before what follows (another thread after a join, MPI)."""
+        _sfence()
+
     @njit(cache=True, nogil=True)
     def stream_add(r, g, a):
         """``a[:] = r + g`` (``r``, ``g`` at least as long as ``a``); ``a`` is not left in cache."""
@@ -169,6 +248,14 @@ if ENABLED:
         _sfence()
         return mx
 else:
+    @njit(cache=True, nogil=True)
+    def add_mask_groups(r, g, a, masks, at, ngroups, sign_off, low):   # never called: not group_aligned
+        raise RuntimeError("add_mask_groups needs x86-64")
+
+    @njit(cache=True, nogil=True)
+    def store_fence():
+        pass
+
     @njit(cache=True, nogil=True)
     def stream_add(r, g, a):
         for i in range(a.shape[0]):

@@ -42,6 +42,20 @@ def _marks_for(x, lo, hi):
     return now[3:]
 
 
+ALIGN = 64   # bytes: the start of every buffer HostOps makes
+
+
+def _aligned(make, n, dtype):
+    """``make(n, dtype)`` starting on ``ALIGN`` bytes. The measuring pass's fused vector loop
+    (``kernels.cpu_stream.add_mask_groups``) runs where a chunk of ``acc`` starts on 64 bytes, and
+    block partitions start on multiples of 32 elements: NumPy's large buffers start 16 bytes past
+    a page, where it would never run."""
+    dtype = np.dtype(dtype)
+    raw = make(n * dtype.itemsize + ALIGN, np.uint8)
+    at = (-raw.ctypes.data) % ALIGN
+    return raw[at:at + n * dtype.itemsize].view(dtype)
+
+
 #: Methods only a device backend has: it can queue the rest of a one-rank step behind the measuring
 #: pass, so the device need not wait while the host reads the pass's words and resolves.
 DEVICE_ONLY = ("accumulate_measure_finish", "finish_settled")
@@ -128,11 +142,11 @@ class HostOps:
 
     @staticmethod
     def empty(n, dtype):
-        return np.empty(n, dtype=dtype)
+        return _aligned(np.empty, n, dtype)
 
     @staticmethod
     def zeros(n, dtype):
-        return np.zeros(n, dtype=dtype)
+        return _aligned(np.zeros, n, dtype)   # (calloc: the OS zero-fills pages when first written)
 
     @staticmethod
     def fill_zero(x):

@@ -128,3 +128,42 @@ def test_locate_finds_the_last_edge_with_k_above():
         j, got_above = c._locate(hist)
         assert j == (ok[-1] if ok else 0)
         assert np.array_equal(got_above, above)
+
+
+def _aligned(n, dtype, offset):
+    """``n`` elements of ``dtype`` starting ``offset`` elements after a 64-byte boundary."""
+    item = np.dtype(dtype).itemsize
+    raw = np.empty((n + offset) * item + 64, np.uint8)
+    at = (-raw.ctypes.data) % 64 + offset * item
+    return raw[at:at + n * item].view(dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("offset", [0, 1, 4, 16])
+def test_measuring_pass_at_every_alignment_of_acc(dtype, offset):
+    # the pass's fused vector loop runs where acc's chunk starts on 64 bytes, the copy path
+    # elsewhere: the same words, marks and values either way, against the histogram pass and NumPy
+    rng = np.random.default_rng(offset)
+    n, lo, hi = 40_000, 4_096, 37_000        # lo: a multiple of 32, as block partitions are
+    r, g = _vec(rng, n, dtype), _vec(rng, n, dtype)
+    g[[5_000, 9_999]] = [np.inf, np.nan]      # inside the owned range: marked, counted
+    c = MeasuredController(n, 0.01)
+    c.threshold, c.seen = 0.05, True
+    coarse, fine = c.window_specs(dtype)
+    acc = _aligned(n, dtype, offset)
+    h1, f1 = np.zeros(coarse[0], np.int64), np.zeros(fine[0], np.int64)
+    marks, vals = np.full(hi - lo, -1, np.int64), np.full(hi - lo, -1, dtype)
+    bad, nm = kc.host_accumulate_measure(r, g, acc, lo, hi, (coarse[1], coarse[2], h1), (fine[1], fine[2], f1), 16,
+                                         marks, 1, vals)
+    a2, idx = np.empty(n, dtype), np.empty(n, np.int32)
+    h2, f2 = np.zeros(coarse[0], np.int64), np.zeros(fine[0], np.int64)
+    HostOps.accumulate_select_hist(r, g, a2, lo, hi, dtype(np.inf), idx, coarse[1], coarse[2], h2,
+                                   fine=(fine[1], fine[2], f2), stride=16)
+    want = r + g
+    assert acc.tobytes() == a2.tobytes() == want.tobytes()
+    assert (h1 == h2).all() and (f1 == f2).all() and bad == 2
+    bits, sign_off = kc.int_view(want)
+    low = (int(fine[2]) + 1) << int(fine[1])
+    where = lo + np.flatnonzero((bits[lo:hi] & sign_off) >= low)
+    assert nm == where.size and np.array_equal(marks[:nm], where)
+    assert vals[:nm].tobytes() == want[where].tobytes()
