@@ -14,7 +14,12 @@ Workloads (offline, CPU, no downloads):
   standard library's own source files, split by file (crc32 of the path) into train and validation;
   metric: validation loss (nats per byte) and perplexity. The analogue of the ExDyna authors' LSTM.
   Every LSTM run (dense included) clips the gradient norm at 0.25; ``--lstm-clip`` changes that base
-  clip for all of them (0: none). The learning rate is constant: no schedule follows ``--lstm-steps``.
+  clip for all of them (0: none). The learning rate is constant by default; ``--lstm-schedule cosine``
+  anneals it for every LSTM run (dense included) to lr * 0.5 * (1 + cos(pi * s / S)) at step s of a
+  budget of S steps (a ``LambdaLR`` on the adapter's optimizer). Runs of a non-constant schedule carry
+  it in their label (``dense cosine``, ``exdyna d=0.01 cosine``) and in the run record
+  (``lr_schedule``), and the table gives each (workload, schedule) its own section, dense reference
+  and Pareto front, so merged reports keep both schedules apart.
 - ``cnn``: the digits CNN at width 48 (141k parameters); metric: test accuracy.
 
 Grid: dense once, then every sparsifier of ``--sparsifiers`` at every density of ``--densities``, plus
@@ -24,7 +29,7 @@ step budget for every run. Rank 0 writes ``<out>/fidelity.jsonl`` (one record pe
 evaluation and per run), ``<out>/fidelity.md`` (one table per workload, Pareto front marked),
 ``<out>/pareto.png`` (quality against total bytes sent) and ``<out>/quality_vs_step.png``.
 ``--report FILES`` rebuilds table and plots from JSON lines (later files override earlier runs of the
-same label), so after a library change only the affected rows need re-running.
+same label and seed), so after a library change only the affected rows need re-running.
 """
 import argparse
 import hashlib
@@ -43,6 +48,16 @@ GRID_DENSITIES = "0.01,0.003,0.001"
 # momentum correction at 0.8, no clipping (a 33-variant sweep over 3-6 seeds on the CNN; clipping
 # lost at every momentum). It hurts the LSTM: a recipe to measure per model, not a default.
 DEFAULT_RECIPE = "momentum_correction=0.8"
+SCHEDULES = ("constant", "cosine")
+
+
+def lr_factor(schedule, step, steps):
+    """The learning rate at ``step`` (0-based) of a budget of ``steps``, as a fraction of the base lr."""
+    if schedule == "constant":
+        return 1.0
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * step / steps))
+    raise ValueError(f"unknown schedule {schedule!r}; available: {', '.join(SCHEDULES)}")
 
 
 def parse_args(argv=None):
@@ -64,6 +79,9 @@ def parse_args(argv=None):
     ap.add_argument("--cnn-steps", type=int, default=0, help="step budget of the CNN (0: workload default)")
     ap.add_argument("--lstm-clip", type=float, default=LSTMWork.base_options["clip_norm"], metavar="NORM",
                     help="the LSTM's base clip_norm, applied to every LSTM run (dense included); 0: no base clip")
+    ap.add_argument("--lstm-schedule", choices=SCHEDULES, default="constant",
+                    help="the LSTM's learning-rate schedule for every run (dense included); cosine: "
+                         "lr * 0.5 * (1 + cos(pi * step / steps)) over the step budget")
     ap.add_argument("--evals", type=int, default=0, help="evaluations per run (0: workload default)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cores / ranks on this node)")
@@ -101,6 +119,7 @@ class Workload:
     batch = 0
     lr = momentum = weight_decay = 0.0
     base_options = {}     # adapter options every run of this workload gets (e.g. clipping)
+    lr_schedule = "constant"
 
     def schedule(self, steps, evals):
         """Evaluation points: step 0 and ``evals`` evenly spaced steps ending at the last."""
@@ -201,13 +220,15 @@ WORKLOADS = {"lstm": LSTMWork, "cnn": CNNWork}
 
 def make_workload(name, args):
     """The workload ``name`` (not set up yet), with the base options the command line sets:
-    ``--lstm-clip`` replaces the LSTM's ``clip_norm`` (0 removes it) for every run, dense included."""
+    ``--lstm-clip`` replaces the LSTM's ``clip_norm`` (0 removes it) for every run, dense included;
+    ``--lstm-schedule`` sets the LSTM's learning-rate schedule."""
     wl = WORKLOADS[name]()
     if name == "lstm":
         base = {k: v for k, v in wl.base_options.items() if k != "clip_norm"}
         if args.lstm_clip > 0:
             base["clip_norm"] = args.lstm_clip
         wl.base_options = base
+        wl.lr_schedule = args.lstm_schedule
     return wl
 
 
@@ -224,6 +245,11 @@ def run_options(wl, recipe, steps):
 
 # ---------------------------------------------------------------------------------------------
 # Training
+
+
+def run_label(wl, label):
+    """``label`` with the workload's schedule appended unless it is constant (``exdyna d=0.01 cosine``)."""
+    return label if wl.lr_schedule == "constant" else f"{label} {wl.lr_schedule}"
 
 
 def plan(args):
@@ -253,16 +279,20 @@ def train_one(wl, label, name, density, recipe, args, comm, steps, evals, log):
 
     rank, P = comm.Get_rank(), comm.Get_size()
     options = run_options(wl, recipe, steps)
+    label = run_label(wl, label)
     sp_opts = parse_kv(",".join(args.opt)) if name != "dense" else {}
     torch.manual_seed(args.seed)
     model = wl.model()
     momentum = 0.0 if options.get("momentum_correction") else wl.momentum
     opt = torch.optim.SGD(model.parameters(), lr=wl.lr, momentum=momentum, weight_decay=wl.weight_decay)
     opt = DistributedOptimizer(opt, model, sparsifier=name, density=density, comm=comm, **options, **sp_opts)
+    sched = None
+    if wl.lr_schedule != "constant":   # constant: no scheduler at all (bit for bit the old runs)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(wl.lr_schedule, s, steps))
     numel = opt.flat_grad.numel()
     dense_bytes = 2 * (P - 1) * numel * opt.flat_grad.element_size() / P
     points = wl.schedule(steps, evals)
-    losses, sent, dens = np.zeros(steps), np.zeros(steps), np.zeros(steps)
+    losses, sent, dens, lrs = np.zeros(steps), np.zeros(steps), np.zeros(steps), np.zeros(steps)
     evals_out = []
     t0 = time.perf_counter()
 
@@ -282,7 +312,10 @@ def train_one(wl, label, name, density, recipe, args, comm, steps, evals, log):
         opt.zero_grad()
         loss = wl.loss(model, x, y)
         loss.backward()
+        lrs[step] = opt.param_groups[0]["lr"]
         opt.step()
+        if sched is not None:
+            sched.step()
         st = opt.stats
         losses[step], sent[step], dens[step] = loss.item(), st.bytes_sent, st.density
         if step + 1 in points:
@@ -304,13 +337,14 @@ def train_one(wl, label, name, density, recipe, args, comm, steps, evals, log):
     hashes = comm.allgather(h.hexdigest())
     for s in range(steps):
         log({"kind": "step", "workload": wl.name, "run": label, "step": s, "loss": mean[0, s],
-             "bytes_sent": mean[1, s], "density": dens[s]})
+             "bytes_sent": mean[1, s], "density": dens[s], "lr": lrs[s]})
     for e in evals_out:
         log(e)
     last = evals_out[-1]
     warm = int(options.get("warmup_steps", 0) or 0)
     summary = {"kind": "run", "workload": wl.name, "run": label, "sparsifier": name, "target": density,
                "recipe": recipe, "options": {**options, **sp_opts}, "base_options": dict(wl.base_options),
+               "lr": wl.lr, "lr_schedule": wl.lr_schedule,
                "ranks": P, "numel": numel, "steps": steps,
                "seed": args.seed, wl.quality: last[wl.quality],
                **{k: v for k, v in last.items() if k not in ("kind", "workload", "run", "step", "bytes_total")},
@@ -367,11 +401,19 @@ def by_seed(summaries):
     return out
 
 
+def _sched(r):
+    return r.get("lr_schedule") or "constant"   # records written before --lstm-schedule: constant
+
+
 def tables(summaries):
+    """One markdown table per (workload, learning-rate schedule): each has its own dense reference
+    ("vs dense") and Pareto front, so cosine runs are never compared with constant-lr ones."""
     out = []
     summaries = by_seed(summaries)
-    for wl in sorted({s["workload"] for s in summaries}, key=lambda w: list(WORKLOADS).index(w)):
-        rows = [s for s in summaries if s["workload"] == wl]
+    sections = sorted({(s["workload"], _sched(s)) for s in summaries},
+                      key=lambda k: (list(WORKLOADS).index(k[0]), k[1] != "constant", k[1]))
+    for wl, sched in sections:
+        rows = [s for s in summaries if s["workload"] == wl and _sched(s) == sched]
         key, hib = rows[0]["quality_key"], rows[0]["higher_is_better"]
         seeds = sorted({x for r in rows for x in r["seeds"]}, key=lambda x: (x is None, x))
         spread = any(len(r["seeds"]) > 1 for r in rows)
@@ -381,8 +423,9 @@ def tables(summaries):
         r0 = rows[0]
         seed_text = (f"mean over seeds {', '.join(map(str, seeds))} (range in brackets)" if spread
                      else f"seed {r0['seed']}")
+        sched_text = "" if sched == "constant" else f", {sched} lr schedule"
         out.append(f"### {wl}: {r0.get('model', '')}, {r0['numel']:,} parameters, P={r0['ranks']}, "
-                   f"{r0['steps']} steps, {seed_text}\n")
+                   f"{r0['steps']} steps{sched_text}, {seed_text}\n")
         if key == "test_acc":
             head = ("run", "test acc", "vs dense", "density", "MB sent", "kB/step", "bytes vs dense", "Pareto")
         else:
@@ -418,7 +461,7 @@ def _style(label):
     name = label.split(" ")[0]
     order = ["dense", "exdyna", "exdyna+", "topk", "cltk", "gaussiank", "dgc", "oktopk", "micro"]
     i = order.index(name) if name in order else len(order) + hash(name) % 5
-    d = label.split("d=")[-1] if "d=" in label else ""
+    d = label.split("d=")[-1].split(" ")[0] if "d=" in label else ""   # "exdyna d=0.01 cosine": 0.01
     ls = {"0.01": "-", "0.003": "--", "0.001": ":"}.get(d, "-")
     mk = {"0.01": "o", "0.003": "s", "0.001": "^"}.get(d, "*")
     return f"C{i % 10}", ls, mk

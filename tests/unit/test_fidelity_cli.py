@@ -122,3 +122,71 @@ def test_lstm_clip_option_reaches_every_lstm_run():
     assert opts(["--lstm-clip", "1.0"], wname="cnn")[1] == {}                 # the CNN has no base clip
     with pytest.raises(SystemExit):
         fidelity.parse_args(["--lstm-clip", "-1"])
+
+
+def test_lstm_schedule_option_cosine_lr_and_merged_report(tmp_path):
+    """--lstm-schedule: constant is the default (no scheduler, labels unchanged); cosine gives
+    lr * 0.5 * (1 + cos(pi * s / S)) at step s for the LSTM (the CNN stays constant), through a
+    LambdaLR stepped after each optimizer step as train_one does; cosine runs carry the schedule in
+    their label and record, and a merged report keeps them apart from constant-lr runs of the same
+    base label (own table, own dense reference). No MPI."""
+    sys.path.insert(0, os.path.join(ROOT, "jobs"))
+    import math
+
+    import torch
+
+    import fidelity
+
+    args = fidelity.parse_args([])
+    assert args.lstm_schedule == "constant"
+    wl = fidelity.make_workload("lstm", args)
+    assert wl.lr_schedule == "constant" and fidelity.run_label(wl, "exdyna d=0.01") == "exdyna d=0.01"
+    assert fidelity.LSTMWork.lr_schedule == "constant"
+    assert all(fidelity.lr_factor("constant", s, 1000) == 1.0 for s in (0, 500, 999))
+    args = fidelity.parse_args(["--lstm-schedule", "cosine"])
+    assert args.lstm_schedule == "cosine"
+    wl = fidelity.make_workload("lstm", args)
+    assert wl.lr_schedule == "cosine" and fidelity.run_label(wl, "exdyna d=0.01") == "exdyna d=0.01 cosine"
+    assert fidelity.make_workload("cnn", args).lr_schedule == "constant"
+    assert fidelity.LSTMWork.lr_schedule == "constant"                      # the class is not changed
+    with pytest.raises(SystemExit):
+        fidelity.parse_args(["--lstm-schedule", "linear"])
+
+    # the lr each step of a 1000-step budget runs at, as train_one sets it (base lr 1.0)
+    S = 1000
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=wl.lr, momentum=0.9)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: fidelity.lr_factor(wl.lr_schedule, s, S))
+    lrs = []
+    for _ in range(S):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert wl.lr == 1.0
+    assert lrs[0] == pytest.approx(1.0, abs=1e-12)
+    assert lrs[S // 2] == pytest.approx(0.5, abs=1e-12)
+    assert lrs[S - 1] == pytest.approx(0.5 * (1 + math.cos(math.pi * 999 / 1000)), rel=1e-9)
+    assert lrs[S - 1] == pytest.approx(2.4674e-6, rel=1e-3)                 # ~ (pi / 2S)^2, not 0
+    assert lrs[S // 4] == pytest.approx(0.5 + 0.5 * math.sqrt(0.5), abs=1e-12)
+    assert all(a > b for a, b in zip(lrs, lrs[1:]))                          # strictly decreasing
+
+    # merged report: constant and cosine runs of the same base label and seed both survive
+    def run(label, sched, q, sparsifier="exdyna"):
+        r = {"kind": "run", "workload": "lstm", "run": label, "sparsifier": sparsifier,
+             "target": 1.0 if sparsifier == "dense" else 0.01, "recipe": {}, "seed": 0, "ranks": 4,
+             "numel": 100, "steps": 1000, "quality_key": "val_loss", "higher_is_better": False,
+             "val_loss": q, "val_ppl": math.exp(q), "density": 0.01, "bytes_total": 1e6,
+             "bytes_per_step": 1e3, "dense_bytes_per_step": 1e5}
+        if sched is not None:
+            r["lr_schedule"] = sched
+        return json.dumps(r) + "\n"
+
+    old = tmp_path / "constant.jsonl"     # written before --lstm-schedule: no lr_schedule field
+    old.write_text(run("dense", None, 1.40, "dense") + run("exdyna d=0.01", None, 1.47))
+    new = tmp_path / "cosine.jsonl"
+    new.write_text(run("dense cosine", "cosine", 1.30, "dense") + run("exdyna d=0.01 cosine", "cosine", 1.326))
+    rep = tmp_path / "rep"
+    assert fidelity.main(["--report", f"{old},{new}", "--out", str(rep), "--no-plot"]) == 0
+    table = (rep / "fidelity.md").read_text()
+    assert table.count("### lstm") == 2 and "1000 steps, cosine lr schedule, seed 0" in table, table
+    assert "| exdyna d=0.01 " in table and "| exdyna d=0.01 cosine" in table
+    assert "+5.00 %" in table and "+2.00 %" in table                         # each against its own dense
