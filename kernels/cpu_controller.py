@@ -291,6 +291,59 @@ def _take_marks(w, at, out, c):
 
 
 @njit(cache=True, nogil=True)
+def _chunk_fused(residual, grad, acc, bits, s0, m, sign_off, low_f, gmask, out, base, mv, stride, samples):
+    """One chunk of the owned range where acc's chunk starts on 64 bytes: one vector loop adds,
+    streams acc past the cache and compares the sums in registers, a 64-bit word per group of 64
+    (``cpu_stream.add_mask_groups``); the few sums read again (the marks', into ``mv``; the coarse
+    sample's, into ``samples``) are recomputed from residual and grad, still in cache. Returns
+    (marks, samples)."""
+    full = m - m % _GROUP
+    add_mask_groups(residual, grad, acc, gmask, s0, full // _GROUP, sign_off, low_f)
+    for i in range(full, m):   # the tail: plain stores, read back below
+        acc[s0 + i] = residual[s0 + i] + grad[s0 + i]
+    c = 0
+    for gi in range(full // _GROUP):
+        c = _take_marks(gmask[gi], base + gi * _GROUP, out, c)
+    for i in range(full, m):
+        if (bits[s0 + i] & sign_off) >= low_f:    # on the bits: NaN goes to the top, as on CUDA
+            out[c] = base + i
+            c += 1
+    for q in range(c):
+        i = out[q] - base + s0
+        mv[q] = residual[i] + grad[i]
+    ns = 0
+    for i in range((stride - s0 % stride) % stride, m, stride):
+        samples[ns] = residual[s0 + i] + grad[s0 + i]
+        ns += 1
+    return c, ns
+
+
+@njit(cache=True, nogil=True)
+def _chunk_copied(residual, grad, acc, s0, m, sign_off, low_f, chunk, bs, out, base, mv):
+    """One chunk of the owned range elsewhere: acc streamed past the cache and the chunk's sums
+    copied to ``chunk`` (L1, ``bs`` its integer view), a 64-bit mask per group from those (the
+    select form vectorises), the marks' values into ``mv``. Returns the marks."""
+    stream_add_copy(residual[s0:s0 + m], grad[s0:s0 + m], acc[s0:s0 + m], chunk)
+    one = uint64(1)
+    zero = uint64(0)
+    c = 0
+    full = m - m % _GROUP
+    for g0 in range(0, full, _GROUP):
+        bg = bs[g0:g0 + _GROUP]
+        w = zero
+        for i in range(_GROUP):
+            w |= (one << uint64(i)) if (bg[i] & sign_off) >= low_f else zero
+        c = _take_marks(w, base + g0, out, c)
+    for i in range(full, m):
+        if (bs[i] & sign_off) >= low_f:
+            out[c] = base + i
+            c += 1
+    for q in range(c):
+        mv[q] = chunk[out[q] - base]
+    return c
+
+
+@njit(cache=True, nogil=True)
 def _measure_range(residual, grad, acc, bits, lo, hi, sign_off, shift, key0, hist, stride, shift_f, key0_f,
                    hist_f, low_f, scratch, marks, vals):
     # the owned-range part of ``accumulate_measure`` over [lo, hi): marks go to marks[0:], their
@@ -301,89 +354,51 @@ def _measure_range(residual, grad, acc, bits, lo, hi, sign_off, shift, key0, his
     top_f = hist_f.shape[0] - 1
     keep = marks.shape[0] > 0
     n_f = 0
-    one = uint64(1)
-    zero = uint64(0)
-    # Where acc's chunk starts on 64 bytes (a block-aligned partition of a 64-byte-aligned buffer),
-    # one vector loop adds, streams acc past the cache and compares the sums in registers: a 64-bit
-    # word per group of 64 elements (``cpu_stream.add_mask_groups``); the few sums read again (the
-    # marks', the coarse sample's) are recomputed from residual and grad, still in cache. Elsewhere
-    # acc is streamed and the chunk's sums copied to L1 (``stream_add_copy``) and read back.
-    chunk = np.empty(_CHUNK, acc.dtype)
+    chunk = np.empty(_CHUNK, acc.dtype)       # the copy path's sums; the fused path's coarse sample
     chunk_bits = chunk.view(bits.dtype)
-    mv = np.empty(_CHUNK, acc.dtype)           # this chunk's marks' values
+    mv = np.empty(_CHUNK, acc.dtype)          # this chunk's marks' values
     mv_bits = mv.view(bits.dtype)
     gmask = np.empty(_CHUNK // _GROUP, np.uint64)
     for s0 in range(lo, hi, _CHUNK):
         e0 = min(s0 + _CHUNK, hi)
         m = e0 - s0
-        full = m - m % _GROUP
-        fused = top_f >= 0 and full > 0 and group_aligned(residual, grad, acc, s0)
-        if fused:
-            add_mask_groups(residual, grad, acc, gmask, s0, full // _GROUP, sign_off, low_f)
-            for i in range(full, m):   # the tail: plain stores, read back below
-                acc[s0 + i] = residual[s0 + i] + grad[s0 + i]
-        else:
+        if top_f < 0:   # no fine window: no marks; the largest pattern over the whole chunk
             stream_add_copy(residual[s0:e0], grad[s0:e0], acc[s0:e0], chunk)
-        bs = chunk_bits[:m]
-        if top_f >= 0:
-            # the marks go straight to ``marks`` (global indices) while it has room for the whole
-            # chunk (a copy from the scratch cost 0.3 ms per 5M elements), else to the scratch
-            # (chunk offsets) and are copied. The two spare writes of a group stay inside that room:
-            # they land at c and c + 1 with c <= (groups before this one) * 64 <= m - 64. (A run's
-            # slice of ``marks`` on threads must not be written past its end.)
-            direct = keep and marks.shape[0] - n_f >= m
-            out = marks[n_f:] if direct else scratch
-            base = s0 if direct else 0
-            c = 0
-            for g0 in range(0, full, _GROUP):
-                if fused:
-                    w = gmask[g0 // _GROUP]
-                else:   # a 64-bit mask per group (the select form vectorises)
-                    bg = bs[g0:g0 + _GROUP]
-                    w = zero
-                    for i in range(_GROUP):
-                        w |= (one << uint64(i)) if (bg[i] & sign_off) >= low_f else zero
-                c = _take_marks(w, base + g0, out, c)
-            for i in range(full, m):
-                b = bits[s0 + i] if fused else bs[i]
-                if (b & sign_off) >= low_f:    # on the bits: NaN goes to the top, as on CUDA
-                    out[c] = base + i
-                    c += 1
-            # the marks' values: from L1, or (fused) recomputed, the same bits
-            if fused:
-                for q in range(c):
-                    i = out[q] - base + s0
-                    mv[q] = residual[i] + grad[i]
-            else:
-                for q in range(c):
-                    mv[q] = chunk[out[q] - base]
-            for q in range(c):
-                b = mv_bits[q] & sign_off
-                mx = b if b > mx else mx
-                j = (b >> shift_f) - key0_f
-                hist_f[j if j < top_f else top_f] += 1
-            if keep:
-                # the select and the zooms that follow read these, not acc, which the streaming
-                # stores left out of the cache (78k marks read from acc took 0.43-0.47 ms per 5M
-                # elements, about 10 % of a step at P=2)
-                vals[n_f:n_f + c] = mv[:c]
-                if not direct:
-                    for q in range(c):
-                        marks[n_f + q] = s0 + scratch[q]
-            n_f += c
-        else:
             for i in range(m):
-                b = bs[i] & sign_off
+                b = chunk_bits[i] & sign_off
                 mx = b if b > mx else mx
-        first = (stride - s0 % stride) % stride
-        if fused:   # the coarse sample's sums again, into the chunk buffer
-            ns = 0
-            for i in range(first, m, stride):
-                chunk[ns] = residual[s0 + i] + grad[s0 + i]
-                ns += 1
+            _hist_every(chunk_bits[:m], (stride - s0 % stride) % stride, m, stride, sign_off, shift, key0, hist)
+            continue
+        # the marks go straight to ``marks`` (global indices) while it has room for the whole
+        # chunk (a copy from the scratch cost 0.3 ms per 5M elements), else to the scratch (chunk
+        # offsets) and are copied. The two spare writes of a group stay inside that room: they
+        # land at c and c + 1 with c <= (groups before this one) * 64 <= m - 64. (A run's slice of
+        # ``marks`` on threads must not be written past its end.)
+        direct = keep and marks.shape[0] - n_f >= m
+        out = marks[n_f:] if direct else scratch
+        base = s0 if direct else 0
+        if m >= _GROUP and group_aligned(residual, grad, acc, s0):
+            c, ns = _chunk_fused(residual, grad, acc, bits, s0, m, sign_off, low_f, gmask, out, base, mv, stride,
+                                 chunk)
             _hist_every(chunk_bits, 0, ns, 1, sign_off, shift, key0, hist)
         else:
-            _hist_every(bs, first, m, stride, sign_off, shift, key0, hist)
+            c = _chunk_copied(residual, grad, acc, s0, m, sign_off, low_f, chunk, chunk_bits, out, base, mv)
+            _hist_every(chunk_bits[:m], (stride - s0 % stride) % stride, m, stride, sign_off, shift, key0, hist)
+        for q in range(c):
+            b = mv_bits[q] & sign_off
+            mx = b if b > mx else mx
+            j = (b >> shift_f) - key0_f
+            hist_f[j if j < top_f else top_f] += 1
+        if keep:
+            # the select and the zooms that follow read these, not acc, which the streaming stores
+            # left out of the cache (78k marks read from acc took 0.43-0.47 ms per 5M elements,
+            # about 10 % of a step at P=2)
+            for q in range(c):
+                vals[n_f + q] = mv[q]
+            if not direct:
+                for q in range(c):
+                    marks[n_f + q] = s0 + scratch[q]
+        n_f += c
     store_fence()
     if top_f >= 0:
         hist_f[0] += (hi - lo) - n_f
