@@ -5,15 +5,22 @@ moves 16 bytes per float32 element, not 12: 4 of them are a read of the old ``ac
 overwritten at once. A nontemporal store writes the line without reading it. On this project's
 2-core AMD EPYC VM an add of 10M float32 took 0.62x the time of ``np.add`` that way (one process;
 ``jobs/bench_select.py`` measures the whole step). The added values are then not in cache, so a
-caller that reads them back (the measuring pass buckets its owned range) takes a copy into a small
-chunk buffer that stays in L1 (``stream_add_copy``) or the largest bit pattern in registers
-(``stream_add_max``).
+caller that reads them back gets them another way: a copy into a small chunk buffer that stays in
+L1 (``stream_add_copy``), the largest bit pattern in registers (``stream_add_max``), or the compare
+of the measuring pass done in registers, a 64-bit word per group of 64 elements
+(``add_mask_groups``).
 
 The vector part is LLVM IR written here (a Numba ``@intrinsic``): Numba offers no nontemporal
 store, and LLVM's loop vectoriser refuses to vectorise a loop of scalar nontemporal stores. Vectors
-of 64 bytes, aligned stores; the unaligned head and the tail are scalar. Every function ends with
-``sfence``, so the stores are ordered before whatever reads ``acc`` next (another thread after a
-join, MPI). x86-64 only: elsewhere the same functions are plain loops. The values are the same bits either way: only the kind of store differs.
+of 64 bytes, aligned stores; the unaligned head and the tail are scalar. The ``stream_*`` functions
+end with ``sfence``, and ``add_mask_groups``' caller calls ``store_fence`` after its last call, so
+the stores are ordered before whatever reads ``acc`` next (another thread after a join, MPI).
+x86-64 only: elsewhere the ``stream_*`` functions are plain loops and ``group_aligned`` is False.
+The values are the same bits either way: only the kind of store differs.
+
+Editing this file: Numba's cache keys a cached function on its own source file only, so the
+cached kernels of ``cpu_controller.py`` that call these keep the old code until their file changes
+or ``kernels/__pycache__/*.nb[ic]`` is removed (a fresh clone has no cache).
 """
 import platform
 
