@@ -253,9 +253,10 @@ def accumulate_measure(residual, grad, acc, bits, lo, hi, sign_off, shift, key0,
     ``marks`` in ascending order when it is not empty (capacity ``hi - lo``: the select and the
     zooms that follow read only those).
 
-    ``acc`` is written with nontemporal stores (``cpu_stream``: no read of the old ``acc``); the
-    owned range's sums are read back from an L1 copy of each chunk. Per chunk: the add vectorises;
-    then per group of 64 elements a vectorised compare builds a
+    ``acc`` is written with nontemporal stores (``cpu_stream``: no read of the old ``acc``). Over the
+    owned range, where a chunk of ``acc`` starts on 64 bytes, the compare runs on the sums in
+    registers (``_chunk_fused``); elsewhere on an L1 copy of the chunk (``_chunk_copied``), where per
+    chunk the add vectorises; then per group of 64 elements a vectorised compare builds a
     64-bit mask whose set bits are the marks (on error-feedback streams the fine window holds 6-24x
     k values, so most groups hold one: a rescan of those groups cost more than the add); the marks
     touch the fine histogram; the coarse one reads one element in ``stride``.
