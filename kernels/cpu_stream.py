@@ -91,11 +91,6 @@ def _vector_loop(context, builder, sig, args, copy, with_max):
 
 
 @intrinsic
-def _add_block(typingctx, r, g, a, i0, nvec):
-    return types.void(r, g, a, types.intp, types.intp), lambda c, b, s, a_: _vector_loop(c, b, s, a_, 0, False)
-
-
-@intrinsic
 def _add_copy_block(typingctx, r, g, a, c, i0, nvec):
     return (types.void(r, g, a, c, types.intp, types.intp),
             lambda c_, b, s, a_: _vector_loop(c_, b, s, a_, 1, False))
@@ -212,17 +207,6 @@ if ENABLED:
         _sfence()
 
     @njit(cache=True, nogil=True)
-    def stream_add(r, g, a):
-        """``a[:] = r + g`` (``r``, ``g`` at least as long as ``a``); ``a`` is not left in cache."""
-        head, nvec = _split(r, g, a)
-        for i in range(head):
-            a[i] = r[i] + g[i]
-        _add_block(r, g, a, head, nvec)
-        for i in range(head + nvec * (_VEC_BYTES // a.itemsize), a.shape[0]):
-            a[i] = r[i] + g[i]
-        _sfence()
-
-    @njit(cache=True, nogil=True)
     def stream_add_copy(r, g, a, c):
         """``a[:] = c[:n] = r + g``: ``a`` streamed past the cache, ``c`` (a small buffer, read back
         at once) stored plainly."""
@@ -262,11 +246,6 @@ else:
     @njit(cache=True, nogil=True)
     def store_fence():
         pass
-
-    @njit(cache=True, nogil=True)
-    def stream_add(r, g, a):
-        for i in range(a.shape[0]):
-            a[i] = r[i] + g[i]
 
     @njit(cache=True, nogil=True)
     def stream_add_copy(r, g, a, c):

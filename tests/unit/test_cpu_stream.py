@@ -29,16 +29,6 @@ def test_enabled_on_x86():
 
 @pytest.mark.parametrize("dt,ity,sign_off", TYPES)
 @pytest.mark.parametrize("n", LENGTHS)
-def test_stream_add_is_np_add_at_every_alignment(dt, ity, sign_off, n):
-    for off in range(17):
-        r, g, buf, a, want = _case(dt, n, off, n * 31 + off)
-        cpu_stream.stream_add(r, g, a)
-        assert np.array_equal(a.view(ity), want.view(ity)), off
-        assert (buf[:off] == 7).all() and (buf[off + n:] == 7).all(), off   # nothing written outside
-
-
-@pytest.mark.parametrize("dt,ity,sign_off", TYPES)
-@pytest.mark.parametrize("n", LENGTHS)
 def test_stream_add_copy_writes_both(dt, ity, sign_off, n):
     for off in range(17):
         r, g, buf, a, want = _case(dt, n, off, n * 37 + off)
@@ -60,12 +50,12 @@ def test_stream_add_max_is_the_largest_magnitude_pattern(dt, ity, sign_off, n):
 
 
 @pytest.mark.skipif(not cpu_stream.ENABLED, reason="nontemporal stores are x86-64 only (elsewhere plain loops)")
-@pytest.mark.parametrize("name", ["stream_add", "stream_add_copy", "stream_add_max"])
+@pytest.mark.parametrize("name", ["stream_add_copy", "stream_add_max"])
 def test_the_vector_loop_stores_nontemporal_and_fences(name):
     from numba import njit
     fn = njit(nogil=True)(getattr(cpu_stream, name).py_func)   # uncached: cached code cannot be inspected
     x = np.ones(64, np.float32)
-    args = {"stream_add": (x, x, np.empty_like(x)), "stream_add_copy": (x, x, np.empty_like(x), np.empty_like(x)),
+    args = {"stream_add_copy": (x, x, np.empty_like(x), np.empty_like(x)),
             "stream_add_max": (x, x, np.empty_like(x), np.empty(64, np.float32).view(np.int32),
                                np.int32(0x7FFFFFFF))}[name]
     fn(*args)
@@ -82,9 +72,6 @@ def test_strided_inputs_take_the_scalar_loop(dt, ity, sign_off):
     for rs, gs in ((r[::2], g[:1000]), (r[:1000], g[::2])):
         a = np.zeros(1000, dt)
         c = np.zeros(1000, dt)
-        cpu_stream.stream_add(rs, gs, a)
-        assert np.array_equal(a.view(ity), (rs + gs).view(ity))
-        a[:] = 0
         cpu_stream.stream_add_copy(rs, gs, a, c)
         assert np.array_equal(a.view(ity), (rs + gs).view(ity)) and np.array_equal(c, a)
         a[:] = 0
