@@ -12,8 +12,12 @@ Methods, alternating step by step on the same gradient stream (so they see the s
   exdyna-out ``sp.step(g, out=buf)`` with default options into a buffer reused every step, as the
              torch adapter does (``out`` = the flat gradient): the output is a memset, not a fresh
              buffer whose pages the OS zero-fills as the scatter touches them.
-A step's time is the slowest rank's (the step ends when every rank is done); the table gives the
-median over ``--steps`` steps after ``--warmup``, and ExDyna's phases (``stats.seconds``, slowest
+A step's time is the slowest rank's (the step ends when every rank is done): ``total`` is the
+longest time from a rank's exit from the barrier to its end, ``span`` (ranks on one node only) the
+time from the first rank's exit to the last rank's end on the node's one clock. They differ when
+ranks share cores: a rank that leaves the barrier late (it was off a core) starts its clock late,
+so ``total`` undercounts a floor that has no collective to wait in, and ``span`` is the step's
+time as the node sees it. The table gives the median over ``--steps`` steps after ``--warmup``, and ExDyna's phases (``stats.seconds``, slowest
 rank per phase): pass (acc = residual + grad, non-finite count, the owned-range histograms; with
 the forecasting controller also the selection and the forecast), words (the summed controller
 words), choose (zooms and the owned-range select), counts (the count words), indices (Allgatherv),
@@ -105,7 +109,8 @@ def main():
                 sp.step(g, out=buf)
             else:
                 sp.step(g)
-            wall = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            wall = t1 - t0
             ph = [0.0] * len(PHASES)
             sel = 0
             if m.startswith("exdyna"):
@@ -114,28 +119,39 @@ def main():
                 sel = sp.stats.selected
             elif m == "topk":
                 sel = sp.seconds["union"]
-            v = np.array([wall] + ph)
+            v = np.array([wall, t1, -t0] + ph)
             comm.Allreduce(MPI.IN_PLACE, v, op=MPI.MAX)
             if t >= a.warmup:
-                rows[m].append((v, sel, sp.stats.bytes_sent if m.startswith("exdyna") else 0))
+                span = v[1] + v[2]  # last rank's end - first rank's start, one clock for the node
+                rows[m].append((np.concatenate([[v[0], span], v[3:]]), sel,
+                                sp.stats.bytes_sent if m.startswith("exdyna") else 0))
+    # One clock (CLOCK_MONOTONIC) serves every rank only when all share a node.
+    one_node = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_size() == P
     if rank:
         return
     res = {"nranks": P, "numel": a.numel, "density": a.density, "steps": a.steps, "stream": a.stream}
     print(f"P={P} numel={a.numel:,} density={a.density} k={k} stream={a.stream} ({a.steps} steps after "
           f"{a.warmup} warm-up; median of the slowest rank per step; ms)")
     floor = np.median([r[0][0] for r in rows["floor"]]) if "floor" in rows else None
-    hdr = f"{'method':18} {'total':>8} {'/floor':>7} {'sel/k':>6} {'sent B':>8}  " + " ".join(
+    floor_span = np.median([r[0][1] for r in rows["floor"]]) if "floor" in rows and one_node else None
+    hdr = f"{'method':18} {'total':>8} {'/floor':>7} {'span':>8} {'/floor':>7} {'sel/k':>6} {'sent B':>8}  " + " ".join(
         f"{n:>8}" for n, _ in PHASES)
     print(hdr)
     for m, rs in rows.items():
         tot = float(np.median([r[0][0] for r in rs]))
-        phs = [float(np.median([r[0][1 + i] for r in rs])) for i in range(len(PHASES))]
+        span = float(np.median([r[0][1] for r in rs]))
+        phs = [float(np.median([r[0][2 + i] for r in rs])) for i in range(len(PHASES))]
         sel = float(np.median([r[1] for r in rs]))
         sent = float(np.median([r[2] for r in rs]))
         res[m] = {"total": tot, "selected": sel, "bytes_sent": sent, **{n: v for (n, _), v in zip(PHASES, phs)}}
         ratio = f"{tot / floor:7.2f}" if floor else "      -"
+        if one_node:
+            res[m]["span"] = span
+            span_txt = f"{span * 1e3:8.2f} " + (f"{span / floor_span:7.2f}" if floor_span else "      -")
+        else:
+            span_txt = f"{'-':>8} {'-':>7}"
         phtxt = " ".join(f"{v * 1e3:8.2f}" for v in phs) if m.startswith("exdyna") else ""
-        print(f"{m:18} {tot * 1e3:8.2f} {ratio} {sel / k:6.2f} {sent:8.0f}  {phtxt}")
+        print(f"{m:18} {tot * 1e3:8.2f} {ratio} {span_txt} {sel / k:6.2f} {sent:8.0f}  {phtxt}")
     if a.json:
         append_json_line(a.json, res)
 
