@@ -28,6 +28,10 @@ Grid: dense once, then every sparsifier of ``--sparsifiers`` at every density of
 step budget for every run. Rank 0 writes ``<out>/fidelity.jsonl`` (one record per step, per
 evaluation and per run), ``<out>/fidelity.md`` (one table per workload, Pareto front marked),
 ``<out>/pareto.png`` (quality against total bytes sent) and ``<out>/quality_vs_step.png``.
+In ``--recipe``, ``density_warmup`` takes slash-separated densities (the comma separates options):
+``density_warmup=0.25/0.0625/0.015625,density_warmup_steps=11`` is DGC's decaying-density warm-up,
+one CNN epoch (11 steps at 4 ranks) per density. A run's bytes include its warm-ups;
+``density_sparse_phase`` in its record averages the steps after them.
 ``--report FILES`` rebuilds table and plots from JSON lines (later files override earlier runs of the
 same label and seed), so after a library change only the affected rows need re-running.
 """
@@ -68,7 +72,8 @@ def parse_args(argv=None):
     ap.add_argument("--densities", default=GRID_DENSITIES)
     ap.add_argument("--recipe", default=DEFAULT_RECIPE,
                     help="adapter options of the exdyna+ runs, KEY=VALUE,...; warmup_steps below 1 is a "
-                         "fraction of the step budget; '' or 'none': no exdyna+ runs")
+                         "fraction of the step budget; density_warmup=D1/D2/... with density_warmup_steps=N: "
+                         "DGC's decaying-density warm-up (N steps per density); '' or 'none': no exdyna+ runs")
     ap.add_argument("--recipe-for", default="exdyna", help="comma-separated sparsifiers that also get a '+' run")
     ap.add_argument("--plus-only", action="store_true", help="only the '+' runs of the sparse grid (and dense)")
     ap.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
@@ -103,6 +108,19 @@ def parse_kv(text):
     from common import key_values
 
     return key_values(t for t in text.replace(" ", ",").split(",") if t.strip() and t != "none")
+
+
+def parse_recipe(text):
+    """``parse_kv`` of a ``--recipe``, with ``density_warmup=0.25/0.0625/0.015625`` (slash-separated:
+    the comma separates options) as a tuple of floats."""
+    recipe = parse_kv(text)
+    stages = recipe.get("density_warmup")
+    if isinstance(stages, (str, int, float)) and not isinstance(stages, bool):
+        try:
+            recipe["density_warmup"] = tuple(float(d) for d in str(stages).split("/"))
+        except ValueError:
+            raise ValueError(f"--recipe: density_warmup must be densities separated by '/', got {stages!r}") from None
+    return recipe
 
 
 # ---------------------------------------------------------------------------------------------
@@ -255,7 +273,7 @@ def run_label(wl, label):
 def plan(args):
     names = [n.strip() for n in args.sparsifiers.split(",") if n.strip()]
     dens = [float(d) for d in args.densities.split(",") if d.strip()]
-    recipe = parse_kv(args.recipe) if args.recipe.strip().lower() not in ("", "none") else None
+    recipe = parse_recipe(args.recipe) if args.recipe.strip().lower() not in ("", "none") else None
     plus = [n.strip() for n in args.recipe_for.split(",") if n.strip()]
     runs = []
     if "dense" in names:
@@ -341,7 +359,9 @@ def train_one(wl, label, name, density, recipe, args, comm, steps, evals, log):
     for e in evals_out:
         log(e)
     last = evals_out[-1]
-    warm = int(options.get("warmup_steps", 0) or 0)
+    # the target-density phase starts after the dense and the density warm-ups (their bytes count in the totals)
+    warm = int(options.get("warmup_steps", 0) or 0) + \
+        len(options.get("density_warmup") or ()) * int(options.get("density_warmup_steps") or 0)
     summary = {"kind": "run", "workload": wl.name, "run": label, "sparsifier": name, "target": density,
                "recipe": recipe, "options": {**options, **sp_opts}, "base_options": dict(wl.base_options),
                "lr": wl.lr, "lr_schedule": wl.lr_schedule,

@@ -16,11 +16,28 @@ them off nothing here runs: the optimizer steps exactly as before, bit for bit.
   nonzero (the selected set, DGC's momentum-factor masking) so stale momentum does not push
   coordinates that were just sent. During a dense warm-up nothing is masked: averaging ``u`` densely
   is exactly momentum SGD on the averaged gradient.
+- ``density_warmup=(d1, d2, ...)`` with ``density_warmup_steps=n``: DGC's decaying-density warm-up
+  (25 %, 6.25 %, 1.5625 %, 0.4 % over the first epochs, then the target). After any dense warm-up,
+  stage ``i`` runs ``n`` steps with a sparsifier of the configured kind and options at density
+  ``d_i`` (each in (0, 1] and above the target ``density``), made when the stage starts (the
+  previous one is dropped); then the configured sparsifier. The error-feedback residual carries from
+  stage to stage and into the configured sparsifier, as in DGC: it is added to the first gradient
+  the next sparsifier steps on (after clipping and momentum correction: it is residual, not
+  gradient). Its residual is still zero then and its first step computes
+  ``acc = 0 + (grad + carried)``, the same bits as a residual loaded with ``carried`` would give
+  (``carried + grad``: IEEE addition commutes, and ``0 + x == x`` up to the sign of an exact zero),
+  on any device (a DLPack view of the old buffer, no host round trip), for every sparsifier kind,
+  with nothing new in the sparsifier. The carry is dropped only after a step of the new sparsifier
+  completes: a refused or skipped step (``nonfinite="skip"``) hands it on again.
 
-State (step counter, velocity) goes into ``opt.state_dict()`` under ``"exdyna_options"`` so a
-checkpoint resumes bit-exactly; with every option off the state dict is unchanged.
+State (step counter, velocity, the live stage's sparsifier and a pending carry) goes into
+``opt.state_dict()`` under ``"exdyna_options"`` so a checkpoint resumes bit-exactly; with every
+option off the state dict is unchanged.
 """
+from numbers import Real
+
 import exdyna_mpi
+from exdyna_mpi import transport
 
 OPTIONS_KEY = "exdyna_options"
 
@@ -29,7 +46,8 @@ class TrainingOptions:
     """The per-optimizer state and logic of the recipe options (see the module docstring)."""
 
     def __init__(self, params, numel, comm, *, clip_norm=None, warmup_steps=0, momentum_correction=0.0,
-                 momentum_masking=True):
+                 momentum_masking=True, density_warmup=None, density_warmup_steps=None,
+                 sparsifier="exdyna", density=0.01, sparsifier_options=None):
         if clip_norm is not None and not clip_norm > 0:
             raise ValueError(f"DistributedOptimizer: clip_norm must be > 0 or None, got {clip_norm!r}")
         if int(warmup_steps) != warmup_steps or warmup_steps < 0:
@@ -37,15 +55,21 @@ class TrainingOptions:
         m = float(momentum_correction or 0.0)
         if not 0.0 <= m < 1.0:
             raise ValueError(f"DistributedOptimizer: momentum_correction must be in [0, 1), got {momentum_correction!r}")
+        self.stages, self.stage_steps = _density_stages(density_warmup, density_warmup_steps, density)
         self.params = params
         self.clip_norm = None if clip_norm is None else float(clip_norm)
         self.warmup_steps = int(warmup_steps)
         self.momentum = m
         self.masking = bool(momentum_masking)
-        self.active = self.clip_norm is not None or self.warmup_steps > 0 or m > 0.0
+        self.active = self.clip_norm is not None or self.warmup_steps > 0 or m > 0.0 or bool(self.stages)
         self.step = 0            # steps exchanged through this optimizer (counted only when active)
         self.velocity = None     # momentum correction's u, allocated at the first step
         self.dense = exdyna_mpi.make("dense", numel, 1.0, comm) if self.warmup_steps else None
+        self._make_stage = lambda d: exdyna_mpi.make(sparsifier, numel, d, comm, **(sparsifier_options or {}))
+        self._exchange = transport.Exchange(comm)
+        self.stage = None        # the live density warm-up sparsifier, and its index in ``stages``
+        self.stage_index = None
+        self.carry = None        # a residual not yet handed to the sparsifier that follows
 
     def check_optimizer(self, optimizer):
         if self.momentum > 0 and any(g.get("momentum", 0) for g in optimizer.param_groups):
@@ -53,11 +77,28 @@ class TrainingOptions:
                              "build the wrapped optimizer with momentum=0 (else momentum counts twice)")
 
     def sparsifier(self, main):
-        """The sparsifier of this step: dense during the warm-up, ``main`` after."""
-        return self.dense if self.step < self.warmup_steps else main
+        """The sparsifier of this step: dense warm-up, then the density stages, then ``main``."""
+        if self.step < self.warmup_steps:
+            return self.dense
+        i = (self.step - self.warmup_steps) // self.stage_steps if self.stages else 0
+        if i < len(self.stages):
+            if i != self.stage_index:
+                self._leave(self.stage)
+                self.stage, self.stage_index = self._make_stage(self.stages[i]), i   # collective
+            return self.stage
+        if self.stage is not None:
+            self._leave(self.stage)
+            self.stage, self.stage_index = None, None
+        return main
+
+    def _leave(self, sp):
+        """Keep ``sp``'s residual (a view: ``sp`` never steps again) for the next sparsifier. One that
+        never completed a step holds nothing new: an older pending carry stays."""
+        if sp is not None and sp.iteration > 0:
+            self.carry = _torch().from_dlpack(sp.memory.residual)
 
     def before(self, flat):
-        """Clip, then momentum-correct ``flat`` (this rank's gradient) in place."""
+        """Clip, then momentum-correct ``flat`` (this rank's gradient) in place; add a pending carry."""
         torch = _torch()
         if self.clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.params, self.clip_norm)
@@ -66,25 +107,71 @@ class TrainingOptions:
                 self.velocity = torch.zeros_like(flat)
             self.velocity.mul_(self.momentum).add_(flat)
             flat.copy_(self.velocity)
+        if self.carry is not None:
+            flat.add_(self.carry.to(flat.device))
 
-    def after(self, out, dense_step):
-        """Momentum-factor masking on the exchanged gradient ``out``; count the step."""
-        if self.momentum > 0 and self.masking and not dense_step:
+    def after(self, out, sp):
+        """Momentum-factor masking on the exchanged gradient ``out`` (not after a dense step); drop
+        the carry once ``sp`` holds it; count the step."""
+        if self.momentum > 0 and self.masking and sp is not self.dense:
             self.velocity.masked_fill_(out != 0, 0.0)
+        if not sp.stats.skipped:
+            self.carry = None
         self.step += 1
 
     def state_dict(self):
         d = {"step": self.step, "velocity": None if self.velocity is None else self.velocity.clone()}
         if self.dense is not None:
             d["dense"] = self.dense.state_dict()
+        if self.stages:
+            d.update(stage=self.stage_index, stage_state=None if self.stage is None else self.stage.state_dict(),
+                     carry=None if self.carry is None else self.carry.clone())
         return d
 
     def load_state_dict(self, d):
-        self.step = int(d["step"])
+        """Collective (the live stage's sparsifier is made and loaded on every rank)."""
+        step = int(d["step"])
+        stage = d.get("stage") if self.stages else None
+        got = self._exchange.agree([step, -1 if stage is None else int(stage)])
+        if (got != got[0]).any():   # else ranks would build different sparsifiers and hang
+            raise ValueError("DistributedOptimizer.load_state_dict: ranks hold different recipe steps/stages "
+                             f"{got.tolist()} (checkpoints of different steps?)")
+        if stage is not None and not 0 <= stage < len(self.stages):
+            raise ValueError(f"DistributedOptimizer.load_state_dict: the dict is in density_warmup stage {stage}, "
+                             f"this optimizer has {len(self.stages)} stages")
+        self.step = step
         v = d["velocity"]
         self.velocity = None if v is None else v.detach().clone()
         if self.dense is not None and "dense" in d:
             self.dense.load_state_dict(d["dense"])
+        if self.stages:
+            self.stage, self.stage_index = None, None
+            if stage is not None:
+                self.stage, self.stage_index = self._make_stage(self.stages[stage]), int(stage)
+                self.stage.load_state_dict(d["stage_state"])
+            c = d.get("carry")
+            self.carry = None if c is None else c.detach().clone()
+
+
+def _density_stages(stages, steps, density):
+    """``(tuple of stage densities, steps per stage)`` after the checks; ``((), None)`` when off."""
+    who = "DistributedOptimizer"
+    if stages is None:
+        if steps is not None:
+            raise ValueError(f"{who}: density_warmup_steps={steps!r} given without density_warmup")
+        return (), None
+    if not isinstance(stages, (tuple, list)) or not stages:
+        raise ValueError(f"{who}: density_warmup must be a non-empty tuple or list of densities, got {stages!r}")
+    if steps is None:
+        raise ValueError(f"{who}: density_warmup needs density_warmup_steps (steps per stage), an integer >= 1")
+    if isinstance(steps, bool) or not isinstance(steps, Real) or int(steps) != steps or steps < 1:
+        raise ValueError(f"{who}: density_warmup_steps must be an integer >= 1, got {steps!r}")
+    target = float(density) if isinstance(density, Real) else 0.0   # a bad density: make() names it
+    for d in stages:
+        if isinstance(d, bool) or not isinstance(d, Real) or not (target < d <= 1.0):
+            raise ValueError(f"{who}: every density_warmup density must be a number in (density, 1] = "
+                             f"({target:g}, 1], got {d!r} in {stages!r}")
+    return tuple(float(d) for d in stages), int(steps)
 
 
 def _torch():

@@ -174,10 +174,11 @@ def _from_torch(obj):
 
 
 def _from_torch_keep_tensors(d):
-    """The recipe options' state: the velocity stays a tensor, the dense sparsifier's state goes to NumPy."""
+    """The recipe options' state: velocity and carry stay tensors, the sparsifiers' states go to NumPy."""
     d = dict(d)
-    if "dense" in d:
-        d["dense"] = _from_torch(d["dense"])
+    for key in ("dense", "stage_state"):
+        if d.get(key) is not None:
+            d[key] = _from_torch(d[key])
     return d
 
 
@@ -196,7 +197,7 @@ class _DistributedMixin:
             sp = opts.sparsifier(self.sparsifier)   # recipe options: _torch_options.py
             opts.before(flat)
             sp.step(flat, out=flat)
-            opts.after(flat, dense_step=sp is not self.sparsifier)
+            opts.after(flat, sp)
             self._exdyna_last = sp
         return sp.stats
 
@@ -234,7 +235,8 @@ class _DistributedMixin:
         opt_state = state_dict.pop(OPTIONS_KEY, None)
         if self._exdyna_options.active and opt_state is None:   # same config on every rank: all raise
             raise ValueError("DistributedOptimizer.load_state_dict: this optimizer uses recipe options "
-                             f"(clip_norm/warmup_steps/momentum_correction) but the dict has no {OPTIONS_KEY!r}")
+                             "(clip_norm/warmup_steps/momentum_correction/density_warmup) "
+                             f"but the dict has no {OPTIONS_KEY!r}")
         if sp_state is None:
             raise ValueError("DistributedOptimizer.load_state_dict: no sparsifier state in this dict "
                              f"(key {_SPARSIFIER_KEY!r}); it was not saved by DistributedOptimizer.state_dict()")
@@ -265,7 +267,8 @@ class _DistributedMixin:
 
 def DistributedOptimizer(optimizer, model=None, *, sparsifier="exdyna", density=0.01, comm=None,
                          broadcast=True, clip_norm=None, warmup_steps=0, momentum_correction=0.0,
-                         momentum_masking=True, **options):
+                         momentum_masking=True, density_warmup=None, density_warmup_steps=None,
+                         **options):
     """Wrap a torch optimizer so ``step()`` exchanges a sparse gradient first. Collective.
 
     ``model`` (optional): a ``torch.nn.Module`` whose parameters and buffers are broadcast from rank
@@ -278,7 +281,10 @@ def DistributedOptimizer(optimizer, model=None, *, sparsifier="exdyna", density=
     ``_torch_options.py``): ``clip_norm`` (clip this rank's gradient before accumulation),
     ``warmup_steps`` (dense exchange for the first steps), ``momentum_correction=m`` with
     ``momentum_masking`` (DGC's momentum correction and momentum-factor masking; wrap an optimizer
-    with ``momentum=0``).
+    with ``momentum=0``), ``density_warmup=(d1, d2, ...)`` with ``density_warmup_steps=n`` (DGC's
+    decaying-density warm-up: after any dense warm-up, ``n`` steps at each density ``d_i`` > ``density``
+    with a fresh sparsifier of the same kind and options, the error-feedback residual carried from
+    stage to stage and into the configured sparsifier; ``opt.stats`` shows the live stage's stats).
 
     Example::
 
@@ -293,7 +299,9 @@ def DistributedOptimizer(optimizer, model=None, *, sparsifier="exdyna", density=
     comm, params = _wrapped_params(optimizer, model, comm, "DistributedOptimizer")
     grads = FlatGrad(params)
     recipe = TrainingOptions(grads.params, grads.numel, comm, clip_norm=clip_norm, warmup_steps=warmup_steps,
-                             momentum_correction=momentum_correction, momentum_masking=momentum_masking)
+                             momentum_correction=momentum_correction, momentum_masking=momentum_masking,
+                             density_warmup=density_warmup, density_warmup_steps=density_warmup_steps,
+                             sparsifier=sparsifier, density=density, sparsifier_options=options)
     recipe.check_optimizer(optimizer)
     if broadcast:
         _broadcast_model(model, grads.params, comm)

@@ -7,15 +7,23 @@
 - ``momentum_correction`` (+ masking): u <- m*u + g on each rank, the sparsifier accumulates u, the
   union mean comes out, and u is zeroed where the exchanged gradient is nonzero.
 - state round trip: save mid-run (warm-up and sparse phase), load into fresh objects, same bits.
+- ``density_warmup`` (DGC's decaying density): bit for bit the steps of hand-built sparsifiers of the
+  stage densities whose residual is carried by hand (``memory.load`` before a stage's first step);
+  stage boundaries, stats, the carry itself (also across a skipped step), resume mid-warm-up, bad
+  values.
 """
 import copy
+import gc
+import io
 import os
+import weakref
 
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed")
 
+import exdyna_mpi  # noqa: E402
 from exdyna_mpi.adapters.torch import DistributedOptimizer  # noqa: E402
 from tests.conftest import allgather_array, mpi_assert  # noqa: E402
 
@@ -177,3 +185,175 @@ def test_options_state_round_trip_resumes_bit_exactly(save_at, wcomm, tmp_path_f
     mpi_assert("exdyna_options" not in plain.state_dict(), "plain optimizer grew an options entry", wcomm)
     with pytest.raises(ValueError, match="exdyna_options"):
         opt2.load_state_dict(plain.state_dict())
+
+
+# ------------------------------------------------------------------ density warm-up (DGC)
+
+
+def test_density_warmup_equals_hand_built_stages_with_the_residual_carried(wcomm):
+    """Dense step, two sparse stages, then the configured sparsifier, against the same steps done
+    here with explicitly made sparsifiers: each stage's residual is loaded into the next one's memory
+    before its first step (the carry done by hand), SGD applied by a separate optimizer."""
+    rank = wcomm.Get_rank()
+    warm, stages, n, target, lr = 1, (0.3, 0.1), 2, 0.02, 0.1
+    model, ref_model = _model(), _model()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr), model, sparsifier="exdyna",
+                               density=target, comm=wcomm, warmup_steps=warm, density_warmup=stages,
+                               density_warmup_steps=n)
+    numel = opt.flat_grad.numel()
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=lr)
+    schedule = ([exdyna_mpi.make("dense", numel, 1.0, wcomm)] * warm
+                + [d for d in stages for _ in range(n)] + [target] * 3)
+    sp = None
+    for s, what in enumerate(schedule):
+        if not isinstance(what, float):
+            sp = what
+        elif sp is None or sp.density != what:
+            new = exdyna_mpi.make("exdyna", numel, what, wcomm, device="cpu")
+            if sp is not None and sp.name != "dense":
+                new.memory.load(new.ops, np.float32, sp.residual)   # the carry, by hand
+            sp = new
+        x, y = _batch(rank, s)
+        out = torch.from_numpy(sp.step(_raw_grad(ref_model, x, y)))
+        for p, g in zip(ref_model.parameters(), out.split([p.numel() for p in ref_model.parameters()])):
+            p.grad = g.view_as(p).clone()
+        ref_opt.step()
+        _step(model, opt, x, y)
+        got, ref = _flat(model.parameters()), _flat(ref_model.parameters())
+        mpi_assert(got.tobytes() == ref.tobytes(), f"step {s} (density {sp.density}): parameters differ from the "
+                   f"hand-built stages (max {np.abs(got - ref).max():.3g})", wcomm)
+        mpi_assert(np.array_equal(opt._exdyna_last.residual, sp.residual), f"step {s}: residuals differ", wcomm)
+    mpi_assert(opt.sparsifier.iteration == 3, f"main iteration {opt.sparsifier.iteration}", wcomm)
+
+
+def test_density_warmup_stages_stats_and_the_carry(wcomm):
+    """Step counts per stage, the stage's stats, the previous stage dropped, and the residual handed
+    on at each boundary: the new sparsifier's residual off the selection is old residual + gradient
+    (a dropped carry leaves the gradient alone there)."""
+    rank, P = wcomm.Get_rank(), wcomm.Get_size()
+    stages, n, target = (0.2, 0.05), 3, 0.01
+    model = _model()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, sparsifier="topk",
+                               density=target, comm=wcomm, density_warmup=stages, density_warmup_steps=n)
+    numel = opt.flat_grad.numel()
+    prev_ref = prev_res = None
+    for s in range(len(stages) * n + 2):
+        i = s // n
+        d = stages[i] if i < len(stages) else target
+        x, y = _batch(rank, s)
+        g = _raw_grad(model, x, y)
+        _step(model, opt, x, y)
+        sp = opt._exdyna_last
+        out = opt.flat_grad.numpy().copy()
+        mpi_assert((sp is opt.sparsifier) == (i == len(stages)) and sp.density == d,
+                   f"step {s}: sparsifier of density {sp.density}, expected {d}", wcomm)
+        mpi_assert(sp.iteration == s - i * n + 1, f"step {s}: stage iteration {sp.iteration}", wcomm)
+        mpi_assert(opt.stats is sp.stats and d <= opt.stats.density <= P * d + P / numel,
+                   f"step {s}: stats density {opt.stats.density}, stage density {d}", wcomm)
+        if prev_ref is not None and prev_ref() is not sp:   # a boundary: the carry
+            sel = out != 0
+            mpi_assert(np.any(prev_res[~sel] != 0), "test premise: nothing to carry", wcomm)
+            mpi_assert(np.array_equal(sp.residual[~sel], (prev_res + g)[~sel]),
+                       f"step {s}: the residual did not carry", wcomm)
+            mpi_assert(opt._exdyna_options.carry is None, f"step {s}: the carry was not released", wcomm)
+            gc.collect()
+            mpi_assert(prev_ref() is None, f"step {s}: the previous stage's sparsifier is still alive", wcomm)
+        prev_ref, prev_res = weakref.ref(sp), sp.residual
+    mpi_assert(opt.sparsifier.iteration == 2, f"main iteration {opt.sparsifier.iteration}", wcomm)
+
+
+def test_density_warmup_carry_survives_a_skipped_step(wcomm):
+    """nonfinite="skip": the first step of the next sparsifier is skipped everywhere; the carry is
+    kept (in the checkpoint too) and handed over on the next good step, nothing lost."""
+    rank = wcomm.Get_rank()
+
+    def fresh():
+        model = _model()
+        return model, DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, sparsifier="topk",
+                                           density=0.01, comm=wcomm, density_warmup=(0.1,), density_warmup_steps=1,
+                                           nonfinite="skip")
+
+    def step(model, opt, s):
+        x, y = _batch(rank, s)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        if s == 1 and rank == 0:
+            opt.flat_grad[3] = float("nan")
+        opt.step()
+
+    model, opt = fresh()
+    step(model, opt, 0)
+    stage_res = opt._exdyna_last.residual
+    step(model, opt, 1)
+    mpi_assert(opt.stats.skipped and opt._exdyna_options.carry is not None, "skipped step lost the carry", wcomm)
+    ckpt = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, ckpt)
+    g = _raw_grad(model, *_batch(rank, 2))
+    step(model, opt, 2)
+    sel = opt.flat_grad.numpy() != 0
+    res = opt.sparsifier.residual
+    mpi_assert(opt.sparsifier.iteration == 1 and np.array_equal(res[~sel], (stage_res + g)[~sel]),
+               "the carry did not reach the configured sparsifier after the skipped step", wcomm)
+    step(model, opt, 3)
+
+    model2, opt2 = fresh()   # resumed from the checkpoint with the carry pending
+    ckpt.seek(0)
+    ck = torch.load(ckpt)
+    model2.load_state_dict(ck["model"])
+    opt2.load_state_dict(ck["opt"])
+    step(model2, opt2, 2)
+    step(model2, opt2, 3)
+    mpi_assert(_flat(model2.parameters()).tobytes() == _flat(model.parameters()).tobytes(),
+               "resumed with a pending carry: parameters differ", wcomm)
+
+
+@pytest.mark.parametrize("save_at", [1, 2, 4, 5])   # mid stage 0, end of stage 0, end of the warm-up, after
+def test_density_warmup_resumes_bit_exactly(save_at, wcomm, tmp_path_factory):
+    rank = wcomm.Get_rank()
+    path = os.path.join(str(tmp_path_factory.mktemp("ckpt")), f"ckpt.{rank}")
+    opts = dict(sparsifier="exdyna", density=0.05, comm=wcomm, clip_norm=0.5, warmup_steps=1,
+                momentum_correction=0.9, density_warmup=[0.3, 0.1], density_warmup_steps=2)
+
+    def fresh():
+        model = _model(seed=7)
+        return model, DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, weight_decay=1e-4),
+                                           model, **opts)
+
+    model, opt = fresh()
+    for s in range(8):
+        _step(model, opt, *_batch(rank, s))
+        if s == save_at:
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
+    straight = _flat(model.parameters())
+
+    model2, opt2 = fresh()
+    ck = torch.load(path)   # weights_only=True: plain tensors and values only
+    model2.load_state_dict(ck["model"])
+    opt2.load_state_dict(ck["opt"])
+    for s in range(save_at + 1, 8):
+        _step(model2, opt2, *_batch(rank, s))
+    resumed = _flat(model2.parameters())
+    mpi_assert(resumed.tobytes() == straight.tobytes(),
+               f"resumed parameters differ (max {np.abs(resumed - straight).max():.3g})", wcomm)
+
+
+@pytest.mark.parametrize("bad", [
+    dict(density_warmup=(0.3, 0.1)),                                 # no steps
+    dict(density_warmup_steps=3),                                    # steps without stages
+    dict(density_warmup=(0.3, 0.05), density_warmup_steps=2),       # = the main density
+    dict(density_warmup=(0.3, 0.01), density_warmup_steps=2),       # below it
+    dict(density_warmup=(1.5,), density_warmup_steps=2),             # > 1
+    dict(density_warmup=(float("nan"),), density_warmup_steps=2),
+    dict(density_warmup=("0.3",), density_warmup_steps=2),           # not a number
+    dict(density_warmup=0.3, density_warmup_steps=2),                # not a tuple
+    dict(density_warmup=(), density_warmup_steps=2),
+    dict(density_warmup=(0.3,), density_warmup_steps=0),
+    dict(density_warmup=(0.3,), density_warmup_steps=1.5),
+    dict(density_warmup=(0.3,), density_warmup_steps="2"),
+])
+def test_density_warmup_bad_values_raise_on_every_rank(bad, wcomm):
+    model = _model()
+    with pytest.raises(ValueError, match="density_warmup"):
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, sparsifier="exdyna",
+                             density=0.05, comm=wcomm, **bad)
+    wcomm.Barrier()   # every rank got here: nobody was left in a collective

@@ -190,3 +190,33 @@ def test_lstm_schedule_option_cosine_lr_and_merged_report(tmp_path):
     assert table.count("### lstm") == 2 and "1000 steps, cosine lr schedule, seed 0" in table, table
     assert "| exdyna d=0.01 " in table and "| exdyna d=0.01 cosine" in table
     assert "+5.00 %" in table and "+2.00 %" in table                         # each against its own dense
+
+
+def test_recipe_density_warmup_parses_to_a_tuple_the_adapter_accepts():
+    """--recipe density_warmup=D1/D2/... (slash-separated: the comma separates options) becomes a tuple
+    of floats in the run's recipe and options; DistributedOptimizer accepts it. No MPI (one rank)."""
+    sys.path.insert(0, os.path.join(ROOT, "jobs"))
+    import torch
+
+    import fidelity
+    from exdyna_mpi.adapters.torch import DistributedOptimizer
+
+    text = "momentum_correction=0.8,density_warmup=0.25/0.0625/0.015625,density_warmup_steps=11"
+    recipe = fidelity.parse_recipe(text)
+    assert recipe == {"momentum_correction": 0.8, "density_warmup": (0.25, 0.0625, 0.015625),
+                      "density_warmup_steps": 11}
+    assert fidelity.parse_recipe("density_warmup=0.25,density_warmup_steps=5")["density_warmup"] == (0.25,)
+    assert fidelity.parse_recipe(fidelity.DEFAULT_RECIPE) == fidelity.parse_kv(fidelity.DEFAULT_RECIPE)
+    with pytest.raises(ValueError, match="density_warmup"):
+        fidelity.parse_recipe("density_warmup=0.25/x,density_warmup_steps=5")
+
+    runs = fidelity.plan(fidelity.parse_args(["--sparsifiers", "exdyna", "--densities", "0.01", "--recipe", text]))
+    assert [r[0] for r in runs] == ["exdyna d=0.01", "exdyna+ d=0.01"] and runs[1][3] == recipe
+    options = fidelity.run_options(fidelity.make_workload("cnn", fidelity.parse_args([])), recipe, 165)
+    assert options == recipe
+    assert json.loads(json.dumps({"options": options}))["options"]["density_warmup"] == [0.25, 0.0625, 0.015625]
+
+    model = torch.nn.Linear(4, 2)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, sparsifier="exdyna",
+                               density=0.01, **options)
+    assert opt._exdyna_options.stages == (0.25, 0.0625, 0.015625) and opt._exdyna_options.stage_steps == 11
