@@ -148,12 +148,10 @@ def test_momentum_correction_refuses_an_optimizer_with_momentum(wcomm):
                              sparsifier="exdyna", density=0.05, comm=wcomm, momentum_correction=0.9)
 
 
-@pytest.mark.parametrize("save_at", [1, 4])   # inside the dense warm-up, and in the sparse phase
-def test_options_state_round_trip_resumes_bit_exactly(save_at, wcomm, tmp_path_factory):
+def _resume_matches_straight(opts, save_at, path, wcomm, on_save=None):
+    """Eight steps straight, saving after step ``save_at``; a fresh model and optimizer resumed from
+    that file and run to the end must hold the same parameter bits. Returns the resumed optimizer."""
     rank = wcomm.Get_rank()
-    path = os.path.join(str(tmp_path_factory.mktemp("ckpt")), f"ckpt.{rank}")
-    opts = dict(sparsifier="exdyna", density=0.05, comm=wcomm, clip_norm=0.5, warmup_steps=3,
-                momentum_correction=0.9)
 
     def fresh():
         model = _model(seed=7)
@@ -165,8 +163,8 @@ def test_options_state_round_trip_resumes_bit_exactly(save_at, wcomm, tmp_path_f
         _step(model, opt, *_batch(rank, s))
         if s == save_at:
             state = opt.state_dict()
-            mpi_assert("exdyna_options" in state and state["exdyna_options"]["step"] == s + 1,
-                       "the options' state is not in the state dict", wcomm)
+            if on_save is not None:
+                on_save(s, state)
             torch.save({"model": model.state_dict(), "opt": state}, path)
     straight = _flat(model.parameters())
 
@@ -179,6 +177,21 @@ def test_options_state_round_trip_resumes_bit_exactly(save_at, wcomm, tmp_path_f
     resumed = _flat(model2.parameters())
     mpi_assert(resumed.tobytes() == straight.tobytes(),
                f"resumed parameters differ (max {np.abs(resumed - straight).max():.3g})", wcomm)
+    return opt2
+
+
+@pytest.mark.parametrize("save_at", [1, 4])   # inside the dense warm-up, and in the sparse phase
+def test_options_state_round_trip_resumes_bit_exactly(save_at, wcomm, tmp_path_factory):
+    rank = wcomm.Get_rank()
+    path = os.path.join(str(tmp_path_factory.mktemp("ckpt")), f"ckpt.{rank}")
+    opts = dict(sparsifier="exdyna", density=0.05, comm=wcomm, clip_norm=0.5, warmup_steps=3,
+                momentum_correction=0.9)
+
+    def on_save(s, state):
+        mpi_assert("exdyna_options" in state and state["exdyna_options"]["step"] == s + 1,
+                   "the options' state is not in the state dict", wcomm)
+
+    opt2 = _resume_matches_straight(opts, save_at, path, wcomm, on_save)
     # options off: the state dict has no options entry (checkpoints of plain runs are unchanged)
     plain = DistributedOptimizer(torch.optim.SGD(_model().parameters(), lr=0.05), None, sparsifier="exdyna",
                                  density=0.05, comm=wcomm)
@@ -314,27 +327,7 @@ def test_density_warmup_resumes_bit_exactly(save_at, wcomm, tmp_path_factory):
     opts = dict(sparsifier="exdyna", density=0.05, comm=wcomm, clip_norm=0.5, warmup_steps=1,
                 momentum_correction=0.9, density_warmup=[0.3, 0.1], density_warmup_steps=2)
 
-    def fresh():
-        model = _model(seed=7)
-        return model, DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, weight_decay=1e-4),
-                                           model, **opts)
-
-    model, opt = fresh()
-    for s in range(8):
-        _step(model, opt, *_batch(rank, s))
-        if s == save_at:
-            torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
-    straight = _flat(model.parameters())
-
-    model2, opt2 = fresh()
-    ck = torch.load(path)   # weights_only=True: plain tensors and values only
-    model2.load_state_dict(ck["model"])
-    opt2.load_state_dict(ck["opt"])
-    for s in range(save_at + 1, 8):
-        _step(model2, opt2, *_batch(rank, s))
-    resumed = _flat(model2.parameters())
-    mpi_assert(resumed.tobytes() == straight.tobytes(),
-               f"resumed parameters differ (max {np.abs(resumed - straight).max():.3g})", wcomm)
+    _resume_matches_straight(opts, save_at, path, wcomm)
 
 
 @pytest.mark.parametrize("bad", [
