@@ -95,7 +95,8 @@ class TrainingOptions:
         """Keep ``sp``'s residual (a view: ``sp`` never steps again) for the next sparsifier. One that
         never completed a step holds nothing new: an older pending carry stays."""
         if sp is not None and sp.iteration > 0:
-            self.carry = _torch().from_dlpack(sp.memory.residual)
+            r = sp.memory.residual   # None: loaded from a checkpoint and left before a step (on the host)
+            self.carry = _torch().from_dlpack(r) if r is not None else _torch().from_numpy(sp.residual)
 
     def before(self, flat):
         """Clip, then momentum-correct ``flat`` (this rank's gradient) in place; add a pending carry."""

@@ -307,7 +307,7 @@ class Sparsifier(Selector):
             "name": self.name, "numel": self.numel, "density": self.density, "nranks": self.nranks,
             "rank": self.rank, "options": dict(self.options), "iteration": self.iteration,
             "dtype": None if self._dtype is None else self._dtype.str,
-            "residual": None if not self.memory.bound else self.residual,
+            "residual": None if not self.memory.held else self.residual,
             **self._extra_state(),
         }
 
@@ -333,7 +333,7 @@ class Sparsifier(Selector):
                              f"{got[:, 1].tolist()}")
         self.exchange.reset_counters()
         self.iteration = it
-        if d["residual"] is not None and self.ops is None:
-            self._use_device("cpu")
+        # an unbound sparsifier (device="auto", no step yet) keeps the residual on the host until
+        # its first gradient names the device (binding it to the CPU here would refuse CUDA input)
         self.memory.load(self.ops, d["dtype"], d["residual"])
         self._load_extra_state(d)

@@ -44,15 +44,25 @@ class ErrorFeedback:
         self.residual = None
         self._spare = None
         self._out = None      # this step's zeroed output, when made early (``output``)
+        self._pending = None  # a loaded residual (host) waiting for the first step's device
 
     @property
     def bound(self):
         return self.residual is not None
 
+    @property
+    def held(self):
+        """A residual exists: bound, or loaded and waiting for ``bind``."""
+        return self.residual is not None or self._pending is not None
+
     def bind(self, ops, dtype):
-        """Allocate a zero residual of ``dtype`` with ``ops`` (the first good step)."""
+        """Allocate the residual of ``dtype`` with ``ops`` (the first good step): zeros, or the one
+        ``load`` kept on the host."""
         self.ops, self.dtype = ops, np.dtype(dtype)
-        self.residual = ops.zeros(self.numel, self.dtype)
+        if self._pending is not None:
+            self.residual, self._pending = ops.from_host(self._pending), None
+        else:
+            self.residual = ops.zeros(self.numel, self.dtype)
 
     def take(self):
         """A buffer for ``acc`` (the spare, or a fresh one)."""
@@ -96,17 +106,25 @@ class ErrorFeedback:
     def host_copy(self, default_dtype):
         """The residual on the host (zeros before the first step)."""
         if self.residual is None:
+            if self._pending is not None:
+                return self._pending.copy()
             return np.zeros(self.numel, dtype=default_dtype)
         return np.array(self.ops.to_host(self.residual), copy=True)
 
     def load(self, ops, dtype, host):
-        """Restore from a state dict: ``host`` None means unbound (no step seen)."""
-        self._spare = None
+        """Restore from a state dict: ``host`` None means unbound (no step seen). With ``ops`` None
+        (no device chosen yet: ``device="auto"`` before its first step) the residual waits on the
+        host and ``bind`` puts it on the device of the first gradient, as a fresh one would be."""
+        self._spare, self._pending = None, None
         if host is None:
             self.dtype, self.residual = None, None
             return
-        self.ops, self.dtype = ops, np.dtype(dtype)
-        self.residual = ops.from_host(np.array(host, dtype=self.dtype, copy=True))
+        self.dtype = np.dtype(dtype)
+        host = np.array(host, dtype=self.dtype, copy=True)
+        if ops is None:
+            self.ops, self.residual, self._pending = None, None, host
+        else:
+            self.ops, self.residual = ops, ops.from_host(host)
 
 
 class Selection:

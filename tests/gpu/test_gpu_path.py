@@ -83,6 +83,28 @@ def test_exdyna_on_cupy_matches_cpu(cp, monkeypatch, aware):
 
 
 @pytest.mark.mpi(min_size=1)
+def test_auto_device_resumed_from_a_cpu_checkpoint_steps_on_cupy(cp):
+    """A ``device="auto"`` sparsifier that loads a checkpoint before its first step binds to the
+    device of the first gradient (CuPy here), not to the CPU, and continues the CPU run's bits."""
+    comm = MPI.COMM_WORLD
+    n = 200_003
+    ref = exdyna_mpi.ExDyna(n, 0.01, comm, device="cpu")
+    rng = np.random.default_rng(comm.Get_rank())
+    gs = [(rng.standard_normal(n) * 0.02).astype(np.float32) for _ in range(5)]
+    for g in gs[:2]:
+        ref.step(g.copy())
+    dev = exdyna_mpi.ExDyna(n, 0.01, comm)
+    dev.load_state_dict(ref.state_dict())
+    ok = dev.ops is None
+    for g in gs[2:]:
+        want = ref.step(g.copy())
+        got = dev.step(cp.asarray(g))
+        ok &= isinstance(got, cp.ndarray) and cp.asnumpy(got).tobytes() == want.tobytes()
+        ok &= dev.residual.tobytes() == ref.residual.tobytes()
+    mpi_assert(ok and dev.device == "cuda", "the resumed auto-device sparsifier did not continue on CuPy")
+
+
+@pytest.mark.mpi(min_size=1)
 def test_no_full_length_copy_to_host(cp, monkeypatch):
     """A step moves O(k) bytes device->host (staged payload + count words), never O(numel).
 
