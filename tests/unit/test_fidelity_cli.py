@@ -48,8 +48,9 @@ def test_quick_writes_runs_evals_table_and_plots(quick_run):
     lstm = [r for r in runs if r["workload"] == "lstm"]
     assert lstm[0]["numel"] >= 2_000_000 and "val_ppl" in lstm[0]
     assert all(r["bytes_total"] < 0.2 * lstm[0]["bytes_total"] for r in lstm[1:])
-    # the recipe (fidelity.DEFAULT_RECIPE) on top of the LSTM workload's own clip
-    assert lstm[2]["options"]["momentum_correction"] == 0.8 and lstm[2]["options"]["clip_norm"] == 0.25
+    # the recipe (fidelity.DEFAULT_RECIPE: momentum 0.9 from d=0.01) on top of the LSTM workload's own clip
+    assert lstm[2]["options"]["momentum_correction"] == 0.9 and lstm[2]["options"]["clip_norm"] == 0.25
+    assert lstm[2]["recipe"] == {"momentum_correction": 0.9}
     table = (out / "fidelity.md").read_text()
     assert "### lstm" in table and "### cnn" in table and "val ppl" in table and "test acc" in table
     assert table.count("*") >= 2                       # each workload has a Pareto front
@@ -206,7 +207,6 @@ def test_recipe_density_warmup_parses_to_a_tuple_the_adapter_accepts():
     assert recipe == {"momentum_correction": 0.8, "density_warmup": (0.25, 0.0625, 0.015625),
                       "density_warmup_steps": 11}
     assert fidelity.parse_recipe("density_warmup=0.25,density_warmup_steps=5")["density_warmup"] == (0.25,)
-    assert fidelity.parse_recipe(fidelity.DEFAULT_RECIPE) == fidelity.parse_kv(fidelity.DEFAULT_RECIPE)
     with pytest.raises(ValueError, match="density_warmup"):
         fidelity.parse_recipe("density_warmup=0.25/x,density_warmup_steps=5")
 
@@ -220,3 +220,26 @@ def test_recipe_density_warmup_parses_to_a_tuple_the_adapter_accepts():
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, sparsifier="exdyna",
                                density=0.01, **options)
     assert opt._exdyna_options.stages == (0.25, 0.0625, 0.015625) and opt._exdyna_options.stage_steps == 11
+
+
+def test_recipe_clauses_apply_from_their_density_on():
+    """--recipe 'BASE|d>=D:KEY=VALUE,...': the clause's options join (or replace) the base for runs at
+    densities >= D; the default recipe is momentum 0.8 below d=0.01 and 0.9 from it."""
+    sys.path.insert(0, os.path.join(ROOT, "jobs"))
+    import fidelity
+
+    d = fidelity.DEFAULT_RECIPE
+    assert fidelity.parse_recipe(d) == {"momentum_correction": 0.8}
+    assert fidelity.parse_recipe(d, 0.00338) == {"momentum_correction": 0.8}
+    assert fidelity.parse_recipe(d, 0.01) == fidelity.parse_recipe(d, 0.05) == {"momentum_correction": 0.9}
+    text = "clip_norm=1.0|d>=0.003:momentum_correction=0.8|d>=0.01:momentum_correction=0.9,clip_norm=5.0"
+    assert fidelity.parse_recipe(text, 0.001) == {"clip_norm": 1.0}
+    assert fidelity.parse_recipe(text, 0.003) == {"clip_norm": 1.0, "momentum_correction": 0.8}
+    assert fidelity.parse_recipe(text, 0.01) == {"clip_norm": 5.0, "momentum_correction": 0.9}
+    runs = fidelity.plan(fidelity.parse_args(["--sparsifiers", "exdyna", "--densities", "0.01,0.001", "--plus-only"]))
+    assert [(r[0], r[3]) for r in runs] == [("exdyna+ d=0.01", {"momentum_correction": 0.9}),
+                                            ("exdyna+ d=0.001", {"momentum_correction": 0.8})]
+    for bad in ("momentum_correction=0.8|0.01:clip_norm=1", "momentum_correction=0.8|d>=x:clip_norm=1",
+                "momentum_correction=0.8|d>=0.01"):
+        with pytest.raises(ValueError, match="--recipe"):
+            fidelity.plan(fidelity.parse_args(["--sparsifiers", "exdyna", "--recipe", bad]))
