@@ -261,7 +261,9 @@ def test_density_warmup_stages_stats_and_the_carry(wcomm):
         mpi_assert((sp is opt.sparsifier) == (i == len(stages)) and sp.density == d,
                    f"step {s}: sparsifier of density {sp.density}, expected {d}", wcomm)
         mpi_assert(sp.iteration == s - i * n + 1, f"step {s}: stage iteration {sp.iteration}", wcomm)
-        mpi_assert(opt.stats is sp.stats and d <= opt.stats.density <= P * d + P / numel,
+        # top-k never selects zeros, so a rank with fewer nonzeros than k (one rank: the first step)
+        # falls short of d; the stages are 4-5x apart, so half of d still tells them apart
+        mpi_assert(opt.stats is sp.stats and d / 2 <= opt.stats.density <= P * d + P / numel,
                    f"step {s}: stats density {opt.stats.density}, stage density {d}", wcomm)
         if prev_ref is not None and prev_ref() is not sp:   # a boundary: the carry
             sel = out != 0
