@@ -3,8 +3,8 @@
     python jobs/fidelity_paired.py --pair "exdyna+ d=0.01:dense" --pair "exdyna+ d=0.00338:topk d=0.001" \
         docs/fidelity/seeds/cnn_*.jsonl
 
-Reads the ``"kind": "run"`` records of the JSON lines given. For each ``RUN:REF`` pair, the runs
-labelled RUN are grouped by recipe (the adapter options of a ``+`` run), each group is matched seed
+Reads the ``"kind": "run"`` records of the JSON lines given. For each ``RUN:REF`` pair and each
+workload that has both, the runs labelled RUN are grouped by recipe (the adapter options of a ``+`` run), each group is matched seed
 by seed with the runs labelled REF (which must not differ in recipe), and one row per group gives
 the seeds, the mean quality, the mean of the per-seed differences (RUN - REF: percentage points of
 accuracy, or of loss for a loss metric), its standard error and the 95 % interval (Student's t).
@@ -27,14 +27,17 @@ def t95(df):
 
 
 def load(paths):
-    """Run records by label: {label: {recipe key: {seed: record}}} (a later file wins a repeated seed)."""
+    """Run records by workload and label: {(workload, label): {recipe key: {seed: record}}} (a later
+    file wins a repeated seed). Unlike ``fidelity.load_records`` (which the table's averages use) runs
+    of the same label and seed under different recipes are all kept: the seed studies are such files."""
     runs = defaultdict(lambda: defaultdict(dict))
     for path in paths:
         with open(path) as f:
             for line in f:
                 r = json.loads(line)
                 if r.get("kind") == "run":
-                    runs[r["run"]][json.dumps(r.get("recipe") or {}, sort_keys=True)][r["seed"]] = r
+                    key = (r.get("workload"), r["run"])
+                    runs[key][json.dumps(r.get("recipe") or {}, sort_keys=True)][r["seed"]] = r
     return runs
 
 
@@ -43,14 +46,15 @@ def quality(r):
     return 100.0 * v if r["quality_key"].endswith("acc") else v
 
 
-def paired(runs, run_label, ref_label):
-    """Rows (recipe, seeds, mean, ref mean, gap, s.e., low, high, MB sent per rank) for one pair."""
-    refs = runs.get(ref_label, {})
+def paired(runs, run_label, ref_label, workload):
+    """Rows (recipe, seeds, mean, ref mean, gap, s.e., low, high, MB sent per rank) for one pair on
+    one workload."""
+    refs = runs.get((workload, ref_label), {})
     if len(refs) != 1:
-        raise SystemExit(f"reference {ref_label!r}: expected runs of one recipe, found {len(refs)}")
+        raise SystemExit(f"{workload} reference {ref_label!r}: expected runs of one recipe, found {len(refs)}")
     ref = next(iter(refs.values()))
     rows = []
-    for recipe, by_seed in sorted(runs.get(run_label, {}).items()):
+    for recipe, by_seed in sorted(runs.get((workload, run_label), {}).items()):
         seeds = sorted(set(by_seed) & set(ref))
         if not seeds:
             continue
@@ -73,15 +77,16 @@ def main(argv=None):
                     help="run label and reference label, e.g. 'exdyna+ d=0.01:dense'")
     a = ap.parse_args(argv)
     runs = load(a.files)
-    print("| run | recipe | seeds | n | mean | MB sent | reference | mean | gap | s.e. | 95 % interval |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| workload | run | recipe | seeds | n | mean | MB sent | reference | mean | gap | s.e. | 95 % interval |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    workloads = sorted({w for w, _ in runs}, key=str)
     for pair in a.pair:
         run_label, _, ref_label = pair.partition(":")
-        for recipe, seeds, mx, my, gap, se, lo, hi, mb in paired(runs, run_label, ref_label):
-            opts = ",".join(f"{k}={v}" for k, v in json.loads(recipe).items()) or "none"
-            print(f"| {run_label} | `{opts}` | {seeds[0]}-{seeds[-1]} | {len(seeds)} | {mx:.2f} | {mb:.3f} | {ref_label} | "
-                  f"{my:.2f} | {gap:+.2f} | {se:.2f} | [{lo:+.2f}, {hi:+.2f}] |")
-
+        for wl in (w for w in workloads if (w, run_label) in runs and (w, ref_label) in runs):
+            for recipe, seeds, mx, my, gap, se, lo, hi, mb in paired(runs, run_label, ref_label, wl):
+                opts = ",".join(f"{k}={v}" for k, v in json.loads(recipe).items()) or "none"
+                print(f"| {wl} | {run_label} | `{opts}` | {seeds[0]}-{seeds[-1]} | {len(seeds)} | {mx:.2f} | "
+                      f"{mb:.3f} | {ref_label} | {my:.2f} | {gap:+.2f} | {se:.2f} | [{lo:+.2f}, {hi:+.2f}] |")
 
 if __name__ == "__main__":
     main()
