@@ -1,0 +1,460 @@
+#!/usr/bin/env python
+"""A cluster in a box: one Linux network namespace per rank behind a rate-limited link.
+
+    python jobs/testbed.py up --ranks 4 --rate 1000             # 4 namespaces, 1 Gbit/s each way per rank
+    python jobs/testbed.py up --ranks 4 --rate 1000 --rate-of 3=100   # rank 3 on a tenth of the rate
+    python jobs/testbed.py check                                 # a bounded TCP transfer over each link
+    python jobs/testbed.py mpiexec -- python -m mpi4py jobs/e2e.py --steps 100
+    python jobs/testbed.py down                                  # removes everything `up` made
+
+Layout (needs root, or CAP_NET_ADMIN and CAP_SYS_ADMIN): rank r lives in namespace ``<prefix>-r<r>``
+with one interface ``<prefix>0`` at 198.18.0.<r+1>/24 (198.18.0.0/15 is the range set aside for
+network benchmarks, RFC 2544). Its peer end ``<prefix>v<r>`` is enslaved to the bridge ``<prefix>br``,
+which joins these veths and nothing else: no host interface, no address on the host side, no
+default route in any namespace, so no packet can leave the box. ``tc tbf`` shapes both directions
+of each rank's link (the rank's egress on its interface, its ingress on the bridge port), like a
+full-duplex NIC of that rate into a non-blocking switch. The kernel here has no ``netem``: links
+have a rate, not a delay.
+
+``mpiexec`` launches one rank per namespace, MPMD (``mpiexec -n 1 ip netns exec NS0 CMD : -n 1 ip
+netns exec NS1 CMD ...``). The process manager stays in the host namespace; ranks reach it through
+inherited descriptors (MPICH's hydra) and then talk over TCP on the shaped links: MPICH with
+``MPIR_CVAR_NOLOCAL=1`` (no shared memory between ranks) and libfabric's tcp provider on the
+namespace's interface, Open MPI with the ``tcp`` BTL on it. torch.distributed finds its rendezvous
+through ``MASTER_ADDR`` (rank 0's address) and ``GLOO_SOCKET_IFNAME``. ``EXDYNA_TESTBED_IFACE`` and
+``EXDYNA_TESTBED_RATE_MBIT`` tell a job where its bytes go and at what rate.
+
+Every transfer ``check`` makes is bounded in bytes and in seconds, and only between the testbed's
+own namespaces. ``down`` finds what to remove by the name prefix, so it also cleans up after a
+crashed run; ``up`` does the same first.
+
+As a module::
+
+    import testbed
+    tb = testbed.up(ranks=2, rate_mbit=100)
+    try:
+        print(testbed.check(tb))
+        argv, env = testbed.mpiexec_command(tb, ["python", "-m", "mpi4py", "x.py"])
+    finally:
+        testbed.down(tb.prefix)
+"""
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+PREFIX = "xdyna"
+SUBNET = "198.18.0"          # /24 inside 198.18.0.0/15; rank r at .r+1
+MAX_RANKS = 250
+MASTER_PORT = 29500
+CAP_NET_ADMIN, CAP_SYS_ADMIN = 12, 21
+
+
+class TestbedError(RuntimeError):
+    """A testbed operation that cannot go on (no privilege, a command that failed, no testbed)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RankLink:
+    rank: int
+    netns: str
+    addr: str
+    rate_mbit: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Testbed:
+    prefix: str
+    iface: str                 # the interface's name inside every namespace
+    bridge: str
+    rate_mbit: float           # the rate asked for with --rate
+    ranks: tuple               # RankLink per rank
+
+    def record(self):
+        """The JSON line ``up`` prints."""
+        return {"ranks": [{"rank": r.rank, "netns": r.netns, "addr": r.addr, "rate_mbit": r.rate_mbit}
+                          for r in self.ranks],
+                "rate_mbit": self.rate_mbit, "iface": self.iface, "prefix": self.prefix}
+
+
+def _names(prefix):
+    if not prefix.isalnum() or not 1 <= len(prefix) <= 8:
+        raise TestbedError(f"testbed prefix {prefix!r}: 1 to 8 letters or digits (interface names have 15 characters)")
+    return {"iface": f"{prefix}0", "bridge": f"{prefix}br", "netns": lambda r: f"{prefix}-r{r}",
+            "veth": lambda r: f"{prefix}v{r}"}
+
+
+def state_path(prefix=PREFIX):
+    return os.path.join(tempfile.gettempdir(), f"{prefix}-testbed.json")
+
+
+def _capabilities():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("CapEff:"):
+                return int(line.split()[1], 16)
+    return 0
+
+
+def require_privilege():
+    """Raise ``TestbedError`` with a clear message unless this process may make namespaces and links."""
+    missing = [n for bit, n in ((CAP_NET_ADMIN, "CAP_NET_ADMIN"), (CAP_SYS_ADMIN, "CAP_SYS_ADMIN"))
+               if not _capabilities() >> bit & 1]
+    if missing:
+        raise TestbedError(f"the testbed needs {' and '.join(missing)} (run as root): it makes network "
+                           "namespaces, veth links, a bridge and tc qdiscs")
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            raise TestbedError(f"the testbed needs '{tool}' (Debian/Ubuntu: apt-get install iproute2)")
+
+
+def _run(*argv, check=True):
+    p = subprocess.run(list(argv), capture_output=True, text=True, timeout=30)
+    if check and p.returncode != 0:
+        raise TestbedError(f"'{' '.join(argv)}' failed (rc {p.returncode}): {p.stderr.strip()}")
+    return p
+
+
+def _ns(netns, *argv, check=True):
+    return _run("ip", "netns", "exec", netns, *argv, check=check)
+
+
+def _burst_bytes(rate_mbit):
+    """tbf's bucket: a few milliseconds of the rate (at least 256 KiB), so TCP's segment trains
+    pass whole and the link reaches its rate; too small a bucket undershoots it."""
+    return max(256 * 1024, int(rate_mbit * 1e6 / 8 * 0.004))
+
+
+def _shape(netns, dev, rate_mbit):
+    """A tbf of ``rate_mbit`` on ``dev``'s egress (``netns`` None: the host namespace)."""
+    argv = ["tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{rate_mbit}mbit",
+            "burst", str(_burst_bytes(rate_mbit)), "latency", "50ms"]
+    return _ns(netns, *argv) if netns else _run(*argv)
+
+
+def existing(prefix=PREFIX):
+    """``(namespaces, host links)`` whose names carry ``prefix`` as the testbed names them."""
+    n = _names(prefix)
+    out = _run("ip", "netns", "list", check=False).stdout.split()
+    spaces = sorted({w for w in out if w.startswith(f"{prefix}-r")})
+    links = []
+    for line in _run("ip", "-o", "link", "show", check=False).stdout.splitlines():
+        name = line.split(":")[1].strip().split("@")[0] if ":" in line else ""
+        if name == n["bridge"] or (name.startswith(f"{prefix}v") and name[len(prefix) + 1:].isdigit()):
+            links.append(name)
+    return spaces, links
+
+
+def down(prefix=PREFIX):
+    """Remove the namespaces, veths and bridge named with ``prefix`` (the processes still inside a
+    namespace are killed first, so a crashed run's leftovers go too). Returns what was removed."""
+    spaces, links = existing(prefix)
+    for ns in spaces:
+        pids = _run("ip", "netns", "pids", ns, check=False).stdout.split()
+        for pid in pids:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+        _run("ip", "netns", "del", ns, check=False)
+    for name in links:          # deleting a namespace removes its veth end and so the pair
+        _run("ip", "link", "del", name, check=False)
+    try:
+        os.unlink(state_path(prefix))
+    except FileNotFoundError:
+        pass
+    left = existing(prefix)
+    if left[0] or left[1]:
+        raise TestbedError(f"testbed '{prefix}': could not remove {left[0] + left[1]}")
+    return spaces + links
+
+
+def _rates(ranks, rate_mbit, rate_of):
+    rates = [float(rate_mbit)] * ranks
+    for rank, rate in (rate_of or {}).items():
+        if not 0 <= rank < ranks:
+            raise TestbedError(f"--rate-of names rank {rank}, but there are {ranks} ranks")
+        rates[rank] = float(rate)
+    if any(r <= 0 for r in rates):
+        raise TestbedError(f"rates must be positive Mbit/s, got {rates}")
+    return rates
+
+
+def up(ranks, rate_mbit, rate_of=None, prefix=PREFIX):
+    """Make a testbed of ``ranks`` namespaces, each link shaped to ``rate_mbit`` Mbit/s each way
+    (``rate_of={rank: mbit}`` for exceptions). A stale testbed of the same prefix goes first.
+    On any failure, what was made is removed again before the error propagates."""
+    require_privilege()
+    if not 1 <= ranks <= MAX_RANKS:
+        raise TestbedError(f"--ranks must be 1..{MAX_RANKS}, got {ranks}")
+    rates = _rates(ranks, rate_mbit, rate_of)
+    n = _names(prefix)
+    down(prefix)
+    links = []
+    try:
+        _run("ip", "link", "add", n["bridge"], "type", "bridge")
+        _run("ip", "link", "set", n["bridge"], "up")
+        for r in range(ranks):
+            ns, veth, addr = n["netns"](r), n["veth"](r), f"{SUBNET}.{r + 1}"
+            _run("ip", "netns", "add", ns)
+            _run("ip", "link", "add", veth, "type", "veth", "peer", "name", n["iface"], "netns", ns)
+            _run("ip", "link", "set", veth, "master", n["bridge"])
+            _run("ip", "link", "set", veth, "up")
+            _ns(ns, "ip", "link", "set", "lo", "up")
+            _ns(ns, "ip", "addr", "add", f"{addr}/24", "dev", n["iface"])
+            _ns(ns, "ip", "link", "set", n["iface"], "up")
+            _shape(ns, n["iface"], rates[r])     # the rank's sending side
+            _shape(None, veth, rates[r])         # the bridge's side towards the rank: its receiving side
+            links.append(RankLink(r, ns, addr, rates[r]))
+        tb = Testbed(prefix, n["iface"], n["bridge"], float(rate_mbit), tuple(links))
+        _wait_ready(tb)
+    except BaseException:
+        down(prefix)
+        raise
+    with open(state_path(prefix), "w") as f:
+        json.dump(tb.record(), f)
+    return tb
+
+
+_PING = r"""
+import os, socket, struct, sys, time
+def csum(b):
+    s = sum(struct.unpack("!%dH" % (len(b) // 2), b))
+    s = (s >> 16) + (s & 0xffff); s += s >> 16
+    return ~s & 0xffff
+deadline = time.monotonic() + float(sys.argv[1])
+for addr in sys.argv[2:]:
+    s = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP); s.settimeout(0.2)
+    while True:
+        hdr = struct.pack("!BBHHH", 8, 0, 0, os.getpid() & 0xffff, 1)
+        s.sendto(struct.pack("!BBHHH", 8, 0, csum(hdr), os.getpid() & 0xffff, 1), (addr, 0))
+        try:
+            data, peer = s.recvfrom(1024)
+            if peer[0] == addr and data[20] == 0:
+                break
+        except socket.timeout:
+            pass
+        if time.monotonic() > deadline:
+            sys.exit(f"no echo reply from {addr}")
+"""
+
+
+def _wait_ready(tb, seconds=10.0):
+    """Rank 0 pings every other rank (ICMP echo, bounded by ``seconds`` in all): the links are up,
+    addressed and bridged before anything runs over them."""
+    if len(tb.ranks) > 1:
+        p = subprocess.run(["ip", "netns", "exec", tb.ranks[0].netns, sys.executable, "-c", _PING, str(seconds),
+                            *(r.addr for r in tb.ranks[1:])], capture_output=True, text=True, timeout=seconds + 10)
+        if p.returncode != 0:
+            raise TestbedError(f"rank 0 cannot reach the others: {p.stderr.strip()[-300:]}")
+
+
+def load(prefix=PREFIX):
+    """The testbed that ``up`` made (``TestbedError`` if there is none)."""
+    try:
+        with open(state_path(prefix)) as f:
+            rec = json.load(f)
+    except FileNotFoundError:
+        raise TestbedError(f"no testbed '{prefix}' is up (run: python jobs/testbed.py up --ranks P --rate R)") from None
+    spaces, _ = existing(prefix)
+    links = tuple(RankLink(r["rank"], r["netns"], r["addr"], r["rate_mbit"]) for r in rec["ranks"])
+    gone = [r.netns for r in links if r.netns not in spaces]
+    if gone:
+        raise TestbedError(f"testbed '{prefix}' is incomplete ({', '.join(gone)} missing): run down, then up")
+    n = _names(prefix)
+    return Testbed(prefix, n["iface"], n["bridge"], rec["rate_mbit"], links)
+
+
+# --- measuring a link: a bounded TCP transfer between two of the testbed's namespaces ---------------
+
+_SINK = r"""
+import socket, sys, time
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(1); s.settimeout(float(sys.argv[3]))
+print("ready", flush=True)
+c, _ = s.accept(); c.settimeout(float(sys.argv[3]))
+buf = bytearray(1 << 20); n = 0; t0 = t1 = None
+while True:
+    k = c.recv_into(buf)
+    if not k:
+        break
+    t1 = time.perf_counter()
+    if t0 is None:
+        t0, k = t1, 0          # time from the first byte: the count below starts after it
+    n += k
+print(n, (t1 - t0) if t0 is not None else 0.0, flush=True)
+"""
+
+_SOURCE = r"""
+import socket, sys, time
+n, limit = int(sys.argv[3]), float(sys.argv[4])
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=limit)
+chunk = b"\0" * (1 << 20); sent = 0; t_end = time.monotonic() + limit
+while sent < n and time.monotonic() < t_end:
+    sent += c.send(chunk[: min(len(chunk), n - sent)])
+c.close()
+"""
+
+
+def measure_link(tb, src, dst, seconds=2.0, port=5201):
+    """Mbit/s of one TCP stream from rank ``src`` to rank ``dst``: at most ``seconds`` of the link's
+    set rate in bytes (plus the bucket), sent within ``3 * seconds + 5`` seconds, timed at the
+    receiver from its first byte to its last."""
+    a, b = tb.ranks[src], tb.ranks[dst]
+    rate = min(a.rate_mbit, b.rate_mbit)
+    nbytes = int(rate * 1e6 / 8 * seconds) + 2 * _burst_bytes(rate)
+    limit = 3 * seconds + 5
+    sink = subprocess.Popen(["ip", "netns", "exec", b.netns, sys.executable, "-c", _SINK, b.addr, str(port),
+                             str(limit)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        if sink.stdout.readline().strip() != "ready":
+            raise TestbedError(f"link check: the receiver in {b.netns} did not start: {sink.stderr.read()}")
+        _run_bounded(["ip", "netns", "exec", a.netns, sys.executable, "-c", _SOURCE, b.addr, str(port),
+                      str(nbytes), str(limit)], limit + 5)
+        out, err = sink.communicate(timeout=limit + 5)
+    finally:
+        if sink.poll() is None:
+            sink.kill()
+            sink.wait()
+    try:
+        got, secs = out.split()
+        got, secs = int(got), float(secs)
+    except ValueError:
+        raise TestbedError(f"link check {src}->{dst}: the receiver said {out!r} {err!r}") from None
+    return got * 8 / secs / 1e6 if secs > 0 else 0.0
+
+
+def _run_bounded(argv, seconds):
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=seconds)
+    if p.returncode != 0:
+        raise TestbedError(f"'{' '.join(argv[:5])} ...' failed (rc {p.returncode}): {p.stderr.strip()}")
+
+
+def check(tb, seconds=2.0):
+    """Each rank's link measured by one stream to the next rank (rank P-1 to rank 0), one at a time:
+    ``{"set_mbit": R, "measured_mbit": [...]}`` in rank order (the sender's link)."""
+    if len(tb.ranks) < 2:
+        raise TestbedError("check needs at least 2 ranks")
+    P = len(tb.ranks)
+    measured = [round(measure_link(tb, r, (r + 1) % P, seconds), 1) for r in range(P)]
+    return {"set_mbit": tb.rate_mbit, "measured_mbit": measured,
+            "rates_mbit": [r.rate_mbit for r in tb.ranks]}
+
+
+# --- launching: one rank per namespace ---------------------------------------------------------------
+
+def mpi_flavor(mpiexec="mpiexec"):
+    """``"mpich"`` or ``"openmpi"``, from ``mpiexec --version``."""
+    exe = shutil.which(mpiexec)
+    if exe is None:
+        raise TestbedError(f"'{mpiexec}' is not on PATH")
+    text = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30).stdout
+    low = text.lower()
+    if "open mpi" in low or "open-rte" in low or "openrte" in low or "prte" in low:
+        return "openmpi"
+    if "hydra" in low or "mpich" in low:
+        return "mpich"
+    raise TestbedError(f"cannot tell which MPI '{exe}' is from its --version: {text[:200]!r}")
+
+
+def rank_env(tb, flavor, master_port=MASTER_PORT):
+    """The environment every rank gets: its MPI and gloo on the namespace's interface, the
+    rendezvous at rank 0, and what the job may read about the link."""
+    env = {"MASTER_ADDR": tb.ranks[0].addr, "MASTER_PORT": str(master_port), "GLOO_SOCKET_IFNAME": tb.iface,
+           "EXDYNA_TESTBED_IFACE": tb.iface, "EXDYNA_TESTBED_RATE_MBIT": f"{tb.rate_mbit:g}"}
+    if flavor == "mpich":
+        env.update({"MPIR_CVAR_NOLOCAL": "1", "MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp",
+                    "FI_TCP_IFACE": tb.iface})
+    elif flavor == "openmpi":
+        env.update({"OMPI_MCA_btl": "tcp,self", "OMPI_MCA_btl_tcp_if_include": tb.iface,
+                    "OMPI_MCA_oob_tcp_if_include": tb.iface, "OMPI_MCA_pml": "ob1"})
+    else:
+        raise TestbedError(f"unknown MPI flavor {flavor!r}")
+    return env
+
+
+def mpiexec_command(tb, command, mpiexec_args=(), mpiexec="mpiexec", flavor=None, master_port=MASTER_PORT):
+    """``(argv, env)`` to launch ``command`` once per namespace, rank r in namespace r (MPMD)."""
+    if not command:
+        raise TestbedError("mpiexec: nothing to run (put the command after --)")
+    flavor = flavor or mpi_flavor(mpiexec)
+    env = dict(os.environ)
+    env.update(rank_env(tb, flavor, master_port))
+    argv = [shutil.which(mpiexec) or mpiexec, *mpiexec_args]
+    for i, r in enumerate(tb.ranks):
+        if i:
+            argv.append(":")
+        argv += ["-n", "1", "ip", "netns", "exec", r.netns, *command]
+    return argv, env
+
+
+def _parse_rate_of(items):
+    out = {}
+    for item in items or ():
+        rank, sep, rate = item.partition("=")
+        if not sep:
+            raise TestbedError(f"--rate-of takes RANK=MBIT, got {item!r}")
+        out[int(rank)] = float(rate)
+    return out
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(description=__doc__.strip().split("\n")[0])
+    ap.add_argument("--prefix", default=os.environ.get("EXDYNA_TESTBED_PREFIX", PREFIX),
+                    help=f"name prefix of everything made (default {PREFIX}; 1-8 letters or digits)")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p_up = sub.add_parser("up", help="make the namespaces, links and bridge; prints one JSON line")
+    p_up.add_argument("--ranks", type=int, required=True)
+    p_up.add_argument("--rate", type=float, required=True, help="Mbit/s each way on every rank's link")
+    p_up.add_argument("--rate-of", action="append", metavar="RANK=MBIT", help="another rate for one rank")
+    p_check = sub.add_parser("check", help="measure each link; prints one JSON line")
+    p_check.add_argument("--seconds", type=float, default=2.0, help="bytes of this many seconds at the set rate")
+    p_check.add_argument("--record", action="store_true", help='add "kind": "link" (for e2e.jsonl)')
+    sub.add_parser("down", help="remove everything with the prefix, also after a crash")
+    sub.add_parser("status", help="print the testbed that is up, or exit 1")
+    p_mpi = sub.add_parser("mpiexec", help="mpiexec [ARGS] -- CMD...: rank r runs CMD in namespace r")
+    p_mpi.add_argument("--mpiexec", default="mpiexec")
+    p_mpi.add_argument("--master-port", type=int, default=MASTER_PORT)
+    p_mpi.add_argument("--dry-run", action="store_true", help="print the command and environment, run nothing")
+
+    command = []
+    if "mpiexec" in argv and "--" in argv:
+        cut = argv.index("--")
+        argv, command = argv[:cut], argv[cut + 1:]
+    args, extra = ap.parse_known_args(argv)
+    if extra and args.cmd != "mpiexec":
+        ap.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        if args.cmd == "up":
+            tb = up(args.ranks, args.rate, _parse_rate_of(args.rate_of), prefix=args.prefix)
+            print(json.dumps(tb.record()), flush=True)
+        elif args.cmd == "check":
+            rec = check(load(args.prefix), args.seconds)
+            print(json.dumps({"kind": "link", **rec} if args.record else rec), flush=True)
+        elif args.cmd == "down":
+            removed = down(args.prefix)
+            print(json.dumps({"removed": removed}), flush=True)
+        elif args.cmd == "status":
+            print(json.dumps(load(args.prefix).record()), flush=True)
+        elif args.cmd == "mpiexec":
+            tb = load(args.prefix)
+            run_argv, env = mpiexec_command(tb, command, extra, args.mpiexec, master_port=args.master_port)
+            if args.dry_run:
+                print(json.dumps({"argv": run_argv, "env": rank_env(tb, mpi_flavor(args.mpiexec), args.master_port)}))
+                return 0
+            return subprocess.call(run_argv, env=env)
+    except TestbedError as e:
+        print(f"testbed: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
