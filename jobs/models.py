@@ -192,3 +192,50 @@ def build(name, width, seed, rank, nranks):
     cls, data = MODELS[name]
     torch.manual_seed(seed)
     return cls(width=width), data(seed, rank, nranks)
+
+
+class _Block(nn.Module):
+    """Pre-LayerNorm transformer block: causal self-attention, then a 4x GELU MLP."""
+
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, h):
+        b, t, d = h.shape
+        q, k, v = self.qkv(self.ln1(h)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = h + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return h + self.out(torch.nn.functional.gelu(self.fc(self.ln2(h))))
+
+
+class GPT(nn.Module):
+    """A GPT-style byte-level language model: token and learned position embeddings, pre-LN blocks,
+    causal attention, the output layer tied to the token embedding.
+
+    Defaults (d_model 384, 6 layers, 6 heads, context 64): 10,770,432 parameters.
+    """
+
+    def __init__(self, vocab=256, d_model=384, layers=6, heads=6, context=64):
+        super().__init__()
+        self.context = context
+        self.tok = nn.Embedding(vocab, d_model)
+        self.pos = nn.Parameter(torch.zeros(context, d_model))
+        self.blocks = nn.ModuleList(_Block(d_model, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(d_model)
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+                if getattr(m, "bias", None) is not None:
+                    nn.init.zeros_(m.bias)
+        nn.init.normal_(self.pos, std=0.02)
+
+    def forward(self, x):
+        """``x``: (batch, time <= context) int64 bytes -> (batch, time, vocab) logits."""
+        h = self.tok(x) + self.pos[: x.shape[1]]
+        for block in self.blocks:
+            h = block(h)
+        return self.ln(h) @ self.tok.weight.t()

@@ -1,0 +1,575 @@
+#!/usr/bin/env python
+"""Time to accuracy across communication methods: same model, initial weights, data order and optimiser.
+
+    bash jobs/run_e2e.sh                                   # on the testbed: 4 namespaces, 1 Gbit/s links
+    timeout 7200 mpiexec -n 4 python -m mpi4py jobs/e2e.py --methods ddp,ddp-powersgd,exdyna
+    srun python -m mpi4py jobs/e2e.py --workload lm --steps 300      # a cluster's real network
+    python jobs/e2e.py --report out/e2e/e2e.jsonl --out out/e2e       # table and plots again, no MPI
+
+Workloads (offline, no downloads):
+- ``lm`` (default): a GPT-style byte-level transformer (jobs/models.py ``GPT``: d_model 384, 6 layers,
+  context 64, 10.77M parameters) on the Python standard library's source, split by file into train
+  and validation (``models.stdlib_corpus``); the metric is the validation loss (nats per byte).
+- ``cnn``: the digits CNN at width 48 (141k parameters); the metric is the test cross-entropy (test
+  accuracy is recorded beside it).
+
+Methods (``--methods``, run one after another in one launch, ``ddp`` first):
+- ``ddp``: torch ``DistributedDataParallel`` over gloo, default buckets (25 MB, the first 1 MB),
+  its allreduce overlapped with backward.
+- ``ddp-powersgd``: DDP with torch's ``powerSGD_hook``, rank 4, error feedback and warm start (the
+  defaults), ``start_powerSGD_iter`` = a tenth of the steps (torch's advice: vanilla allreduce for
+  the first part of training). On gloo the hook needs ONE bucket: it issues its second allreduce
+  (of Q) from the completion callback of the first (of P); with several buckets that callback races
+  the next bucket's hook, so ranks enqueue gloo collectives in different orders: gloo aborts ("Received
+  data size doesn't match expected size") or hangs (seen here at 0.5 MB buckets on 3 ranks). ``bucket_cap_mb`` is set above the model's size.
+- ``ddp-bf16``: DDP with torch's ``bf16_compress_hook`` (values cast to bfloat16 for the allreduce).
+- ``dense``, ``exdyna``, ``topk``, ``oktopk``, ``micro``: ``exdyna_mpi.adapters.torch.
+  DistributedOptimizer`` with that sparsifier at ``--density`` (library defaults), the exchange after
+  backward; ``exdyna-q``: ExDyna with ``max_imbalance=0.05``.
+
+Timing: a step is forward, backward and the optimiser step with its exchange; evaluation is not
+timed. ``step_s`` is the median over steps after ``--warmup`` of the slowest rank's step. Before the
+methods, ``compute_s`` (a step with no communication, all ranks at once) and ``allreduce_s`` (gloo's
+allreduce of the model's float32 gradient) are measured; ``comm_compute_ratio`` = allreduce_s /
+compute_s, and each method's ``comm_share`` = 1 - compute_s / step_s (the exposed communication).
+Bytes per step are the wire bytes each rank's interface sent (``EXDYNA_TESTBED_IFACE``, set by the
+testbed), else the library's count (``bytes_source``: ``wire`` or ``model``).
+
+Target: ``--target``, else the validation loss ``ddp`` reaches at the end of ``--steps``. Every method
+trains ``--steps``; one that has not reached the target by then goes on, at the same evaluation
+cadence, up to ``--max-steps`` and stops at the first evaluation at or below it.
+``time_to_target_s`` is the training time (slowest rank) at that evaluation, null if never.
+
+Rank 0 writes ``DIR/e2e.jsonl`` (a ``setup`` record, then a ``run`` record per method), ``DIR/e2e.md``
+(the table), ``DIR/e2e_loss.png`` (validation loss against training seconds, a curve per method) and
+``DIR/e2e_ttt.png`` (time to target per method).
+"""
+import argparse
+import datetime
+import hashlib
+import json
+import math
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+
+import numpy as np
+
+ALL_METHODS = ("ddp", "ddp-powersgd", "ddp-bf16", "dense", "exdyna", "topk", "oktopk", "micro", "exdyna-q")
+DDP_METHODS = ("ddp", "ddp-powersgd", "ddp-bf16")
+LIBRARY = {"dense": ("dense", {}), "exdyna": ("exdyna", {}), "topk": ("topk", {}), "oktopk": ("oktopk", {}),
+           "micro": ("micro", {}), "exdyna-q": ("exdyna", {"max_imbalance": 0.05})}
+
+
+# --- workloads -----------------------------------------------------------------------------------------
+
+class LMWork:
+    name = "lm"
+    defaults = {"batch": 8, "lr": 0.3, "steps": 200, "momentum": 0.9, "weight_decay": 0.0}
+
+    def __init__(self, args, rank, nranks):
+        import models
+
+        self.seed, self.rank = args.seed, rank
+        self.dims = dict(d_model=args.d_model, layers=args.layers, heads=args.heads, context=args.context)
+        train, val = models.stdlib_corpus()
+        self.data = models.TextData(train, val, seq=args.context, val_windows=64, val_seq=args.context)
+        self.batch = args.batch
+        self.info = {"model": "GPT " + ", ".join(f"{k} {v}" for k, v in self.dims.items()),
+                     "data": "stdlib *.py, split by file", "corpus": models.corpus_id(train, val)}
+
+    def model(self):
+        import models
+
+        return models.GPT(**self.dims)
+
+    def batch_at(self, step):
+        return self.data.batch(step, self.batch, self.seed, self.rank)
+
+    def loss(self, model, x, y):
+        import torch
+
+        return torch.nn.functional.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1))
+
+    def evaluate(self, model, comm):
+        import torch
+        from mpi4py import MPI
+
+        rank, p = comm.Get_rank(), comm.Get_size()
+        x, y = self.data.val_x[rank::p], self.data.val_y[rank::p]
+        with torch.no_grad():
+            s = float(torch.nn.functional.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1), reduction="sum"))
+        tot = comm.allreduce(np.array([s, float(y.numel())]), op=MPI.SUM)
+        return {"val_loss": tot[0] / tot[1]}
+
+
+class CNNWork:
+    name = "cnn"
+    defaults = {"batch": 32, "lr": 0.1, "steps": 88, "momentum": 0.9, "weight_decay": 1e-4}
+
+    def __init__(self, args, rank, nranks):
+        import models
+        from mpi4py import MPI
+
+        self.seed, self.rank, self.batch = args.seed, rank, args.batch
+        self.data = models.digits(args.seed, rank, nranks)
+        shard = MPI.COMM_WORLD.allreduce(self.data.x_train.shape[0], op=MPI.MIN)
+        self.per_epoch = max(1, shard // self.batch)
+        self._epoch, self._it = -1, None
+        self.info = {"model": "DigitsCNN width 48", "data": "sklearn digits, 20 % test", "steps_per_epoch": self.per_epoch}
+
+    def model(self):
+        import models
+
+        return models.DigitsCNN(width=48)
+
+    def batch_at(self, step):
+        epoch = step // self.per_epoch
+        if epoch != self._epoch:
+            self._epoch = epoch
+            self._it = self.data.batches(epoch, self.batch, self.per_epoch, self.seed, self.rank)
+        return next(self._it)
+
+    def loss(self, model, x, y):
+        import torch
+
+        return torch.nn.functional.cross_entropy(model(x), y)
+
+    def evaluate(self, model, comm):
+        import models
+
+        acc, loss = models.evaluate(model, self.data, comm)
+        return {"val_loss": loss, "val_acc": acc}
+
+
+WORKLOADS = {"lm": LMWork, "cnn": CNNWork}
+
+
+# --- methods -------------------------------------------------------------------------------------------
+
+def build(method, wl, args, comm, numel):
+    """``(model, optimizer)`` for ``method``, the model initialised from ``args.seed`` on every rank."""
+    import torch
+
+    torch.manual_seed(args.seed)
+    model = wl.model()
+    sgd = dict(lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+    if method in DDP_METHODS:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        if method == "ddp-powersgd":
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+            # One bucket: see the module docstring (gloo and the hook's chained allreduce).
+            ddp = DDP(model, bucket_cap_mb=4 * numel / 2**20 + 1)
+            state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=4,
+                                       start_powerSGD_iter=max(2, args.steps // 10))
+            ddp.register_comm_hook(state, psgd.powerSGD_hook)
+        else:
+            ddp = DDP(model)
+            if method == "ddp-bf16":
+                ddp.register_comm_hook(None, bf16_compress_hook_gloo)
+        return ddp, model, torch.optim.SGD(ddp.parameters(), **sgd)
+    from exdyna_mpi.adapters.torch import DistributedOptimizer
+
+    name, options = LIBRARY[method]
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), **sgd), model, sparsifier=name,
+                               density=1.0 if name == "dense" else args.density, comm=comm, **options)
+    return model, model, opt
+
+
+def bf16_compress_hook_gloo(state, bucket):
+    """torch's ``bf16_compress_hook``, unchanged, under another name: DDP refuses to register the hook
+    by that name unless the backend is NCCL ("required CUDA 11+ and NCCL 2.10+"), yet gloo reduces
+    bfloat16 tensors correctly (tests/unit/test_e2e_cli.py checks the result against ddp's)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return default_hooks.bf16_compress_hook(state, bucket)
+
+
+def prime_library(method, wl, args, comm, numel):
+    """One untimed step of ``method`` on a throwaway model: Numba compiles the sparsifier's kernels on
+    first use (seconds), a cost paid once per process, not per training step."""
+    if method in LIBRARY:
+        _, model, opt = build(method, wl, args, comm, numel)
+        x, y = wl.batch_at(0)
+        wl.loss(model, x, y).backward()
+        opt.step()
+        getattr(opt.sparsifier, "close", lambda: None)()
+
+
+def max_over_ranks(comm, values):
+    """Element-wise maximum over the ranks of equally long float sequences."""
+    from mpi4py import MPI
+
+    a = np.ascontiguousarray(values, dtype=np.float64)
+    out = np.empty_like(a)
+    comm.Allreduce(a, out, op=MPI.MAX)
+    return out
+
+
+def param_hash(model):
+    import torch
+
+    with torch.no_grad():
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+
+
+class WireCounter:
+    """Bytes this rank's testbed interface sent (None when not on the testbed)."""
+
+    def __init__(self):
+        iface = os.environ.get("EXDYNA_TESTBED_IFACE")
+        self.path = f"/sys/class/net/{iface}/statistics/tx_bytes" if iface else None
+        if self.path and not os.path.exists(self.path):
+            self.path = None
+
+    def read(self):
+        if self.path is None:
+            return 0
+        with open(self.path) as f:
+            return int(f.read())
+
+
+def train(method, wl, args, comm, numel, target, log):
+    """One method's run: the ``run`` record (rank 0's copy; every rank returns one)."""
+    import torch
+    from mpi4py import MPI
+
+    rank, P = comm.Get_rank(), comm.Get_size()
+    prime_library(method, wl, args, comm, numel)
+    runner, model, opt = build(method, wl, args, comm, numel)
+    wire = WireCounter()
+    step_times, wire_bytes, lib_bytes, imbalance, phases = [], [], [], [], {}
+    evals = []
+    elapsed = 0.0
+
+    def evaluate(step):
+        runner.eval()
+        res = wl.evaluate(model, comm)
+        runner.train()
+        t = comm.allreduce(elapsed, op=MPI.MAX)
+        evals.append([step, round(t, 4), res["val_loss"]] + ([res["val_acc"]] if "val_acc" in res else []))
+        log(f"{method}: step {step} val_loss {res['val_loss']:.4f} at {t:.1f} s")
+        return res["val_loss"]
+
+    every = max(1, args.eval_every or args.steps // 10)
+    comm.Barrier()
+    loss = evaluate(0)
+    reached = target is not None and loss <= target
+    step = 0
+    while step < args.max_steps:
+        x, y = wl.batch_at(step)
+        b0 = wire.read()
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        wl.loss(runner, x, y).backward()
+        opt.step()
+        dt = time.perf_counter() - t0
+        wire_bytes.append(wire.read() - b0)
+        step_times.append(dt)
+        elapsed += dt
+        step += 1
+        if method in LIBRARY:
+            st = opt.stats
+            lib_bytes.append(st.bytes_sent)
+            counts = np.asarray(st.counts, dtype=np.float64)
+            if counts.mean() > 0:
+                imbalance.append(float(counts.max() / counts.mean() - 1.0))
+            for k, v in st.seconds.items():
+                phases.setdefault(k, []).append(v)
+        if step % every == 0 or step == args.steps or step == args.max_steps:
+            loss = evaluate(step)
+            if target is not None and loss <= target and not reached:
+                reached = True
+            if step >= args.steps and (reached or target is None):
+                break
+    times = max_over_ranks(comm, step_times)
+    loss_at_steps = next((e[2] for e in evals if e[0] == args.steps), None)
+    ttt = next((e[1] for e in evals if target is not None and e[2] <= target), None)
+    hashes = comm.allgather(param_hash(model))
+    w = np.mean(comm.allgather(float(np.mean(wire_bytes[args.warmup:] or wire_bytes))))
+    rec = {"kind": "run", "method": method, "workload": wl.name, "ranks": P, "rate_mbit": args.rate,
+           "params": numel, "steps": args.steps, "steps_run": step,
+           "step_s": float(np.median(times[args.warmup:args.steps] if args.steps > args.warmup else times[:args.steps])),
+           "final_loss": evals[-1][2], "loss_at_steps": loss_at_steps, "target": target,
+           "time_to_target_s": ttt, "evals": evals, "params_identical": len(set(hashes)) == 1,
+           "density": None if method in DDP_METHODS or method == "dense" else args.density}
+    if wire.path is not None:
+        rec["bytes_per_step"], rec["bytes_source"] = float(w), "wire"
+    elif method in LIBRARY:
+        rec["bytes_per_step"] = float(np.mean(comm.allgather(float(np.mean(lib_bytes)))))
+        rec["bytes_source"] = "model"
+    else:
+        per = {"ddp": 4, "ddp-bf16": 2}.get(method)
+        rec["bytes_per_step"] = 2 * (P - 1) / P * per * numel if per else None
+        rec["bytes_source"] = "model" if per else None
+    if method in LIBRARY:
+        sl = slice(args.warmup, None)
+        rec["phase_s"] = {k: float(np.median(max_over_ranks(comm, v)[sl] if len(v) > args.warmup else v)) for k, v in sorted(phases.items())}
+        rec["imbalance_median"] = float(np.median(imbalance)) if imbalance else None
+    sp = getattr(opt, "sparsifier", None)
+    getattr(sp, "close", lambda: None)()
+    del runner, model, opt
+    return rec
+
+
+def measure_setup(wl, args, comm, numel):
+    """``compute_s`` (a step without communication, every rank at once) and ``allreduce_s`` (gloo's
+    allreduce of the model's float32 gradient), medians."""
+    import torch
+    import torch.distributed as dist
+
+    torch.manual_seed(args.seed)
+    model = wl.model()
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    ts = []
+    comm.Barrier()
+    for s in range(7):
+        x, y = wl.batch_at(s)
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        wl.loss(model, x, y).backward()
+        opt.step()
+        ts.append(time.perf_counter() - t0)
+    compute = float(np.median(max_over_ranks(comm, ts[2:])))
+    buf = torch.ones(numel)
+    dist.all_reduce(buf)
+    ar = []
+    for _ in range(3):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(buf)
+        ar.append(time.perf_counter() - t0)
+    allreduce = float(np.median(max_over_ranks(comm, ar)))
+    return compute, allreduce
+
+
+def init_torch_distributed(comm):
+    """gloo over the rendezvous the testbed names (MASTER_ADDR/PORT), else loopback and a port from rank 0."""
+    import torch.distributed as dist
+
+    addr = os.environ.get("MASTER_ADDR")
+    port = os.environ.get("MASTER_PORT")
+    if not addr:
+        addr = "127.0.0.1"
+    if addr.startswith("127.") and not os.environ.get("GLOO_SOCKET_IFNAME"):
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    if not port:
+        port = None
+        if comm.Get_rank() == 0:
+            with socket.socket() as s:
+                s.bind((addr, 0))
+                port = s.getsockname()[1]
+        port = comm.bcast(port)
+    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=comm.Get_rank(),
+                            world_size=comm.Get_size())
+
+
+# --- report --------------------------------------------------------------------------------------------
+
+def _fmt(x, spec):
+    return "—" if x is None else format(x, spec)
+
+
+def table(setup, runs):
+    """Markdown: one row per method, speedups against ddp and ddp-powersgd (time to target)."""
+    from common import markdown_table
+
+    ttt = {r["method"]: r["time_to_target_s"] for r in runs}
+
+    def speedup(base, r):
+        b, t = ttt.get(base), r["time_to_target_s"]
+        return "—" if b is None or t is None else f"{b / t:.2f}x"
+
+    rows = [[r["method"], _fmt(r["step_s"], ".3f"), _fmt(r.get("comm_share"), ".2f"),
+             _fmt(None if r["bytes_per_step"] is None else r["bytes_per_step"] / 1e6, ".3f"),
+             _fmt(r["loss_at_steps"], ".4f"), f"{r['steps_run']}",
+             "not reached" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.1f}",
+             speedup("ddp", r), speedup("ddp-powersgd", r)] for r in runs]
+    head = (f"**{setup['workload']}**, P={setup['ranks']}, {_fmt(setup['rate_mbit'], 'g')} Mbit/s, "
+            f"{setup['params']:,} parameters, batch {setup['batch']}/rank, {setup['steps']} steps; "
+            f"compute {setup['compute_s']:.3f} s/step, dense allreduce {setup['allreduce_s']:.3f} s "
+            f"(ratio {setup['comm_compute_ratio']:.2f}); target val loss {_fmt(setup.get('target'), '.4f')}")
+    return head + "\n\n" + markdown_table(
+        ["method", "step s", "comm share", "MB/step/rank", "loss at steps", "steps run", "time to target s",
+         "vs ddp", "vs ddp-powersgd"], rows)
+
+
+def groups(records):
+    """``[(setup, [runs])]`` in file order: runs belong to the setup record before them."""
+    out = []
+    for r in records:
+        if r.get("kind") == "setup":
+            out.append((r, []))
+        elif r.get("kind") == "run" and out:
+            out[-1][1].append(r)
+    return out
+
+
+def plots(grouped, out):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(grouped)
+    fig, axes = plt.subplots(1, n, figsize=(6 * n, 4.5), squeeze=False)
+    for ax, (setup, runs) in zip(axes[0], grouped):
+        for r in runs:
+            e = np.array([row[:3] for row in r["evals"]], dtype=float)
+            ax.plot(e[:, 1], e[:, 2], marker=".", label=r["method"])
+        if setup.get("target") is not None:
+            ax.axhline(setup["target"], color="k", ls=":", lw=1, label="target")
+        ax.set(xlabel="training seconds (slowest rank)", ylabel="validation loss",
+               title=f"{setup['workload']}, P={setup['ranks']}, {_fmt(setup['rate_mbit'], 'g')} Mbit/s")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "e2e_loss.png"), dpi=110)
+    plt.close(fig)
+    fig, axes = plt.subplots(1, n, figsize=(6 * n, 4), squeeze=False)
+    for ax, (setup, runs) in zip(axes[0], grouped):
+        names = [r["method"] for r in runs]
+        vals = [r["time_to_target_s"] or 0.0 for r in runs]
+        bars = ax.bar(names, vals, color=["C0" if r["time_to_target_s"] else "0.8" for r in runs])
+        for b, r in zip(bars, runs):
+            if r["time_to_target_s"] is None:
+                ax.text(b.get_x() + b.get_width() / 2, 0, "not\nreached", ha="center", va="bottom", fontsize=7)
+        ax.set(ylabel="seconds to target", title=f"{setup['workload']}, {_fmt(setup['rate_mbit'], 'g')} Mbit/s")
+        ax.tick_params(axis="x", rotation=45, labelsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "e2e_ttt.png"), dpi=110)
+    plt.close(fig)
+
+
+def report(paths, out, plot=True):
+    records = []
+    for p in paths:
+        p = os.path.join(p, "e2e.jsonl") if os.path.isdir(p) else p
+        with open(p) as f:
+            records += [json.loads(line) for line in f if line.strip()]
+    grouped = [(s, r) for s, r in groups(records) if r]
+    links = [r for r in records if r.get("kind") == "link"]
+    text = "\n\n".join(table(s, r) for s, r in grouped)
+    if links:
+        text += "\n\nLinks measured before the runs (one TCP stream per rank's link, Mbit/s): " + "; ".join(
+            f"set {lk['set_mbit']:g}: {', '.join(f'{m:g}' for m in lk['measured_mbit'])}" for lk in links)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "e2e.md"), "w") as f:
+        f.write(text + "\n")
+    if plot and grouped:
+        plots(grouped, out)
+    return text
+
+
+# --- main ----------------------------------------------------------------------------------------------
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.strip().split("\n")[0])
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="lm")
+    ap.add_argument("--methods", default=",".join(ALL_METHODS), help=f"comma-separated, of {', '.join(ALL_METHODS)}")
+    ap.add_argument("--ranks", type=int, help="checked against the MPI world's size")
+    ap.add_argument("--rate", type=float, help="link rate for the records (default: EXDYNA_TESTBED_RATE_MBIT)")
+    ap.add_argument("--steps", type=int, help="step budget of every method (lm 200, cnn 88: 8 epochs at P=4)")
+    ap.add_argument("--max-steps", type=int, help="steps a method may run to reach the target (default 2 x steps)")
+    ap.add_argument("--density", type=float, default=0.01)
+    ap.add_argument("--target", type=float, help="validation loss to reach (default: ddp's at --steps)")
+    ap.add_argument("--batch", type=int, help="per-rank batch (lm 8 sequences, cnn 32 images)")
+    ap.add_argument("--lr", type=float)
+    ap.add_argument("--momentum", type=float)
+    ap.add_argument("--weight-decay", type=float)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eval-every", type=int, default=0, help="steps between evaluations (default steps/10)")
+    ap.add_argument("--warmup", type=int, default=3, help="steps left out of step_s")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cores / ranks on the node)")
+    ap.add_argument("--d-model", type=int, default=384)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--heads", type=int, default=6)
+    ap.add_argument("--context", type=int, default=64)
+    ap.add_argument("--out", default="out/e2e")
+    ap.add_argument("--report", nargs="+", metavar="JSONL_OR_DIR", help="rebuild table and plots, no MPI")
+    args = ap.parse_args(argv)
+    methods = [m for m in args.methods.split(",") if m]
+    bad = [m for m in methods if m not in ALL_METHODS]
+    if bad:
+        ap.error(f"unknown methods {bad}; choose from {', '.join(ALL_METHODS)}")
+    args.methods = sorted(methods, key=lambda m: m != "ddp")          # ddp first: it sets the target
+    for k, v in WORKLOADS[args.workload].defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    args.max_steps = max(args.steps, args.max_steps or 2 * args.steps)
+    if args.rate is None and os.environ.get("EXDYNA_TESTBED_RATE_MBIT"):
+        args.rate = float(os.environ["EXDYNA_TESTBED_RATE_MBIT"])
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.report:
+        print(report(args.report, args.out))
+        return 0
+    import torch
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import common
+
+    comm = MPI.COMM_WORLD
+    common.abort_on_exception(comm)
+    rank, P = comm.Get_rank(), comm.Get_size()
+    if args.ranks is not None and args.ranks != P:
+        raise SystemExit(f"e2e: --ranks {args.ranks} but the MPI world has {P} ranks")
+    threads = common.set_torch_threads(comm, args.threads)
+    init_torch_distributed(comm)
+    wl = WORKLOADS[args.workload](args, rank, P)
+    torch.manual_seed(args.seed)
+    numel = sum(p.numel() for p in wl.model().parameters())
+
+    def log(msg):
+        if rank == 0:
+            common.log("e2e", msg)
+
+    compute_s, allreduce_s = measure_setup(wl, args, comm, numel)
+    target = args.target
+    setup = {"kind": "setup", "workload": args.workload, "ranks": P, "rate_mbit": args.rate, "params": numel,
+             "compute_s": compute_s, "allreduce_s": allreduce_s, "comm_compute_ratio": allreduce_s / compute_s,
+             "batch": args.batch, "steps": args.steps, "max_steps": args.max_steps, "lr": args.lr,
+             "momentum": args.momentum, "weight_decay": args.weight_decay, "density": args.density,
+             "seed": args.seed, "target": target, "methods": args.methods, "threads_per_rank": threads,
+             "torch": torch.__version__, "mpi": common.mpi_library(), "host": platform.node(),
+             "cores": common.cores(), "date": datetime.date.today().isoformat(), "command": common.command(),
+             **wl.info}
+    log(f"{args.workload}: {numel:,} parameters, P={P}, rate {args.rate} Mbit/s: compute {compute_s:.3f} s/step, "
+        f"dense allreduce {allreduce_s:.3f} s (ratio {allreduce_s / compute_s:.2f})")
+    path = os.path.join(args.out, "e2e.jsonl")
+    runs = []
+    setup_written = False
+    for method in args.methods:
+        rec = train(method, wl, args, comm, numel, target, log)
+        rec["comm_share"] = max(0.0, 1.0 - compute_s / rec["step_s"])
+        if method == "ddp" and target is None:
+            target = setup["target"] = rec["target"] = rec["loss_at_steps"]
+            rec["time_to_target_s"] = next(e[1] for e in rec["evals"] if e[2] <= target)
+        runs.append(rec)
+        if rank == 0:
+            if not setup_written:
+                common.append_json_line(path, setup)
+                setup_written = True
+            common.append_json_line(path, rec)
+        log(f"{method}: step {rec['step_s']:.3f} s, comm share {rec['comm_share']:.2f}, "
+            f"time to target {rec['time_to_target_s']}, identical {rec['params_identical']}")
+        comm.Barrier()
+    if rank == 0:
+        print(table(setup, runs))
+        report([path], args.out)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
