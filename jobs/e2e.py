@@ -3,7 +3,7 @@
 
     bash jobs/run_e2e.sh                                   # on the testbed: 4 namespaces, 1 Gbit/s links
     timeout 7200 mpiexec -n 4 python -m mpi4py jobs/e2e.py --methods ddp,ddp-powersgd,exdyna
-    srun python -m mpi4py jobs/e2e.py --workload lm --steps 300      # a cluster's real network
+    srun python -m mpi4py jobs/e2e.py --workload lm --steps 150      # a cluster's real network
     python jobs/e2e.py --report out/e2e/e2e.jsonl --out out/e2e       # table and plots again, no MPI
 
 Workloads (offline, no downloads):
@@ -48,27 +48,28 @@ import argparse
 import datetime
 import hashlib
 import json
-import math
 import os
 import platform
 import socket
-import statistics
 import sys
 import time
 
 import numpy as np
 
-ALL_METHODS = ("ddp", "ddp-powersgd", "ddp-bf16", "dense", "exdyna", "topk", "oktopk", "micro", "exdyna-q")
+DEFAULT_METHODS = ("ddp", "ddp-powersgd", "ddp-bf16", "dense", "exdyna", "topk", "oktopk", "micro", "exdyna-q")
+# For a slow link: ExDyna's deadline exchange (DLCP analogue) and WAGMA-SGD's group averaging.
+ALL_METHODS = DEFAULT_METHODS + ("exdyna-deadline", "wagma")
 DDP_METHODS = ("ddp", "ddp-powersgd", "ddp-bf16")
 LIBRARY = {"dense": ("dense", {}), "exdyna": ("exdyna", {}), "topk": ("topk", {}), "oktopk": ("oktopk", {}),
-           "micro": ("micro", {}), "exdyna-q": ("exdyna", {"max_imbalance": 0.05})}
+           "micro": ("micro", {}), "exdyna-q": ("exdyna", {"max_imbalance": 0.05}),
+           "exdyna-deadline": ("exdyna", {"deadline_ms": "auto", "max_loss": 0.01})}
 
 
 # --- workloads -----------------------------------------------------------------------------------------
 
 class LMWork:
     name = "lm"
-    defaults = {"batch": 8, "lr": 0.3, "steps": 200, "momentum": 0.9, "weight_decay": 0.0}
+    defaults = {"batch": 8, "lr": 0.05, "steps": 150, "momentum": 0.9, "weight_decay": 0.0, "lr_warmup": 20}
 
     def __init__(self, args, rank, nranks):
         import models
@@ -108,7 +109,7 @@ class LMWork:
 
 class CNNWork:
     name = "cnn"
-    defaults = {"batch": 32, "lr": 0.1, "steps": 88, "momentum": 0.9, "weight_decay": 1e-4}
+    defaults = {"batch": 32, "lr": 0.1, "steps": 88, "momentum": 0.9, "weight_decay": 1e-4, "lr_warmup": 0}
 
     def __init__(self, args, rank, nranks):
         import models
@@ -118,7 +119,7 @@ class CNNWork:
         self.data = models.digits(args.seed, rank, nranks)
         shard = MPI.COMM_WORLD.allreduce(self.data.x_train.shape[0], op=MPI.MIN)
         self.per_epoch = max(1, shard // self.batch)
-        self._epoch, self._it = -1, None
+        self._next, self._it = None, None
         self.info = {"model": "DigitsCNN width 48", "data": "sklearn digits, 20 % test", "steps_per_epoch": self.per_epoch}
 
     def model(self):
@@ -127,10 +128,13 @@ class CNNWork:
         return models.DigitsCNN(width=48)
 
     def batch_at(self, step):
-        epoch = step // self.per_epoch
-        if epoch != self._epoch:
-            self._epoch = epoch
+        """The batch of ``step``, the same whichever steps came before (each method starts at 0)."""
+        epoch, pos = divmod(step, self.per_epoch)
+        if (epoch, pos) != self._next:
             self._it = self.data.batches(epoch, self.batch, self.per_epoch, self.seed, self.rank)
+            for _ in range(pos):
+                next(self._it)
+        self._next = (epoch, pos + 1) if pos + 1 < self.per_epoch else None
         return next(self._it)
 
     def loss(self, model, x, y):
@@ -166,19 +170,31 @@ def build(method, wl, args, comm, numel):
             # One bucket: see the module docstring (gloo and the hook's chained allreduce).
             ddp = DDP(model, bucket_cap_mb=4 * numel / 2**20 + 1)
             state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=4,
-                                       start_powerSGD_iter=max(2, args.steps // 10))
+                                       start_powerSGD_iter=powersgd_start(args.steps))
             ddp.register_comm_hook(state, psgd.powerSGD_hook)
         else:
             ddp = DDP(model)
             if method == "ddp-bf16":
                 ddp.register_comm_hook(None, bf16_compress_hook_gloo)
         return ddp, model, torch.optim.SGD(ddp.parameters(), **sgd)
-    from exdyna_mpi.adapters.torch import DistributedOptimizer
+    from exdyna_mpi.adapters.torch import DistributedOptimizer, GroupAveragingOptimizer
 
+    if method == "wagma":
+        # WAGMA-SGD as its authors run it: a local step, then the model averaged within rotating
+        # groups of 2, wait-avoiding, a global average every 10 steps.
+        opt = GroupAveragingOptimizer(torch.optim.SGD(model.parameters(), **sgd), model, group_size=2,
+                                      sync_every=10, mode="wait_avoiding", comm=comm)
+        return model, model, opt
     name, options = LIBRARY[method]
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), **sgd), model, sparsifier=name,
                                density=1.0 if name == "dense" else args.density, comm=comm, **options)
     return model, model, opt
+
+
+def powersgd_start(steps):
+    """PowerSGD's ``start_powerSGD_iter`` for a budget of ``steps``: plain allreduce for the first tenth
+    (torch's advice: compress only once training has settled; its default is 1000)."""
+    return max(2, steps // 10)
 
 
 def bf16_compress_hook_gloo(state, bucket):
@@ -199,6 +215,13 @@ def prime_library(method, wl, args, comm, numel):
         wl.loss(model, x, y).backward()
         opt.step()
         getattr(opt.sparsifier, "close", lambda: None)()
+
+
+def lr_warmup(opt, steps):
+    """The learning rate rises linearly over the first ``steps`` steps (GPT-style training does this)."""
+    import torch
+
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / steps) if steps > 0 else 1.0)
 
 
 def max_over_ranks(comm, values):
@@ -236,19 +259,21 @@ class WireCounter:
 
 
 def train(method, wl, args, comm, numel, target, log):
-    """One method's run: the ``run`` record (rank 0's copy; every rank returns one)."""
-    import torch
+    """One method's run: the ``run`` record (the same on every rank)."""
     from mpi4py import MPI
 
-    rank, P = comm.Get_rank(), comm.Get_size()
+    P = comm.Get_size()
     prime_library(method, wl, args, comm, numel)
     runner, model, opt = build(method, wl, args, comm, numel)
+    sched = lr_warmup(opt, args.lr_warmup)
     wire = WireCounter()
     step_times, wire_bytes, lib_bytes, imbalance, phases = [], [], [], [], {}
     evals = []
     elapsed = 0.0
 
     def evaluate(step):
+        if method == "wagma":
+            opt.synchronize_model()    # the ranks' models differ between global averages
         runner.eval()
         res = wl.evaluate(model, comm)
         runner.train()
@@ -259,8 +284,7 @@ def train(method, wl, args, comm, numel, target, log):
 
     every = max(1, args.eval_every or args.steps // 10)
     comm.Barrier()
-    loss = evaluate(0)
-    reached = target is not None and loss <= target
+    reached = target is not None and evaluate(0) <= target
     step = 0
     while step < args.max_steps:
         x, y = wl.batch_at(step)
@@ -270,6 +294,7 @@ def train(method, wl, args, comm, numel, target, log):
         wl.loss(runner, x, y).backward()
         opt.step()
         dt = time.perf_counter() - t0
+        sched.step()
         wire_bytes.append(wire.read() - b0)
         step_times.append(dt)
         elapsed += dt
@@ -283,9 +308,7 @@ def train(method, wl, args, comm, numel, target, log):
             for k, v in st.seconds.items():
                 phases.setdefault(k, []).append(v)
         if step % every == 0 or step == args.steps or step == args.max_steps:
-            loss = evaluate(step)
-            if target is not None and loss <= target and not reached:
-                reached = True
+            reached = (target is not None and evaluate(step) <= target) or reached
             if step >= args.steps and (reached or target is None):
                 break
     times = max_over_ranks(comm, step_times)
@@ -312,9 +335,7 @@ def train(method, wl, args, comm, numel, target, log):
         sl = slice(args.warmup, None)
         rec["phase_s"] = {k: float(np.median(max_over_ranks(comm, v)[sl] if len(v) > args.warmup else v)) for k, v in sorted(phases.items())}
         rec["imbalance_median"] = float(np.median(imbalance)) if imbalance else None
-    sp = getattr(opt, "sparsifier", None)
-    getattr(sp, "close", lambda: None)()
-    del runner, model, opt
+    getattr(getattr(opt, "sparsifier", opt), "close", lambda: None)()
     return rec
 
 
@@ -389,7 +410,8 @@ def table(setup, runs):
     rows = [[r["method"], _fmt(r["step_s"], ".3f"), _fmt(r.get("comm_share"), ".2f"),
              _fmt(None if r["bytes_per_step"] is None else r["bytes_per_step"] / 1e6, ".3f"),
              _fmt(r["loss_at_steps"], ".4f"), f"{r['steps_run']}",
-             "not reached" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.1f}",
+             "not reached" if r["time_to_target_s"] is None else
+             f"{r['time_to_target_s']:.1f}" + (" *" if r.get("ttt_source") == "composed" else ""),
              speedup("ddp", r), speedup("ddp-powersgd", r)] for r in runs]
     head = (f"**{setup['workload']}**, P={setup['ranks']}, {_fmt(setup['rate_mbit'], 'g')} Mbit/s, "
             f"{setup['params']:,} parameters, batch {setup['batch']}/rank, {setup['steps']} steps; "
@@ -446,13 +468,51 @@ def plots(grouped, out):
     plt.close(fig)
 
 
-def report(paths, out, plot=True):
+def read_records(paths):
     records = []
     for p in paths:
         p = os.path.join(p, "e2e.jsonl") if os.path.isdir(p) else p
         with open(p) as f:
             records += [json.loads(line) for line in f if line.strip()]
+    return records
+
+
+def compose(grouped, curves):
+    """Time to target from another run's curves: for each method, the steps its full run at another
+    rate took to reach that run's target, times this run's measured ``step_s``. The loss after a
+    given step does not depend on the link (same model, data and arithmetic), only the seconds do;
+    so a short run per rate measures the step, and one long run gives the steps. Runs so derived
+    carry ``ttt_source: "composed"`` (marked * in the table). PowerSGD's first ``powersgd_start``
+    steps are plain allreduce: they are charged at ``ddp``'s step of the same run."""
+    full = {}
+    for setup, runs in groups(curves):
+        for r in runs:
+            reached = [e[0] for e in r["evals"] if setup.get("target") is not None and e[2] <= setup["target"]]
+            full[(setup["workload"], r["method"])] = (reached[0] if reached else None, setup["target"],
+                                                      powersgd_start(setup["steps"]))
+    out = []
+    for setup, runs in grouped:
+        ddp_step = next((r["step_s"] for r in runs if r["method"] == "ddp"), None)
+        new = []
+        for r in runs:
+            steps, target, start = full.get((setup["workload"], r["method"]), (None, None, 0))
+            r = dict(r, ttt_source="composed", steps_to_target=steps, target=target)
+            r["time_to_target_s"] = None if steps is None else steps * r["step_s"]
+            if r["method"] == "ddp-powersgd" and steps is not None:
+                if ddp_step is None:      # its first steps are plain allreduce: ddp's step, not measured here
+                    r["time_to_target_s"] = None
+                else:
+                    r["time_to_target_s"] += min(start, steps) * max(0.0, ddp_step - r["step_s"])
+            new.append(r)
+        out.append((dict(setup, target=target), new))
+    return out
+
+
+def report(paths, out, plot=True, curves=None):
+    records = read_records(paths)
     grouped = [(s, r) for s, r in groups(records) if r]
+    if curves:
+        grouped = compose(grouped, read_records(curves))
     links = [r for r in records if r.get("kind") == "link"]
     text = "\n\n".join(table(s, r) for s, r in grouped)
     if links:
@@ -471,16 +531,18 @@ def report(paths, out, plot=True):
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.strip().split("\n")[0])
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="lm")
-    ap.add_argument("--methods", default=",".join(ALL_METHODS), help=f"comma-separated, of {', '.join(ALL_METHODS)}")
+    ap.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                    help=f"comma-separated, of {', '.join(ALL_METHODS)} (default: all but the last two)")
     ap.add_argument("--ranks", type=int, help="checked against the MPI world's size")
     ap.add_argument("--rate", type=float, help="link rate for the records (default: EXDYNA_TESTBED_RATE_MBIT)")
-    ap.add_argument("--steps", type=int, help="step budget of every method (lm 200, cnn 88: 8 epochs at P=4)")
+    ap.add_argument("--steps", type=int, help="step budget of every method (lm 150, cnn 88: 8 epochs at P=4)")
     ap.add_argument("--max-steps", type=int, help="steps a method may run to reach the target (default 2 x steps)")
     ap.add_argument("--density", type=float, default=0.01)
     ap.add_argument("--target", type=float, help="validation loss to reach (default: ddp's at --steps)")
     ap.add_argument("--batch", type=int, help="per-rank batch (lm 8 sequences, cnn 32 images)")
     ap.add_argument("--lr", type=float)
     ap.add_argument("--momentum", type=float)
+    ap.add_argument("--lr-warmup", type=int, help="steps of linear learning-rate warm-up (lm 20, cnn 0)")
     ap.add_argument("--weight-decay", type=float)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-every", type=int, default=0, help="steps between evaluations (default steps/10)")
@@ -492,6 +554,8 @@ def parse_args(argv=None):
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--out", default="out/e2e")
     ap.add_argument("--report", nargs="+", metavar="JSONL_OR_DIR", help="rebuild table and plots, no MPI")
+    ap.add_argument("--curves-from", nargs="+", metavar="JSONL_OR_DIR",
+                    help="with --report: time to target = steps to target in these full runs x step_s here")
     args = ap.parse_args(argv)
     methods = [m for m in args.methods.split(",") if m]
     bad = [m for m in methods if m not in ALL_METHODS]
@@ -510,7 +574,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     if args.report:
-        print(report(args.report, args.out))
+        print(report(args.report, args.out, curves=args.curves_from))
         return 0
     import torch
     import torch.distributed as dist
@@ -524,7 +588,11 @@ def main(argv=None):
     rank, P = comm.Get_rank(), comm.Get_size()
     if args.ranks is not None and args.ranks != P:
         raise SystemExit(f"e2e: --ranks {args.ranks} but the MPI world has {P} ranks")
-    threads = common.set_torch_threads(comm, args.threads)
+    # Ranks per host by host name: on the testbed MPICH runs with MPIR_CVAR_NOLOCAL=1 and sees every
+    # rank as alone on its node, so a shared-memory split would give each rank all the cores.
+    host = socket.gethostname()
+    threads = args.threads or max(1, common.cores() // comm.allgather(host).count(host))
+    torch.set_num_threads(threads)
     init_torch_distributed(comm)
     wl = WORKLOADS[args.workload](args, rank, P)
     torch.manual_seed(args.seed)
@@ -539,7 +607,7 @@ def main(argv=None):
     setup = {"kind": "setup", "workload": args.workload, "ranks": P, "rate_mbit": args.rate, "params": numel,
              "compute_s": compute_s, "allreduce_s": allreduce_s, "comm_compute_ratio": allreduce_s / compute_s,
              "batch": args.batch, "steps": args.steps, "max_steps": args.max_steps, "lr": args.lr,
-             "momentum": args.momentum, "weight_decay": args.weight_decay, "density": args.density,
+             "momentum": args.momentum, "weight_decay": args.weight_decay, "lr_warmup": args.lr_warmup, "density": args.density,
              "seed": args.seed, "target": target, "methods": args.methods, "threads_per_rank": threads,
              "torch": torch.__version__, "mpi": common.mpi_library(), "host": platform.node(),
              "cores": common.cores(), "date": datetime.date.today().isoformat(), "command": common.command(),

@@ -47,7 +47,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 
 PREFIX = "xdyna"
 SUBNET = "198.18.0"          # /24 inside 198.18.0.0/15; rank r at .r+1
