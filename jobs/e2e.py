@@ -284,7 +284,8 @@ def train(method, wl, args, comm, numel, target, log):
 
     every = max(1, args.eval_every or args.steps // 10)
     comm.Barrier()
-    reached = target is not None and evaluate(0) <= target
+    loss = evaluate(0)
+    reached = target is not None and loss <= target
     step = 0
     while step < args.max_steps:
         x, y = wl.batch_at(step)
@@ -308,7 +309,8 @@ def train(method, wl, args, comm, numel, target, log):
             for k, v in st.seconds.items():
                 phases.setdefault(k, []).append(v)
         if step % every == 0 or step == args.steps or step == args.max_steps:
-            reached = (target is not None and evaluate(step) <= target) or reached
+            loss = evaluate(step)
+            reached = reached or (target is not None and loss <= target)
             if step >= args.steps and (reached or target is None):
                 break
     times = max_over_ranks(comm, step_times)
@@ -405,7 +407,7 @@ def table(setup, runs):
 
     def speedup(base, r):
         b, t = ttt.get(base), r["time_to_target_s"]
-        return "—" if b is None or t is None else f"{b / t:.2f}x"
+        return "—" if not b or not t else f"{b / t:.2f}x"     # None, or reached at step 0
 
     rows = [[r["method"], _fmt(r["step_s"], ".3f"), _fmt(r.get("comm_share"), ".2f"),
              _fmt(None if r["bytes_per_step"] is None else r["bytes_per_step"] / 1e6, ".3f"),
@@ -580,11 +582,9 @@ def main(argv=None):
     import torch.distributed as dist
     from mpi4py import MPI
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import common
 
     comm = MPI.COMM_WORLD
-    common.abort_on_exception(comm)
     rank, P = comm.Get_rank(), comm.Get_size()
     if args.ranks is not None and args.ranks != P:
         raise SystemExit(f"e2e: --ranks {args.ranks} but the MPI world has {P} ranks")
@@ -594,6 +594,9 @@ def main(argv=None):
     threads = args.threads or max(1, common.cores() // comm.allgather(host).count(host))
     torch.set_num_threads(threads)
     init_torch_distributed(comm)
+    # After init_process_group, which replaces sys.excepthook with one that buffers the old hook's
+    # output to prefix it with the rank: installed before it, an abort would drop the traceback.
+    common.abort_on_exception(comm)
     wl = WORKLOADS[args.workload](args, rank, P)
     torch.manual_seed(args.seed)
     numel = sum(p.numel() for p in wl.model().parameters())

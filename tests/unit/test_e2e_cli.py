@@ -123,6 +123,18 @@ def test_cnn_methods_see_the_same_batches(tmp_path):
         assert abs(a[2] - b[2]) < 1e-4 and abs(a[3] - b[3]) < 1e-2, (a, b)
 
 
+def test_an_error_ends_the_job_with_its_traceback(tmp_path):
+    """A rank that raises after torch.distributed is up (which installs its own excepthook) aborts
+    the job, and the traceback reaches the output."""
+    if MPIEXEC is None:
+        pytest.skip("no mpiexec on PATH")
+    cmd = ["timeout", "-k", "5", "120", MPIEXEC, "-n", "2", sys.executable, "-m", "mpi4py", JOB, *TINY,
+           "--methods", "exdyna", "--density", "2.0", "--steps", "2", "--out", str(tmp_path)]
+    p = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=140)
+    assert p.returncode not in (0, 124), p.returncode          # failed, and not by the timeout
+    assert "Traceback" in p.stderr and "density" in p.stderr, p.stderr[-2000:]
+
+
 def _testbed_why_not():
     spec = importlib.util.spec_from_file_location("exdyna_jobs_testbed_e2e", os.path.join(ROOT, "jobs", "testbed.py"))
     tb = importlib.util.module_from_spec(spec)
