@@ -237,22 +237,14 @@ class LSTMWork(Workload):
         return self.data.batch(step, self.batch, self.seed, self.rank)
 
     def loss(self, model, x, y):
-        import torch
+        import models
 
-        return torch.nn.functional.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1))
+        return models.text_loss(model, x, y)
 
     def evaluate(self, model, comm):
-        import torch
-        from mpi4py import MPI
+        import models
 
-        rank, p = comm.Get_rank(), comm.Get_size()
-        x, y = self.data.val_x[rank::p], self.data.val_y[rank::p]
-        with torch.no_grad():
-            s = float(torch.nn.functional.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1), reduction="sum"))
-        local = np.array([s, float(y.numel())])
-        tot = np.empty_like(local)
-        comm.Allreduce(local, tot, op=MPI.SUM)
-        vl = tot[0] / tot[1]
+        vl = models.text_val_loss(model, self.data, comm)
         return {"val_loss": vl, "val_ppl": math.exp(vl)}
 
 

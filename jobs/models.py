@@ -181,6 +181,25 @@ class TextData:
         return w[:, :-1], w[:, 1:]
 
 
+def text_loss(model, x, y, reduction="mean"):
+    """Cross-entropy of a byte-level language model's logits ``(batch, time, 256)`` against ``y``."""
+    return torch.nn.functional.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1), reduction=reduction)
+
+
+def text_val_loss(model, data, comm):
+    """Mean validation loss (nats per byte) over ``data``'s validation windows (a ``TextData``), rank r
+    taking every P-th window of ``comm``; one Allreduce, the same number on every rank."""
+    from mpi4py import MPI
+
+    rank, p = comm.Get_rank(), comm.Get_size()
+    x, y = data.val_x[rank::p], data.val_y[rank::p]
+    with torch.no_grad():
+        local = np.array([float(text_loss(model, x, y, reduction="sum")), float(y.numel())])
+    tot = np.empty_like(local)
+    comm.Allreduce(local, tot, op=MPI.SUM)
+    return tot[0] / tot[1]
+
+
 MODELS = {
     "cnn": (DigitsCNN, digits),
     "big": (BigMLP, synthetic),
