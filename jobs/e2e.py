@@ -18,10 +18,11 @@ Methods (``--methods``, run one after another in one launch, ``ddp`` first):
   its allreduce overlapped with backward.
 - ``ddp-powersgd``: DDP with torch's ``powerSGD_hook``, rank 4, error feedback and warm start (the
   defaults), ``start_powerSGD_iter`` = a tenth of the steps (torch's advice: vanilla allreduce for
-  the first part of training). On gloo the hook needs ONE bucket: it issues its second allreduce
-  (of Q) from the completion callback of the first (of P); with several buckets that callback races
-  the next bucket's hook, so ranks enqueue gloo collectives in different orders: gloo aborts ("Received
-  data size doesn't match expected size") or hangs (seen here at 0.5 MB buckets on 3 ranks). ``bucket_cap_mb`` is set above the model's size.
+  the first part of training), and ONE bucket (``bucket_cap_mb`` above the model's size). On gloo
+  the hook issues its second allreduce (of Q) from the completion callback of the first (of P);
+  with several buckets those callbacks race the next buckets' hooks, the ranks issue gloo
+  collectives in different orders, and gloo aborts ("Received data size doesn't match expected
+  size") or hangs (0.5 MB buckets on 3 ranks).
 - ``ddp-bf16``: DDP with torch's ``bf16_compress_hook`` (values cast to bfloat16 for the allreduce).
 - ``dense``, ``exdyna``, ``topk``, ``oktopk``, ``micro``: ``exdyna_mpi.adapters.torch.
   DistributedOptimizer`` with that sparsifier at ``--density`` (library defaults), the exchange after
@@ -114,7 +115,8 @@ class CNNWork:
         shard = MPI.COMM_WORLD.allreduce(self.data.x_train.shape[0], op=MPI.MIN)
         self.per_epoch = max(1, shard // self.batch)
         self._next, self._it = None, None
-        self.info = {"model": "DigitsCNN width 48", "data": "sklearn digits, 20 % test", "steps_per_epoch": self.per_epoch}
+        self.info = {"model": "DigitsCNN width 48", "data": "sklearn digits, 20 % test",
+                     "steps_per_epoch": self.per_epoch}
 
     def model(self):
         import models
@@ -314,7 +316,8 @@ def train(method, wl, args, comm, numel, target, log):
     w = np.mean(comm.allgather(float(np.mean(wire_bytes[args.warmup:] or wire_bytes))))
     rec = {"kind": "run", "method": method, "workload": wl.name, "ranks": P, "rate_mbit": args.rate,
            "params": numel, "steps": args.steps, "steps_run": step,
-           "step_s": float(np.median(times[args.warmup:args.steps] if args.steps > args.warmup else times[:args.steps])),
+           "step_s": float(np.median(times[args.warmup:args.steps] if args.steps > args.warmup
+                                     else times[:args.steps])),
            "final_loss": evals[-1][2], "loss_at_steps": loss_at_steps, "target": target,
            "time_to_target_s": ttt, "evals": evals, "params_identical": len(set(hashes)) == 1,
            "density": None if method in DDP_METHODS or method == "dense" else args.density}
@@ -329,7 +332,8 @@ def train(method, wl, args, comm, numel, target, log):
         rec["bytes_source"] = "model" if per else None
     if method in LIBRARY:
         sl = slice(args.warmup, None)
-        rec["phase_s"] = {k: float(np.median(max_over_ranks(comm, v)[sl] if len(v) > args.warmup else v)) for k, v in sorted(phases.items())}
+        rec["phase_s"] = {k: float(np.median(max_over_ranks(comm, v)[sl] if len(v) > args.warmup else v))
+                          for k, v in sorted(phases.items())}
         rec["imbalance_median"] = float(np.median(imbalance)) if imbalance else None
     getattr(getattr(opt, "sparsifier", opt), "close", lambda: None)()
     return rec
