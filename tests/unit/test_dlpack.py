@@ -1,7 +1,8 @@
 """DLPack in and out: any framework's 1-D gradient goes in without a copy and comes back as its own kind.
 
 Every result is compared with the NumPy path on the same data (a second sparsifier fed NumPy), so a
-wrong conversion cannot pass. JAX and TensorFlow tests skip where the framework is not installed.
+wrong conversion cannot pass. JAX and TensorFlow tests skip where the framework is not installed,
+except in the frameworks lane (``bash tests/run_all.sh --lane frameworks``), which installs both.
 """
 import numpy as np
 import pytest
@@ -9,6 +10,7 @@ from mpi4py import MPI
 
 import exdyna_mpi
 from exdyna_mpi.arrays.dlpack import _aligned_host, as_input
+from tests.conftest import require
 
 N = 40_000
 DENSITY = 0.01
@@ -131,7 +133,7 @@ def test_torch_cuda_tensor_without_cupy_is_a_device_error():
 
 # --------------------------------------------------------------------------- JAX
 def test_jax_in_jax_out():
-    jax = pytest.importorskip("jax", reason="JAX is not installed")
+    jax = require("jax")
     import jax.numpy as jnp
 
     grads = _grads(3)
@@ -150,7 +152,7 @@ def test_jax_in_jax_out():
 
 # --------------------------------------------------------------------------- TensorFlow
 def test_tensorflow_in_tensorflow_out():
-    tf = pytest.importorskip("tensorflow", reason="TensorFlow is not installed")
+    tf = require("tensorflow")
     grads = _grads(2)
     ref, _ = _reference(grads)
     sp = exdyna_mpi.ExDyna(N, DENSITY, MPI.COMM_SELF)
@@ -191,7 +193,7 @@ def _example(name):
 
 @pytest.mark.parametrize("name, framework", [("jax_train", "jax"), ("tf_train", "tensorflow")])
 def test_framework_example_trains(name, framework):
-    pytest.importorskip(framework, reason=f"{framework} is not installed")
+    require(framework)
     first, last, params = _example(name).train(MPI.COMM_SELF, steps=30)
     assert last < 0.8 * first, (first, last)
     assert np.isfinite(params).all()
