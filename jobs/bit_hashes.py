@@ -1,0 +1,81 @@
+#!/usr/bin/env python
+"""The bits every sparsifier gives on the recorded gradient streams: one sha256 per (stream, setting).
+
+A refactor that must not change behaviour runs this before and after and compares the lines::
+
+    mpiexec -n 4 python -m mpi4py jobs/bit_hashes.py --out results/bit_hashes_P4.jsonl
+    NUMBA_ENABLE_CUDASIM=1 python jobs/bit_hashes.py --device cuda --streams cnn16 --steps 3 \
+        --sparsifiers exdyna,micro          # the CUDA kernels, simulated
+
+Each setting steps a fresh sparsifier through ``--steps`` steps of a recorded stream (jobs/streams.py,
+recorded on first use, deterministically); the hash covers every step's output and the final
+residual on every rank, in rank order, so any difference anywhere changes it.
+"""
+import argparse
+import hashlib
+import json
+import os
+import sys
+
+import numpy as np
+from mpi4py import MPI
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import exdyna_mpi  # noqa: E402
+import streams  # noqa: E402
+
+SETTINGS = [(name, {}) for name in exdyna_mpi.available()] + [
+    ("exdyna", {"balance": "faithful"}),
+    ("exdyna", {"max_imbalance": 0.05}),
+    ("exdyna", {"controller": "faithful"}),
+    ("exdyna", {"deadline_ms": 1000.0}),
+]
+
+
+def run(stream, name, options, density, steps, comm, device):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    src = streams.open_stream(stream, 0, rank, size)
+    sp = exdyna_mpi.make(name, src.numel, density, comm, device=device, **options)
+    h = hashlib.sha256()
+    for _ in range(steps):
+        h.update(np.ascontiguousarray(sp.ops.to_host(sp.step(src.next()))).tobytes())
+    residual = getattr(sp, "residual", None)      # dense keeps none
+    if residual is not None:
+        h.update(np.ascontiguousarray(residual).tobytes())
+    digests = comm.gather(h.hexdigest(), root=0)
+    return hashlib.sha256("".join(digests).encode()).hexdigest() if rank == 0 else None
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--streams", default="cnn16,mlp")
+    ap.add_argument("--density", type=float, default=0.01)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (a GPU, or the simulator)")
+    ap.add_argument("--sparsifiers", default=None, help="comma-separated names (default: every setting)")
+    ap.add_argument("--out", default=None, help="JSON lines (rank 0); stdout too")
+    args = ap.parse_args(argv)
+    comm = MPI.COMM_WORLD
+    lines = []
+    for stream in args.streams.split(","):
+        if comm.Get_rank() == 0:
+            streams.ensure(stream, comm.Get_size())
+        comm.Barrier()
+        for name, options in SETTINGS:
+            if args.sparsifiers and name not in args.sparsifiers.split(","):
+                continue
+            digest = run(stream, name, options, args.density, args.steps, comm, args.device)
+            if comm.Get_rank() == 0:
+                rec = {"stream": stream, "ranks": comm.Get_size(), "device": args.device,
+                       "sparsifier": name, "options": options,
+                       "density": args.density, "steps": args.steps, "sha256": digest}
+                lines.append(json.dumps(rec, sort_keys=True))
+                print(lines[-1], flush=True)
+    if args.out and comm.Get_rank() == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
