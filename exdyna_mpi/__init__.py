@@ -6,7 +6,7 @@ are subpackages, imports pointing down only (docs/architecture.md): ``kernels`` 
 ``transport`` < ``algorithm`` < ``sparsifiers``, ``averaging`` < ``adapters``.
 """
 from ._errors import StepError
-from ._version import __version__
+from ._version import __version__ as __version__  # re-exported: exdyna_mpi.__version__
 from .averaging import GroupAverager
 from .sparsifiers import ExDyna, MiCRO, Sparsifier, Stats, available, make, register
 

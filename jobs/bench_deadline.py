@@ -30,9 +30,8 @@ import torch
 from mpi4py import MPI
 
 import models  # jobs/common.py, jobs/models.py: beside this script
-from common import abort_on_exception, markdown_table, write_json
+from common import SendDelay, abort_on_exception, markdown_table, set_send_delay, write_json
 from exdyna_mpi.adapters.torch import DistributedOptimizer
-from exdyna_mpi.transport import SendDelay, set_send_delay
 
 
 def parse():
@@ -96,7 +95,8 @@ def run(label, options, delayed, args, comm):
     return {"variant": label, "options": {k: v for k, v in options.items()}, "delayed": delayed,
             "steps": len(times), "step_ms_median": float(np.median(t)), "step_ms_p90": float(np.quantile(t, 0.9)),
             "deferred_mean": float(d.mean()), "deferred_max": float(d.max()),
-            "waited_fraction": float(np.mean(waited[w:])), "deadline_ms_median": float(np.median(dms[w:])), "test_acc": float(acc),
+            "waited_fraction": float(np.mean(waited[w:])), "deadline_ms_median": float(np.median(dms[w:])),
+            "test_acc": float(acc),
             "final_loss": float(np.mean(losses[-steps:])), "pending_before_close": int(pending),
             "wall_s": time.perf_counter() - t_run, "step_ms": [float(x) for x in t], "deferred": deferred}
 

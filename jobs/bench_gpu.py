@@ -11,7 +11,8 @@ For each numel (float32) and density, P=1, the default controller:
   hides behind the producer). Bytes floor 16 B/element (read residual and grad,
   write acc, write the zeroed output); ``of floor`` = floor time / step time.
 - **kernels**, each alone on the same buffers, events on the same stream: the fused
-  accumulate + select + histogram pass (``_acc_count_hist32``, 12 B/element), the block scan,
+  accumulate + measure pass (``_acc_measure32``, its warp-ballot variant on a GPU; 12 B/element) on a
+  fresh residual and on the step's own error-feedback residual, the block scan,
   the mask compaction (1/8 B/element + 4 B/index), ``fill_zero`` (memset, 4 B/element), gather
   and the scatter of the mean (per index). ``of peak`` = bytes / time / peak bandwidth.
 - **baselines, same work** (accumulate, select, indices on the device, ready for the exchange):
@@ -27,7 +28,7 @@ import platform
 import sys
 import time
 
-from common import command, parser, write_json
+from common import command, cuda_kernels, parser, write_json
 
 def parse_args(argv=None):
     p = parser(__doc__, json_path="out/bench_gpu.json", threads=False)
@@ -37,8 +38,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=5, help="steps before timing (compile, controller settling)")
     p.add_argument("--no-topk", action="store_true", help="skip the top-k baselines")
     p.add_argument("--controller", default="measured",
-                   help="comma-separated ExDyna controllers to time (measured is the default; histogram is "
-                        "the one-pass forecasting one)")
+                   help="comma-separated ExDyna controllers to time (measured is the default)")
     p.add_argument("--stream", default="ar", choices=("ar", "constant"),
                    help="gradients: ar = AR(0.9), a new one each step, generated outside the timed step and "
                         "synchronised before it (default); constant = one gradient every step, back to back")
@@ -59,7 +59,7 @@ def peak_bandwidth_gbs(props):
     return 2.0 * clock_khz * 1e3 * bus_bits / 8 / 1e9
 
 
-KERNEL_BYTES = {"acc_select_hist": 12.0, "acc_measure": 12.0, "acc_measure_ef": 12.0, "acc_measure_warp": 12.0,
+KERNEL_BYTES = {"acc_measure": 12.0, "acc_measure_ef": 12.0, "acc_measure_warp": 12.0,
                 "acc_measure_warp_ef": 12.0, "scan": 0.0, "compact": 0.125, "fill_zero": 4.0}  # per element
 STEP_FLOOR = 16.0
 
@@ -70,7 +70,7 @@ def copy_bandwidth_gbs(cp, nbytes=2 << 30, reps=10):
     a.fill(1.0)
     b = cp.empty_like(a)
     ms = _time_ms(cp, lambda: b.__setitem__(Ellipsis, a), reps, warmup=2)
-    del a, b
+    a = b = None   # frees both (the lambda reads the names, so no del)
     cp.get_default_memory_pool().free_all_blocks()
     return 2.0 * nbytes / (ms * 1e-3) / 1e9
 
@@ -96,7 +96,8 @@ def table(rows, device, peak):
 
     lines = [f"device: {device}, DRAM bandwidth {peak:.0f} GB/s (measured copy); step floor {STEP_FLOOR:g} B/element",
              f"{'numel':>11} {'density':>8} {'ctrl':>5} {'selected':>10} {'step ms':>8} {'of floor':>8} "
-             f"{'pass ms':>8} {'of peak':>7} {'measure':>8} {'of peak':>7} {'scan ms':>7} {'compact':>8} {'fill ms':>7} {'of peak':>7} "
+             f"{'pass ms':>8} {'of peak':>7} {'measure':>8} {'of peak':>7} {'scan ms':>7} {'compact':>8} "
+             f"{'fill ms':>7} {'of peak':>7} "
              f"{'cupy sel':>9} {'torch topk':>10} {'x torch':>7}"]
     for r in rows:
         k, bl = r["kernels"], r["baselines"]
@@ -105,11 +106,12 @@ def table(rows, device, peak):
             return f(k.get(n, {}).get(key), fmt)
 
         mk = next((m for m in ("acc_measure_warp_ef", "acc_measure_ef", "acc_measure") if m in k), "acc_measure")
+        mp = "acc_measure_warp" if "acc_measure_warp" in k else "acc_measure"
 
         lines.append(f"{r['numel']:>11,} {r['density']:>8g} {r.get('controller', 'measured')[:5]:>5} "
                      f"{f(r['selected'], 'd'):>10} {f(r['step_ms'], '.3f'):>8} "
-                     f"{f(r['step_of_floor'], '.0%'):>8} {km('acc_select_hist'):>8} "
-                     f"{km('acc_select_hist', 'fraction_of_peak', '.0%'):>7} {km(mk):>8} "
+                     f"{f(r['step_of_floor'], '.0%'):>8} {km(mp):>8} "
+                     f"{km(mp, 'fraction_of_peak', '.0%'):>7} {km(mk):>8} "
                      f"{km(mk, 'fraction_of_peak', '.0%'):>7} {km('scan'):>7} {km('compact'):>8} "
                      f"{km('fill_zero'):>7} {km('fill_zero', 'fraction_of_peak', '.0%'):>7} "
                      f"{f(bl.get('cupy_threshold_select'), '.3f'):>9} {f(bl.get('torch_topk'), '.3f'):>10} "
@@ -164,7 +166,8 @@ def measure(numel, density, reps, warmup, topk=True, profile=False, controller="
     import numpy as np
 
     import exdyna_mpi
-    from exdyna_mpi.kernels import cuda as kc
+
+    kc = cuda_kernels()
 
     n = int(numel)
     rng = cp.random.default_rng(0)
@@ -240,15 +243,15 @@ def measure(numel, density, reps, warmup, topk=True, profile=False, controller="
     mask = kc._dev(scratch.mask_for(n))
     nb, bd = kc._shape(n)
     cs = kc._chunk(n, nb, bd)
-    kcount, _ = kc._hist_kernels(np.float32)
+    kpass = kc._measure_kernel(np.float32)   # the variant the step launches
     hw = kc._dev(scratch.hist)
     dv = [kc._dev(a) for a in (res, grad, acc, idx)]
     bc, bb, off, tot = (kc._dev(scratch.block_counts), kc._dev(scratch.block_bad), kc._dev(scratch.offsets),
                         kc._dev(scratch.totals))
 
     def pass_():
-        kc._launch(kcount, nb, bd, stream)(dv[0], dv[1], dv[2], 0, n, thr, cs, bc, bb, mask, 0, n, True, spec[1],
-                                           spec[2], spec[0], fspec[1], fspec[2], fspec[0], hw, plan.stride)
+        kc._launch(kpass, nb, bd, stream)(dv[0], dv[1], dv[2], 0, n, thr, cs, bc, bb, mask, spec[1], spec[2],
+                                          spec[0], fspec[1], fspec[2], fspec[0], hw, plan.stride)
 
     def scan():
         kc._launch(kc._scan, 1, min(kc.SCAN_THREADS, kc._round32(nb)), stream)(bc, bb, nb, off, tot)
@@ -261,8 +264,8 @@ def measure(numel, density, reps, warmup, topk=True, profile=False, controller="
         scan()
         compact()
 
-    kernels = {"acc_select_hist": _time_ms(cp, pass_, reps)}
-    if hasattr(kc, "_measure_kernel") and plan.measure:   # the measured controller's own pass (issue 14)
+    kernels = {"pass": _time_ms(cp, pass_, reps)}
+    if plan.measure:   # each variant alone, on a fresh residual and on the step's own
         dve = kc._dev(res_ef)   # the step's residual: its pile just under the threshold marks more
         for v in ("safe", "fast"):
             kmeasure = kc._measure_kernel(np.float32, v)
@@ -275,7 +278,7 @@ def measure(numel, density, reps, warmup, topk=True, profile=False, controller="
     del res_ef
     kernels["scan"] = _time_ms(cp, scan, reps)
     t_all = _time_ms(cp, one_select, reps)
-    kernels["compact"] = max(t_all - kernels["acc_select_hist"] - kernels["scan"], 0.0)
+    kernels["compact"] = max(t_all - kernels.pop("pass") - kernels["scan"], 0.0)
     kernels["fill_zero"] = _time_ms(cp, lambda: out.data.memset_async(0, out.nbytes), reps)
     count = int(scratch.totals.get()[0])
     union = idx[:count]
@@ -293,19 +296,19 @@ def measure(numel, density, reps, warmup, topk=True, profile=False, controller="
         baselines["cupy_threshold_select"] = _time_ms(cp, cupy_sel, reps)
         baselines["torch_topk"] = _torch_topk(res, grad, max(1, int(n * density)), max(1, reps // 4))
     nranks = sp.nranks
-    del sp, res, grad, acc, idx, out, vals
+    sp = res = grad = acc = idx = out = vals = None   # free before the pool (lambdas read these names)
     cp.get_default_memory_pool().free_all_blocks()
-    return step_ms, kernels, baselines, selected, {"zoom_steps": sum(1 for z in zooms if z), "steps": len(zooms),
-                                                   "nranks": nranks, "max_imbalance": max_imbalance,
-                                                   "step_queued_ms": step_queued_ms,
-                                                   "quota_moved_mean": float(np.mean(moved)) if moved else 0.0,
-                                                   "host_phase_ms": {k: 1e3 * float(np.median([s.get(k, 0.0) for s in secs]))
-                                                                     for k in sorted({k for s in secs for k in s})}}
+    phases = sorted({k for s in secs for k in s})
+    extra = {"zoom_steps": sum(1 for z in zooms if z), "steps": len(zooms), "nranks": nranks,
+             "max_imbalance": max_imbalance, "step_queued_ms": step_queued_ms,
+             "quota_moved_mean": float(np.mean(moved)) if moved else 0.0,
+             "host_phase_ms": {k: 1e3 * float(np.median([s.get(k, 0.0) for s in secs])) for k in phases}}
+    return step_ms, kernels, baselines, selected, extra
 
 
 def launch_costs(cp, kc, stream, reps=300):
     """Host microseconds per launch of a tiny kernel, Numba's dispatcher against ``kc._go``'s fast
-    path: the two-argument word zeroing, and the 21-argument histogram pass on 4096 elements."""
+    path: the two-argument word zeroing, and the 18-argument measuring pass on 4096 elements."""
     import numpy as np
 
     w = cp.zeros(64, cp.int64)
@@ -313,8 +316,8 @@ def launch_costs(cp, kc, stream, reps=300):
     acc = cp.empty_like(x)
     s = kc.Scratch(cp.zeros(kc.Scratch.size(), cp.int64), zeros=lambda m, dt: cp.zeros(m, dt))
     mask = s.mask_for(4096)
-    kcount, _ = kc._hist_kernels(np.float32)
-    hist_args = (x, x, acc, 0, 4096, np.float32(np.nan), 4096, s.block_counts, s.block_bad, mask, 0, 4096, False,
+    kcount = kc._measure_kernel(np.float32)
+    hist_args = (x, x, acc, 0, 4096, np.float32(np.nan), 4096, s.block_counts, s.block_bad, mask,
                  20, 100, 4, 15, 30000, 4, s.hist, 1)
     dw = [kc._dev(a) for a in (w,)]
     dh = [kc._dev(a) if hasattr(a, "shape") else a for a in hist_args]
@@ -323,10 +326,10 @@ def launch_costs(cp, kc, stream, reps=300):
     for name, numba_call, fast_call in (
             ("zero_words", lambda: kc._launch(kc._zero_words, 1, 32, stream)(dw[0], 64),
              lambda: kc._go(kc._zero_words, 1, 32, stream, w, 64)),
-            ("hist_pass", lambda: kc._launch(kcount, 1, 256, stream)(*dh),
+            ("measure_pass", lambda: kc._launch(kcount, 1, 256, stream)(*dh),
              lambda: kc._go(kcount, 1, 256, stream, *hist_args))):
         for label, fn in (("numba", numba_call), ("core", fast_call), ("fast", fast_call)):
-            if hasattr(kc, "_DRIVER"):   # core: cuda.core's launch; fast: the raw driver launch (issue 14)
+            if hasattr(kc, "_DRIVER"):   # core: cuda.core's launch; fast: the raw driver launch
                 kc._DRIVER = label == "fast"
                 kc._fast.clear()
             elif label == "core":
@@ -356,14 +359,14 @@ def main(argv=None):
         device, peak = "fake (--check)", 3350.0
         for n in numels:
             for d in densities:
-                fake = {"acc_select_hist": 12.0 * n / 2.2e12 * 1e3, "scan": 0.003, "compact": 0.02,
+                fake = {"acc_measure": 12.0 * n / 2.2e12 * 1e3, "scan": 0.003, "compact": 0.02,
                         "fill_zero": 4.0 * n / 3.0e12 * 1e3}
                 rows.append(row(n, d, peak, 16.0 * n / 1.8e12 * 1e3, fake,
                                 {"cupy_threshold_select": None, "torch_topk": None}, int(n * d)))
     else:
         import cupy as cp
 
-        from exdyna_mpi.arrays import gpu_available
+        from common import gpu_available
 
         if "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ:   # under mpiexec: rank 0 reports
             from mpi4py import MPI
@@ -380,7 +383,7 @@ def main(argv=None):
         print(f"DRAM: datasheet-style peak {spec:.0f} GB/s (from device properties), "
               f"measured device-to-device copy {copy:.0f} GB/s (read + write); fractions use the copy")
         peak = copy
-        from exdyna_mpi.kernels import cuda as kc
+        kc = cuda_kernels()
 
         launch_us = (launch_costs(cp, kc, kc.cuda.external_stream(cp.cuda.get_current_stream().ptr))
                      if hasattr(kc, "_go") else None)   # (an older exdyna_mpi on PYTHONPATH: before/after runs)
@@ -404,9 +407,10 @@ def main(argv=None):
                         print(f"    queued behind the gradient's update: step {q:.3f} ms, {fl / q:.0%} of floor"
                               + (f", {tk / q:.1f}x torch.topk" if tk else ""), flush=True)
     print(table(rows, device, peak))
-    doc = {"device": device, "peak_GBs": peak, "peak_is": "measured device-to-device copy", "host": platform.node(), "time": time.time(),
-           "reps": a.reps, "warmup": a.warmup, "stream": a.stream,
-           "launch_us": None if a.check else launch_us, "bytes_per_element_floor": STEP_FLOOR, "rows": rows, "command": command()}
+    doc = {"device": device, "peak_GBs": peak, "peak_is": "measured device-to-device copy", "host": platform.node(),
+           "time": time.time(), "reps": a.reps, "warmup": a.warmup, "stream": a.stream,
+           "launch_us": None if a.check else launch_us, "bytes_per_element_floor": STEP_FLOOR, "rows": rows,
+           "command": command()}
     if a.json:
         print(f"wrote {write_json(a.json, doc)}")
     return doc

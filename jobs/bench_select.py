@@ -8,7 +8,7 @@ Methods, alternating step by step on the same gradient stream (so they see the s
   topk       ``acc = residual + grad``; ``np.argpartition(|acc|, N-k)``; Allgatherv of int32 indices;
              the union (``np.unique``); Allreduce of each rank's ``acc`` at the union; residual zeroed;
   exdyna     ``sp.step`` with default options (the measured controller);
-  exdyna-histogram   ``sp.step`` with ``controller="histogram"`` (the previous default, forecasting).
+  exdyna-NAME ``sp.step`` with ``controller="NAME"`` (e.g. ``exdyna-faithful``).
   exdyna-out ``sp.step(g, out=buf)`` with default options into a buffer reused every step, as the
              torch adapter does (``out`` = the flat gradient): the output is a memset, not a fresh
              buffer whose pages the OS zero-fills as the scatter touches them.
@@ -17,12 +17,13 @@ longest time from a rank's exit from the barrier to its end, ``span`` (ranks on 
 time from the first rank's exit to the last rank's end on the node's one clock. They differ when
 ranks share cores: a rank that leaves the barrier late (it was off a core) starts its clock late,
 so ``total`` undercounts a floor that has no collective to wait in, and ``span`` is the step's
-time as the node sees it. The table gives the median over ``--steps`` steps after ``--warmup``, and ExDyna's phases (``stats.seconds``, slowest
-rank per phase): pass (acc = residual + grad, non-finite count, the owned-range histograms; with
-the forecasting controller also the selection and the forecast), words (the summed controller
-words), choose (zooms and the owned-range select), counts (the count words), indices (Allgatherv),
-gather + reduce (the values), scatter (output and residual), balance. Threads per rank: Numba's
-default unless ``--threads``; ranks sharing a node's cores run one thread each (see docs/bench.md).
+time as the node sees it. The table gives the median over ``--steps`` steps after ``--warmup``, and
+ExDyna's phases (``stats.seconds``, slowest rank per phase): pass (acc = residual + grad, non-finite
+count, the owned-range histograms; with a count-only controller the selection instead), words (the
+summed controller words), choose (zooms and the owned-range select), counts (the count words),
+indices (Allgatherv), gather + reduce (the values), scatter (output and residual), balance. Threads
+per rank: Numba's default unless ``--threads``; ranks sharing a node's cores run one thread each
+(see docs/bench.md).
 """
 import time
 
@@ -81,7 +82,7 @@ class Floor:
 def main():
     ap = parser(__doc__, numel=10_000_000, density=0.001, steps=12, warmup=3, seed=0, json_path=None, raw=True)
     ap.add_argument("--stream", default="rotate3", help="a synthetic stream of jobs/streams.py")
-    ap.add_argument("--methods", default="floor,topk,exdyna,exdyna-out,exdyna-histogram")
+    ap.add_argument("--methods", default="floor,topk,exdyna,exdyna-out")
     a = ap.parse_args()
     comm, rank, P = world(a)
     st = corpus.Synthetic(a.stream, a.numel, rank, P, a.seed)

@@ -135,7 +135,8 @@ def main(argv=None):
     if rank == 0:
         print(f"straggler bench: digits CNN width {args.width}, {nranks} ranks on {node_cores()} cores, "
               f"{args.steps} steps, batch {args.batch_size}/rank, {args.stragglers} {args.straggler} "
-              f"straggler(s), delay min({args.delay_max_ms:g}, {args.delay_scale_ms:g} * Pareto({args.pareto_shape:g})) ms, "
+              f"straggler(s), delay min({args.delay_max_ms:g}, "
+              f"{args.delay_scale_ms:g} * Pareto({args.pareto_shape:g})) ms, "
               f"WAGMA S={args.group_size} T={args.sync_every}", flush=True)
     rows = []
     for m in methods:

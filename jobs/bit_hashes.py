@@ -15,14 +15,12 @@ import argparse
 import hashlib
 import json
 import os
-import sys
 
 import numpy as np
 from mpi4py import MPI
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import exdyna_mpi  # noqa: E402
-import streams  # noqa: E402
+import exdyna_mpi
+import streams  # jobs/streams.py, beside this script
 
 SETTINGS = [(name, {}) for name in exdyna_mpi.available()] + [
     ("exdyna", {"balance": "faithful"}),

@@ -2,7 +2,6 @@
 
 Runs the real ExDyna, every rank its own gradient of the stream, for each stream and controller:
   measured    the default: measures this step's |acc| (histograms summed with one Allreduce)
-  histogram   the previous default: forecasts next step's accumulator (kept for comparison)
   faithful    the authors' rule (x1.005 / x1.00125 / x0.995 from 1/(2 sqrt k))
   quota       measured with ``max_imbalance=0.05`` (per-rank quotas after the count exchange)
 each with ``balance=True`` (the controller's own rebalancing rule). Columns, after step 20: the
@@ -23,7 +22,7 @@ import exdyna_mpi
 import streams as corpus
 from common import parser, world
 
-CONTROLLERS = ("measured", "quota", "histogram", "faithful")
+CONTROLLERS = ("measured", "quota", "faithful")
 #: a row name -> ExDyna options
 OPTIONS = {"quota": {"controller": "measured", "max_imbalance": 0.05}}
 

@@ -6,7 +6,8 @@
     timeout 900  mpiexec -n 4 python -m mpi4py jobs/fidelity.py --sparsifiers exdyna --out out/fid_exdyna
     python jobs/fidelity.py --report out/fidelity/fidelity.jsonl,out/fid_exdyna/fidelity.jsonl   # merge, no MPI
     for s in 0 1 2; do timeout 900 mpiexec -n 4 python -m mpi4py jobs/fidelity.py --workloads cnn --seed $s \
-        --out out/fid_s$s; done; python jobs/fidelity.py --report out/fid_s0/fidelity.jsonl,out/fid_s1/fidelity.jsonl,out/fid_s2/fidelity.jsonl
+        --out out/fid_s$s; done
+    python jobs/fidelity.py --report out/fid_s0/fidelity.jsonl,out/fid_s1/fidelity.jsonl,out/fid_s2/fidelity.jsonl
                                        # several seeds: the table gives each run's mean and range
 
 Workloads (offline, CPU, no downloads):
@@ -33,7 +34,8 @@ In ``--recipe``, ``density_warmup`` takes slash-separated densities (the comma s
 one CNN epoch (11 steps at 4 ranks) per density. A run's bytes include its warm-ups;
 ``density_sparse_phase`` in its record averages the steps after them.
 ``--report FILES`` rebuilds table and plots from JSON lines (later files override earlier runs of the
-same label and seed), so after a library change only the affected rows need re-running.
+same label and seed), so after a library change only the affected rows need re-running. This file
+trains and writes the records; jobs/fidelity_report.py reads them back and makes table and plots.
 """
 import argparse
 import hashlib
@@ -45,6 +47,7 @@ import time
 
 import numpy as np
 
+from fidelity_report import load_records, write_report
 
 GRID_SPARSIFIERS = "dense,exdyna,topk,cltk,gaussiank,dgc,oktopk,micro"
 GRID_DENSITIES = "0.01,0.003,0.001"
@@ -248,7 +251,7 @@ class LSTMWork(Workload):
         return {"val_loss": vl, "val_ppl": math.exp(vl)}
 
 
-WORKLOADS = {"lstm": LSTMWork, "cnn": CNNWork}
+WORKLOADS = {"lstm": LSTMWork, "cnn": CNNWork}   # in report order: fidelity_report.WORKLOAD_ORDER
 
 
 def make_workload(name, args):
@@ -386,7 +389,8 @@ def train_one(wl, label, name, density, recipe, args, comm, steps, evals, log):
                "seed": args.seed, wl.quality: last[wl.quality],
                **{k: v for k, v in last.items() if k not in ("kind", "workload", "run", "step", "bytes_total")},
                "quality_key": wl.quality, "higher_is_better": wl.higher_is_better,
-               "density": float(dens.mean()), "density_sparse_phase": float(dens[warm:].mean()) if warm < steps else None,
+               "density": float(dens.mean()),
+               "density_sparse_phase": float(dens[warm:].mean()) if warm < steps else None,
                "bytes_total": float(mean[1].sum()), "bytes_per_step": float(mean[1].mean()),
                "dense_bytes_per_step": dense_bytes, "final_train_loss": float(mean[0, -max(1, steps // 10):].mean()),
                "wall": wall, "params_identical": all(x == hashes[0] for x in hashes), **wl.info}
@@ -397,193 +401,6 @@ def train_one(wl, label, name, density, recipe, args, comm, steps, evals, log):
               f"sent {summary['bytes_total'] / 1e6:9.3f} MB  {wall:6.1f} s"
               + ("" if summary["params_identical"] else "  PARAMETERS DIFFER"), flush=True)
     return summary
-
-
-# ---------------------------------------------------------------------------------------------
-# Report
-
-
-def pareto(rows, hib):
-    """Labels of the runs no other run beats on both bytes (fewer) and quality (better)."""
-    front = set()
-    for r in rows:
-        q, b = r["q"], r["bytes_total"]
-        dominated = any((o["bytes_total"] <= b and (o["q"] >= q if hib else o["q"] <= q))
-                        and (o["bytes_total"] < b or (o["q"] > q if hib else o["q"] < q)) for o in rows)
-        if not dominated:
-            front.add(r["run"])
-    return front
-
-
-MEANS = ("density", "bytes_total", "bytes_per_step", "val_ppl")
-
-
-def by_seed(summaries):
-    """One row per (workload, run): the mean over its seeds of the quality and of ``MEANS``, with
-    ``q_min``/``q_max`` and ``seeds`` (the list); one seed: the run itself."""
-    groups = {}
-    for s in summaries:
-        groups.setdefault((s["workload"], s["run"]), []).append(s)
-    out = []
-    for runs in groups.values():
-        runs.sort(key=lambda r: r.get("seed", 0))
-        qs = [r[r["quality_key"]] for r in runs]
-        row = dict(runs[0], q=float(np.mean(qs)), q_min=min(qs), q_max=max(qs), seeds=[r.get("seed") for r in runs],
-                   params_identical=all(r.get("params_identical", True) for r in runs))
-        row[row["quality_key"]] = row["q"]
-        for k in MEANS:
-            if all(r.get(k) is not None for r in runs):
-                row[k] = float(np.mean([r[k] for r in runs]))
-        out.append(row)
-    return out
-
-
-def _sched(r):
-    return r.get("lr_schedule") or "constant"   # records written before --lstm-schedule: constant
-
-
-def tables(summaries):
-    """One markdown table per (workload, learning-rate schedule): each has its own dense reference
-    ("vs dense") and Pareto front, so cosine runs are never compared with constant-lr ones."""
-    out = []
-    summaries = by_seed(summaries)
-    sections = sorted({(s["workload"], _sched(s)) for s in summaries},
-                      key=lambda k: (list(WORKLOADS).index(k[0]), k[1] != "constant", k[1]))
-    for wl, sched in sections:
-        rows = [s for s in summaries if s["workload"] == wl and _sched(s) == sched]
-        key, hib = rows[0]["quality_key"], rows[0]["higher_is_better"]
-        seeds = sorted({x for r in rows for x in r["seeds"]}, key=lambda x: (x is None, x))
-        spread = any(len(r["seeds"]) > 1 for r in rows)
-        dense = next((r for r in rows if r["sparsifier"] == "dense" and not r.get("recipe")), None)
-        front = pareto(rows, hib)
-        rows.sort(key=lambda r: (r["sparsifier"] != "dense", -r["target"], r["sparsifier"], r["run"]))
-        r0 = rows[0]
-        seed_text = (f"mean over seeds {', '.join(map(str, seeds))} (range in brackets)" if spread
-                     else f"seed {r0['seed']}")
-        sched_text = "" if sched == "constant" else f", {sched} lr schedule"
-        out.append(f"### {wl}: {r0.get('model', '')}, {r0['numel']:,} parameters, P={r0['ranks']}, "
-                   f"{r0['steps']} steps{sched_text}, {seed_text}\n")
-        if key == "test_acc":
-            head = ("run", "test acc", "vs dense", "density", "MB sent", "kB/step", "bytes vs dense", "Pareto")
-        else:
-            head = ("run", "val loss", "vs dense", "val ppl", "density", "MB sent", "kB/step", "bytes vs dense",
-                    "Pareto")
-        lines = []
-        for r in rows:
-            dq = "" if dense is None else (f"{100 * (r['q'] - dense['q']):+.2f} pp" if key == "test_acc"
-                                           else f"{100 * (r['q'] / dense['q'] - 1):+.2f} %")
-            ratio = r["bytes_per_step"] / r["dense_bytes_per_step"]
-            if key == "test_acc":
-                qtxt = f"{100 * r['q']:.2f} %" + (f" [{100 * r['q_min']:.2f}, {100 * r['q_max']:.2f}]"
-                                                   if len(r["seeds"]) > 1 else "")
-            else:
-                qtxt = f"{r['q']:.4f}" + (f" [{r['q_min']:.4f}, {r['q_max']:.4f}]" if len(r["seeds"]) > 1 else "")
-            qcol = (qtxt,) if key == "test_acc" else (qtxt, dq, f"{r['val_ppl']:.2f}")
-            cells = (r["run"], *qcol) if key != "test_acc" else (r["run"], qcol[0], dq)
-            cells += (f"{r['density']:.5f}", f"{r['bytes_total'] / 1e6:.3f}", f"{r['bytes_per_step'] / 1e3:.1f}",
-                      f"{100 * ratio:.2f} %", "*" if r["run"] in front else "")
-            if not r.get("params_identical", True):
-                cells = (cells[0] + " (RANKS DIFFER)",) + cells[1:]
-            lines.append(cells)
-        widths = [max(len(h), *(len(c[i]) for c in lines)) for i, h in enumerate(head)]
-        fmt = "| " + " | ".join(f"{{:<{w}}}" for w in widths) + " |"
-        out.append(fmt.format(*head))
-        out.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-        out += [fmt.format(*c) for c in lines]
-        out.append("")
-    return "\n".join(out)
-
-
-def _style(label):
-    name = label.split(" ")[0]
-    order = ["dense", "exdyna", "exdyna+", "topk", "cltk", "gaussiank", "dgc", "oktopk", "micro"]
-    i = order.index(name) if name in order else len(order) + hash(name) % 5
-    d = label.split("d=")[-1].split(" ")[0] if "d=" in label else ""   # "exdyna d=0.01 cosine": 0.01
-    ls = {"0.01": "-", "0.003": "--", "0.001": ":"}.get(d, "-")
-    mk = {"0.01": "o", "0.003": "s", "0.001": "^"}.get(d, "*")
-    return f"C{i % 10}", ls, mk
-
-
-def plots(summaries, evals, out):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    summaries = by_seed(summaries)
-    wls = sorted({s["workload"] for s in summaries}, key=lambda w: list(WORKLOADS).index(w))
-    fig, axes = plt.subplots(1, len(wls), figsize=(7 * len(wls), 5.5), squeeze=False)
-    for ax, wl in zip(axes[0], wls):
-        rows = [s for s in summaries if s["workload"] == wl]
-        key, hib = rows[0]["quality_key"], rows[0]["higher_is_better"]
-        front = pareto(rows, hib)
-        for r in rows:
-            c, _, mk = _style(r["run"])
-            ax.scatter(r["bytes_total"] / 1e6, r["q"], color=c, marker=mk, s=40,
-                       edgecolors="k" if r["run"] in front else "none", zorder=3)
-            ax.annotate(r["run"], (r["bytes_total"] / 1e6, r["q"]), fontsize=6, xytext=(3, 2),
-                        textcoords="offset points")
-        f = sorted((r for r in rows if r["run"] in front), key=lambda r: r["bytes_total"])
-        ax.plot([r["bytes_total"] / 1e6 for r in f], [r["q"] for r in f], "k-", lw=1, alpha=0.6,
-                label="Pareto front")
-        ax.set(xscale="log", xlabel="total MB sent per rank (whole run)", ylabel=key,
-               title=f"{wl}: {key} vs bytes sent ({'higher' if hib else 'lower'} is better)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "pareto.png"), dpi=110)
-    plt.close(fig)
-
-    fig, axes = plt.subplots(1, len(wls), figsize=(7 * len(wls), 5.5), squeeze=False)
-    for ax, wl in zip(axes[0], wls):
-        rows = [s for s in summaries if s["workload"] == wl]
-        key = rows[0]["quality_key"]
-        for r in rows:   # the curve of the first seed
-            pts = [e for e in evals if e["workload"] == wl and e["run"] == r["run"] and e.get("seed", r["seeds"][0])
-                   == r["seeds"][0]]
-            c, ls, _ = _style(r["run"])
-            ax.plot([e["step"] for e in pts], [e[key] for e in pts], color=c, ls=ls, lw=1.2, label=r["run"])
-        ax.set(xlabel="step", ylabel=key, title=f"{wl}: {key} vs step")
-        if key == "val_loss":
-            lo = min(e[key] for e in evals if e["workload"] == wl)
-            ax.set_ylim(lo * 0.95, lo * 2.0)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=6, ncol=2)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "quality_vs_step.png"), dpi=110)
-    plt.close(fig)
-
-
-def load_records(paths):
-    """Run summaries and evaluations from JSON lines files; a later file's run (same workload, label
-    and seed) replaces an earlier one. Runs of other seeds are kept: the table averages them."""
-    summaries, evals = {}, {}
-    for path in paths:
-        file_evals = {}
-        seed_of = {}
-        with open(path) as f:
-            lines = [json.loads(line) for line in f]
-        for rec in lines:   # evaluation records carry no seed: their file's run does
-            if rec.get("kind") == "run":
-                seed_of[(rec.get("workload"), rec.get("run"))] = rec.get("seed")
-        for rec in lines:
-            k = (rec.get("workload"), rec.get("run"), seed_of.get((rec.get("workload"), rec.get("run"))))
-            if rec.get("kind") == "run":
-                summaries[k] = rec
-            elif rec.get("kind") == "eval":
-                file_evals.setdefault(k, []).append(dict(rec, seed=k[2]))
-        evals.update(file_evals)
-    return list(summaries.values()), [e for k in summaries for e in evals.get(k, [])]
-
-
-def write_report(summaries, evals, out, plot=True, header=""):
-    text = header + tables(summaries)
-    with open(os.path.join(out, "fidelity.md"), "w") as f:
-        f.write(text)
-    print("\n" + text, flush=True)
-    if plot:
-        plots(summaries, evals, out)
-    return text
 
 
 # ---------------------------------------------------------------------------------------------

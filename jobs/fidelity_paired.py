@@ -1,17 +1,19 @@
 """Paired per-seed gaps between jobs/fidelity.py runs, with a 95 % interval over seeds.
 
     python jobs/fidelity_paired.py --pair "exdyna+ d=0.01:dense" --pair "exdyna+ d=0.00338:topk d=0.001" \
-        docs/fidelity/seeds/cnn_*.jsonl
+        results/fidelity/2026-11-22/seeds/cnn_*.jsonl.gz
 
-Reads the ``"kind": "run"`` records of the JSON lines given. For each ``RUN:REF`` pair and each
-workload that has both, the runs labelled RUN are grouped by recipe (the adapter options of a ``+`` run), each group is matched seed
-by seed with the runs labelled REF (which must not differ in recipe), and one row per group gives
-the seeds, the mean quality, the mean of the per-seed differences (RUN - REF: percentage points of
-accuracy, or of loss for a loss metric), its standard error and the 95 % interval (Student's t).
+Reads the ``"kind": "run"`` records of the JSON lines given (``*.gz``: gzipped). For each
+``RUN:REF`` pair and each workload that has both, the runs labelled RUN are grouped by recipe (the
+adapter options of a ``+`` run), each group is matched seed by seed with the runs labelled REF
+(which must not differ in recipe), and one row per group gives the seeds, the mean quality, the mean
+of the per-seed differences (RUN - REF: percentage points of accuracy, or of loss for a loss
+metric), its standard error and the 95 % interval (Student's t).
 Seed-to-seed spread on the digits CNN is several points, so a pair of means without this says
 little; the paired difference removes what the seed does to both runs alike.
 """
 import argparse
+import gzip
 import json
 import math
 from collections import defaultdict
@@ -32,7 +34,7 @@ def load(paths):
     of the same label and seed under different recipes are all kept: the seed studies are such files."""
     runs = defaultdict(lambda: defaultdict(dict))
     for path in paths:
-        with open(path) as f:
+        with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
             for line in f:
                 r = json.loads(line)
                 if r.get("kind") == "run":

@@ -1,4 +1,4 @@
-"""Static check of every CUDA kernel in kernels/cuda.py for sm_90, without a GPU.
+"""Static check of every CUDA kernel of the package kernels/cuda/ for sm_90, without a GPU.
 
 What it does, per kernel and dtype (run WITHOUT ``NUMBA_ENABLE_CUDASIM``):
 
@@ -35,6 +35,7 @@ Usage: python jobs/gpu_static.py [--json out.json] [--budgets jobs/gpu_budgets.j
 import argparse
 import json
 import os
+import pkgutil
 import re
 import shutil
 import subprocess
@@ -94,16 +95,25 @@ def _toolchain():
 
 
 def kernels_of(module):
-    """{attribute name: dispatcher} for every ``@cuda.jit`` kernel (not device function) of ``module``."""
+    """{attribute name: dispatcher} for every ``@cuda.jit`` kernel (not device function) of ``module``
+    and, for a package, of each of its modules (a kernel is one entry, whichever module names it)."""
     from numba.cuda.dispatcher import CUDADispatcher
 
+    mods = [module]
+    for info in pkgutil.iter_modules(getattr(module, "__path__", [])):
+        mods.append(sys.modules.get(f"{module.__name__}.{info.name}"))
     out, seen = {}, set()
-    for name in sorted(vars(module)):
-        v = getattr(module, name)
-        if isinstance(v, CUDADispatcher) and not v.targetoptions.get("device", False) and id(v) not in seen:
-            seen.add(id(v))
-            out[name] = v
-    return out
+    for mod in mods:
+        if mod is None:
+            continue
+        for name in sorted(vars(mod)):
+            v = getattr(mod, name)
+            if isinstance(v, CUDADispatcher) and not v.targetoptions.get("device", False) and id(v) not in seen:
+                seen.add(id(v))
+                if name in out:
+                    raise ValueError(f"two kernels named {name}: budgets are by name")
+                out[name] = v
+    return dict(sorted(out.items()))
 
 
 def signature(spec, dtype):
@@ -217,15 +227,22 @@ def _budget_for(entry, key, dtype):
 
 
 def _load(kernels_file):
+    """The kernels package, or ``kernels_file``: a module file or a package folder (an older or
+    edited copy, checked with its own --budgets)."""
     if kernels_file is None:
-        sys.path.insert(0, os.path.dirname(HERE))
-        import exdyna_mpi.kernels.cuda as kc
+        from common import cuda_kernels   # jobs/common.py: the one place jobs reach library internals
 
-        return kc
+        return cuda_kernels()
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("kernels_under_check", kernels_file)
+    path = os.path.abspath(kernels_file)
+    if os.path.isdir(path):  # a package: its modules import each other relatively
+        spec = importlib.util.spec_from_file_location("kernels_under_check", os.path.join(path, "__init__.py"),
+                                                      submodule_search_locations=[path])
+    else:
+        spec = importlib.util.spec_from_file_location("kernels_under_check", path)
     kc = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = kc
     spec.loader.exec_module(kc)
     return kc
 
@@ -247,7 +264,7 @@ def run(budgets_path=BUDGETS, kernels_file=None, names_only=False):
                           "(add its signature and budgets)")
     for name in budgets:
         if name not in found:
-            errors.append(f"{name}: budget entry for a kernel that kernels/cuda.py no longer has")
+            errors.append(f"{name}: budget entry for a kernel that kernels/cuda/ no longer has")
     rows = []
     if names_only:
         return rows, errors
@@ -300,8 +317,8 @@ def main(argv=None):
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--budgets", default=BUDGETS)
     ap.add_argument("--table-only", action="store_true", help="print the table, never fail on budgets")
-    ap.add_argument("--kernels", help="check this kernels file instead of exdyna_mpi.kernels.cuda "
-                                      "(e.g. an older kernels/cuda.py, with its own --budgets)")
+    ap.add_argument("--kernels", help="check this kernels package folder or module file instead of "
+                                      "exdyna_mpi.kernels.cuda (e.g. an older copy, with its own --budgets)")
     ap.add_argument("--names-only", action="store_true", help="only match the module's kernels with the budgets")
     a = ap.parse_args(argv)
     rows, errors = run(a.budgets, a.kernels, a.names_only)

@@ -44,11 +44,9 @@ import time
 
 import numpy as np
 
-from common import command, log, parser, write_json
+from common import (BlockLayout, EqualLayout, HostOps, command, kth_largest_magnitude, log, make_controller, parser,
+                    partition_of, target_count, write_json)
 from exdyna_mpi import ExDyna
-from exdyna_mpi.algorithm import BlockLayout, EqualLayout, make_controller, partition_of, target_count
-from exdyna_mpi.arrays.ops import HostOps
-from exdyna_mpi.sparsifiers.baselines.topk import kth_largest_magnitude
 
 ALPHA = 2e-6
 RD_LIMIT = 512 * 1024
@@ -112,9 +110,9 @@ def simulate_owned(kind, P, args, s, controller):
             fine = (plan.fine[1], plan.fine[2], words[nb:]) if plan.fine else None
             HostOps.accumulate_measure(zero, acc, buf, 0, n, (plan.hist[1], plan.hist[2], words[:nb]), fine,
                                        plan.stride)
-            plan, _ = ctl.resolve(plan, words, _WholeVector(buf))
-            zoom_words = sum(ctl.zoom_words)
-        sel = np.flatnonzero(np.abs(acc) >= np.float32(ctl.threshold))
+            plan = ctl.resolve(plan, words, _WholeVector(buf))
+            zoom_words = sum(plan.zoom_words)
+        sel = np.flatnonzero(np.abs(acc) >= np.float32(plan.threshold if measured else ctl.threshold))
         b = layout.bounds()
         per_part = np.diff(np.searchsorted(sel, b))
         counts = per_part[[partition_of(r, t, P) for r in ranks]]
@@ -124,7 +122,7 @@ def simulate_owned(kind, P, args, s, controller):
         rows.append((total / k, float(counts.max()) * P / total - 1 if total else 0.0, int(counts.max()),
                      int(counts.min()), total, zoom_words))
         if measured:
-            ctl.update(counts, None, plan)
+            ctl.update(counts, plan)
         else:
             ctl.update(counts)
         if kind == "exdyna":
@@ -136,15 +134,15 @@ def simulate_owned(kind, P, args, s, controller):
 
 
 class _WholeVector:
-    """The ``FusedPass`` a controller's ``resolve`` zooms through, over the whole vector (the sum of
+    """The ``OwnedRange`` a controller's ``resolve`` zooms through, over the whole vector (the sum of
     every owner's histogram of its range) with no exchange."""
 
     def __init__(self, acc):
         self.acc = acc
 
-    def histogram(self, spec):
-        h = np.zeros(spec[0], np.int64)
-        HostOps.hist_range(self.acc, 0, self.acc.shape[0], spec[1], spec[2], h)
+    def histogram(self, window):
+        h = np.zeros(window.buckets, np.int64)
+        HostOps.hist_range(self.acc, 0, self.acc.shape[0], window.shift, window.key0, h)
         return h
 
     def sum(self, words):
@@ -162,13 +160,15 @@ def local_compute(P, args):
     ctl.threshold, ctl.seen = 3.0, True
     plan = ctl.plan(1, np.float32)
     k = target_count(args.density, n)
+    from common import Marks
+    marks = Marks()   # where the pass keeps its marks for the select (as ExDyna's step does)
 
     def exdyna():
         w = np.zeros(plan.n_words, np.int64)
         nb = plan.hist[0]
         HostOps.accumulate_measure(r, g, acc, 0, n // P, (plan.hist[1], plan.hist[2], w[:nb]),
-                                   (plan.fine[1], plan.fine[2], w[nb:]), plan.stride, ctl.mark(plan))
-        HostOps.select_marked(acc, 0, n // P, np.float32(3.0), idx)
+                                   (plan.fine[1], plan.fine[2], w[nb:]), plan.stride, ctl.mark(plan), 1, marks)
+        HostOps.select_marked(acc, 0, n // P, np.float32(3.0), idx, marks=marks)
 
     def topk():
         a = r + g

@@ -21,8 +21,8 @@ rank's own (its minibatch noise), ``SHARED`` of the variance shared, as data-par
 Recorded (from real training with the project's models, dense data-parallel SGD simulated in one
 process, every rank's gradient kept): ``cnn16``, ``cnn48``, ``mlp``, and ``lstm`` (the fidelity
 benchmark's byte-level LSTM on the standard library's source: 2.04M parameters, its embedding rows
-touched only by the bytes in the batch, so the gradient is sparse by row). Recordings live under ``out/streams/`` (not in git) and are made on first
-use, deterministically::
+touched only by the bytes in the batch, so the gradient is sparse by row). Recordings live under
+``out/streams/`` (not in git) and are made on first use, deterministically::
 
     python jobs/streams.py record cnn48 --ranks 8 --steps 200   # out/streams/cnn48.npy
     python jobs/streams.py list
@@ -139,10 +139,8 @@ def open_stream(name, numel, rank, nranks, seed=0):
 def record(name, ranks=None, steps=None, seed=0, out=None, quiet=False):
     """Train the stream's model with dense data-parallel SGD over ``ranks`` simulated ranks and keep
     every rank's gradient at every step. Deterministic: torch's CPU kernels, one thread."""
+    import models   # jobs/models.py, beside this module (see jobs/common.py: how jobs import each other)
     import torch
-
-    sys.path.insert(0, HERE)
-    import models
 
     model_name, width, batch, lr, d_steps, d_ranks = RECORDED[name]
     ranks, steps = ranks or d_ranks, steps or d_steps

@@ -49,7 +49,8 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--sparsifier", default="exdyna", help=f"one of {', '.join(sparsifier_names())}")
-    ap.add_argument("--compare", default="", help="comma-separated sparsifiers run back to back (overrides --sparsifier)")
+    ap.add_argument("--compare", default="",
+                    help="comma-separated sparsifiers run back to back (overrides --sparsifier)")
     ap.add_argument("--density", type=float, default=0.01, help="target density (fraction of gradient kept)")
     ap.add_argument("--densities", default="", help="comma-separated densities: each sparse run is repeated at each")
     ap.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",

@@ -1,8 +1,9 @@
-"""CPU kernels for the histogram threshold controller: Numba ``@njit`` on NumPy buffers.
+"""CPU kernels of the measured threshold controller: Numba ``@njit`` on NumPy buffers.
 
-One kernel, ``accumulate_select_hist``: the step's single pass (``acc = residual + grad``, select
-``|acc| >= thr`` in the owned range, count non-finite values) that also histograms a range of the
-vector, and ``hist_range``, a histogram alone (used at step 0 only, to refine the first threshold).
+``accumulate_measure``: the step's single pass (``acc = residual + grad`` everywhere, the non-finite
+check) that also histograms ``|acc|`` over the owned range and keeps the marks (the elements at or
+above the fine window's first edge) for the select that follows; ``hist_range``, a histogram alone
+(a zoom); ``select_marks`` / ``hist_marks``, the select and a zoom from the marks.
 
 Bucket semantics (exact, integer-only, so every rank and a CUDA port produce the same counts):
 ``bits`` is the IEEE bit pattern of ``acc[i]`` as a signed integer of the same width (int32 for
@@ -12,17 +13,6 @@ each octave of ``|acc|`` is cut into ``2**s`` equal-width buckets; bucket ``j`` 
 with ``edge(j) <= |acc| < edge(j + 1)``, where ``edge(j)`` is the float whose bits are
 ``(key0 + j) << shift`` (the first and last buckets also hold everything below / above). NaN and
 inf land in the last bucket (the step is refused anyway).
-
-With ``predict`` the histogram is of the next step's accumulator as this rank foresees it, over the
-range ``[flo, fhi)`` of the partition it will own next step: ``p = (selected ? 0 : acc) +
-grad[i + 1]``. Error feedback piles unselected mass just under the threshold, so how many elements
-cross next step depends on that pile and on the gradient's size, which ``|acc|`` alone does not show
-(after a 10x drop of gradient scale ``|acc|`` barely changes while far fewer elements cross). The
-neighbour's gradient stands in for the next one (same layer, same scale, but not the gradient already
-in ``acc``: that would count it twice). The next owner forecasts, not the current one: a rank's
-residual in a partition it does not own is never thresholded, so it holds elements already above the
-threshold that the current owner's freshly cleaned residual does not show. ``p`` is written to a
-chunk scratch ``pchunk`` whose integer view ``pbits`` gives its bit patterns.
 
 ``stride`` > 1 makes the coarse histogram a sample: only elements whose index is a multiple of
 ``stride`` (the controller scales its counts back up). It steers only the large jumps; the fine
@@ -38,67 +28,9 @@ import numpy as np
 from numba import njit, uint64
 from numba.cpython.unsafe.numbers import trailing_zeros
 
-from .cpu import _add_count_nonfinite, _add_select
 from .cpu_stream import add_mask_groups, group_aligned, store_fence, stream_add_copy, stream_add_max
 
-_CHUNK = 4096  # elements per inner block: the forecast and its buckets are read back from L1
-
-
-@njit(cache=True, nogil=True)
-def _add_select_hist(r, g, gn, g_end, acc, thr, idx, base, sign_off, shift, key0, hist, stride,
-                     shift_f, key0_f, hist_f, predict, pchunk, pbits):
-    # Per chunk: (1) acc = r + g and the non-finite count, vectorised; (2) selection, a branch per
-    # element that rarely fires; (3) the forecast p into a chunk buffer, branch-free; (4) buckets
-    # from p's bits: the coarse histogram counts every ``stride``-th element (global index
-    # ``base + i``), the fine one every element, but those below its window (nearly all) only in a
-    # scalar, so few elements touch either histogram in memory.
-    n = acc.shape[0]
-    top_f = hist_f.shape[0] - 1
-    below_f = 0
-    if top_f >= 0:
-        lo_f = ((key0_f + 1) << shift_f)
-    bad = 0
-    c = 0
-    for s in range(0, n, _CHUNK):
-        e = min(s + _CHUNK, n)
-        m = e - s
-        rs = r[s:e]
-        gs = g[s:e]
-        a = acc[s:e]
-        for i in range(m):
-            a[i] = rs[i] + gs[i]
-        for i in range(m):
-            if a[i] - a[i] != 0:
-                bad += 1
-        for i in range(m):
-            if abs(a[i]) >= thr:
-                idx[c] = base + s + i
-                c += 1
-        if predict:
-            # the neighbour's gradient (the vector's last element takes g_end, the one before it)
-            k = min(m, max(gn.shape[0] - s, 0))
-            gns = gn[s:s + k]
-            for i in range(k):
-                v = a[i]
-                pchunk[i] = (gns[i] if abs(v) >= thr else v + gns[i])
-            for i in range(k, m):
-                v = a[i]
-                pchunk[i] = (g_end if abs(v) >= thr else v + g_end)
-        else:
-            for i in range(m):
-                pchunk[i] = a[i]
-        if top_f >= 0:
-            for i in range(m):
-                b = pbits[i] & sign_off
-                if b < lo_f:
-                    below_f += 1
-                else:
-                    j = (b >> shift_f) - key0_f
-                    hist_f[j if j < top_f else top_f] += 1
-        _hist_every(pbits, (stride - (base + s) % stride) % stride, m, stride, sign_off, shift, key0, hist)
-    if top_f >= 0:
-        hist_f[0] += below_f
-    return c, bad
+_CHUNK = 4096  # elements per inner block: a chunk and its buckets are read back from L1
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -128,42 +60,6 @@ def _hist(bits, sign_off, shift, key0, hist):
 
 
 @njit(cache=True, nogil=True)
-def accumulate_select_hist(residual, grad, acc, lo, hi, flo, fhi, thr, idx, sign_off, shift, key0, hist, stride,
-                           shift_f, key0_f, hist_f, predict, pchunk, pbits):
-    """``accumulate_select`` of kernels/cpu.py (select in ``[lo, hi)``) plus histograms over ``[flo, fhi)``.
-
-    Without ``predict`` the histograms are of ``|acc|``; with it, of ``|p|``, ``p = (selected ? 0 :
-    acc) + grad[i + 1]`` (the last element of the vector takes ``grad[i - 1]``). ``hist`` counts the
-    elements whose index is a multiple of ``stride``; ``hist_f`` (may be empty) counts all.
-    ``pchunk`` is a float scratch of ``_CHUNK`` elements of acc's dtype and ``pbits`` its integer
-    view. Returns ``(count, nonfinite)`` exactly as ``accumulate_select``; the histograms (int64)
-    are added to, not reset.
-    """
-    n = acc.shape[0]
-    pts = np.sort(np.array([0, lo, hi, flo, fhi, n]))
-    nothing = acc.dtype.type(np.nan)   # no |x| >= NaN: selects nothing (|inf| >= inf would select inf)
-    c = 0
-    bad = 0
-    for s in range(pts.shape[0] - 1):
-        a = pts[s]
-        b = pts[s + 1]
-        if a >= b:
-            continue
-        sel = lo <= a and b <= hi
-        if flo <= a and b <= fhi:
-            cc, bb = _add_select_hist(residual[a:b], grad[a:b], grad[a + 1:min(b + 1, n)], grad[max(n - 2, 0)],
-                                      acc[a:b], thr if sel else nothing, idx[c:], a, sign_off, shift, key0, hist,
-                                      stride, shift_f, key0_f, hist_f, predict, pchunk, pbits)
-        elif sel:
-            cc, bb = _add_select(residual[a:b], grad[a:b], acc[a:b], thr, idx[c:], a)
-        else:
-            cc, bb = 0, _add_count_nonfinite(residual[a:b], grad[a:b], acc[a:b])
-        c += cc
-        bad += bb
-    return c, bad
-
-
-@njit(cache=True, nogil=True)
 def hist_range(bits, lo, hi, sign_off, shift, key0, hist):
     """``hist += histogram(|x[lo:hi]|)`` where ``bits`` is ``x`` viewed as integers (read only)."""
     _hist(bits[lo:hi], sign_off, shift, key0, hist)
@@ -175,25 +71,6 @@ def int_view(x):
     if x.dtype == np.float32:
         return x.view(np.int32), np.int32(0x7FFFFFFF)
     return x.view(np.int64), np.int64(0x7FFFFFFFFFFFFFFF)
-
-
-def host_accumulate_select_hist(residual, grad, acc, lo, hi, thr, idx, shift, key0, hist, predict=False,
-                                fine=None, forecast=None, stride=1):
-    """HostOps-style wrapper: returns ``(count, nonfinite)`` as Python ints; fills ``hist``.
-
-    ``fine``: optional ``(shift_f, key0_f, hist_f)`` for the second histogram. ``forecast``: the
-    ``(flo, fhi)`` range the histograms cover (default: the selected range ``[lo, hi)``).
-    ``stride``: the coarse histogram counts every ``stride``-th element.
-    """
-    pchunk = np.empty(_CHUNK, acc.dtype)
-    pbits, sign_off = int_view(pchunk)
-    shift_f, key0_f, hist_f = fine if fine is not None else (0, 0, np.zeros(0, np.int64))
-    flo, fhi = forecast if forecast is not None else (lo, hi)
-    ity = pbits.dtype.type
-    c, bad = accumulate_select_hist(residual, grad, acc, lo, hi, flo, fhi, thr, idx, sign_off, ity(shift),
-                                    ity(key0), hist, int(stride), ity(shift_f), ity(key0_f), hist_f,
-                                    bool(predict), pchunk, pbits)
-    return int(c), int(bad)
 
 
 @njit(cache=True, nogil=True)
@@ -244,7 +121,7 @@ _GROUP = 64  # elements per max-test group of the measuring pass's owned range
 def accumulate_measure(residual, grad, acc, bits, lo, hi, sign_off, shift, key0, hist, stride, shift_f, key0_f,
                        hist_f, low_f, scratch, marks, vals):
     """The measuring pass: ``acc = residual + grad`` everywhere, and over the owned range ``[lo, hi)``
-    the histograms of ``|acc|`` that ``accumulate_select_hist`` (``predict=False``) makes: ``hist``
+    the histograms of ``|acc|`` (the bucket rule above): ``hist``
     counts every ``stride``-th element (global index), ``hist_f`` every element (bucket 0: all below
     its first edge, bit pattern ``low_f``; an empty ``hist_f``: none). Returns the largest
     ``|acc|`` bit pattern outside the owned range and among its marked elements (with ``low_f``

@@ -24,7 +24,6 @@ or ``kernels/__pycache__/*.nb[ic]`` is removed (a fresh clone has no cache).
 """
 import platform
 
-import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic

@@ -1,4 +1,5 @@
-"""Run under mpiexec by tests/unit/test_resume_processes.py: steps of ExDyna, saving state or outputs.
+"""Run under mpiexec by tests/unit/test_resume_processes.py, from the repository root as a module
+(``mpiexec -n P python -m tests.resume_job ...``): steps of ExDyna, saving state or outputs.
 
   --mode full     steps 1..20, write the outputs of steps 8..20
   --mode first    steps 1..7, write each rank's state_dict
@@ -7,13 +8,11 @@
 import argparse
 import os
 import pickle
-import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import exdyna_mpi  # noqa: E402
-from tests.reference import laplace_grad  # noqa: E402
+import exdyna_mpi
+from tests.reference import laplace_grad
 
 NUMEL, DENSITY = 40_000, 0.005
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # The whole test suite: sets up the venv (jobs/env.sh), then runs every lane and fails if any fails.
+#   lint        `ruff check .` (the [tool.ruff] rules of pyproject.toml)
 #   serial      unit tests and the MPI tests at P=1
 #   cudasim     CUDA kernels under the Numba CUDA simulator
 #   mpi         the MPI tests at P=2, 3, 4 (MPICH), each mpiexec under `timeout` (a deadlock fails,
@@ -19,8 +20,9 @@ root=$PWD
 only=" "
 while [ "${1:-}" = "--lane" ]; do
     case "${2:-}" in
-        serial|cudasim|mpi|gpu|packaging|openmpi|frameworks) only="$only$2 " ;;
-        *) echo "run_all.sh: --lane ${2:-}: expected serial, cudasim, mpi, gpu, packaging, openmpi or frameworks" >&2
+        lint|serial|cudasim|mpi|gpu|packaging|openmpi|frameworks) only="$only$2 " ;;
+        *) echo "run_all.sh: --lane ${2:-}: expected lint, serial, cudasim, mpi, gpu, packaging, openmpi or" \
+                "frameworks" >&2
            exit 2 ;;
     esac
     shift 2
@@ -31,6 +33,9 @@ source tests/lanes.sh
 out=${EXDYNA_TEST_OUT:-out/tests}
 rm -rf "$out" && mkdir -p "$out"
 start=$SECONDS
+if wanted lint; then
+    lane lint ruff check .
+fi
 if wanted serial; then
     # shellcheck disable=SC2086
     lane serial python $PYTEST tests/unit tests/mpi --with-mpi --junitxml="$out/serial.xml" "$@"

@@ -1,4 +1,4 @@
-"""Training-recipe options of ``DistributedOptimizer`` (issue 13): what sparse training needs besides
+"""Training-recipe options of ``DistributedOptimizer``: what sparse training needs besides
 the sparsifier, after DGC (Lin et al., ICLR 2018). Every option is off by default, and with all of
 them off nothing here runs: the optimizer steps exactly as before, bit for bit.
 
@@ -39,6 +39,8 @@ from numbers import Real
 import exdyna_mpi
 from exdyna_mpi import transport
 
+from ._torch_common import _torch
+
 OPTIONS_KEY = "exdyna_options"
 
 
@@ -54,7 +56,8 @@ class TrainingOptions:
             raise ValueError(f"DistributedOptimizer: warmup_steps must be an integer >= 0, got {warmup_steps!r}")
         m = float(momentum_correction or 0.0)
         if not 0.0 <= m < 1.0:
-            raise ValueError(f"DistributedOptimizer: momentum_correction must be in [0, 1), got {momentum_correction!r}")
+            raise ValueError("DistributedOptimizer: momentum_correction must be in [0, 1), "
+                             f"got {momentum_correction!r}")
         self.stages, self.stage_steps = _density_stages(density_warmup, density_warmup_steps, density)
         self.params = params
         self.clip_norm = None if clip_norm is None else float(clip_norm)
@@ -174,8 +177,3 @@ def _density_stages(stages, steps, density):
                              f"({target:g}, 1], got {d!r} in {stages!r}")
     return tuple(float(d) for d in stages), int(steps)
 
-
-def _torch():
-    import torch
-
-    return torch

@@ -16,92 +16,22 @@ How it works (no copies on the hot path):
 Construction broadcasts rank 0's parameters (and buffers) so every rank starts identical. All of it
 is collective over ``comm``. torch is imported lazily, so ``import exdyna_mpi`` never imports it.
 """
+from __future__ import annotations
+
 import copy
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import exdyna_mpi
-from exdyna_mpi import transport
 
+from ._torch_common import _broadcast_model, _flat_layout, _torch, _wrap, _wrapped_params, broadcast_parameters
 from ._torch_options import OPTIONS_KEY, TrainingOptions
+from .torch_wagma import FlatParams, GroupAveragingOptimizer
+
+if TYPE_CHECKING:
+    import torch
+    from mpi4py import MPI
 
 __all__ = ["DistributedOptimizer", "FlatGrad", "FlatParams", "GroupAveragingOptimizer", "broadcast_parameters"]
-
-
-def _torch():
-    import torch
-
-    return torch
-
-
-def _unique_params(params):
-    seen, out = set(), []
-    for p in params:
-        if p.requires_grad and id(p) not in seen:
-            seen.add(id(p))
-            out.append(p)
-    return out
-
-
-def _flat_layout(params, who):
-    """The distinct parameters that require grad, and their total size; one dtype and device."""
-    params = _unique_params(params)
-    if not params:
-        raise ValueError(f"{who}: no parameters that require grad")
-    dtypes = {p.dtype for p in params}
-    devices = {p.device for p in params}
-    if len(dtypes) != 1 or len(devices) != 1:
-        raise ValueError(f"{who}: parameters must share one dtype and device, got {dtypes}, {devices}")
-    return params, sum(p.numel() for p in params)
-
-
-def _wrapped_params(optimizer, model, comm, who):
-    """``(comm, the optimizer's parameters)``, after checking that they all belong to ``model``."""
-    comm = transport.world() if comm is None else comm
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    if model is not None:
-        in_model = {id(p) for p in model.parameters()}
-        missing = [p for p in params if id(p) not in in_model]
-        if missing:
-            raise ValueError(f"{who}: {len(missing)} optimizer parameters are not in the model")
-    return comm, params
-
-
-def _broadcast_model(model, params, comm):
-    """Rank 0's parameters and buffers of ``model`` (or ``params`` without a model) on every rank."""
-    broadcast_parameters(list(model.parameters()) + list(model.buffers()) if model is not None else params, comm)
-
-
-def _wrap(optimizer, mixin, prefix, **attrs):
-    """An instance of ``mixin`` + the optimizer's class sharing the optimizer's state (so LR
-    schedulers accept it), with ``attrs`` set on it."""
-    base = optimizer.__class__
-    cls = type(f"{prefix}{base.__name__}", (mixin, base), {})
-    wrapped = cls.__new__(cls)
-    wrapped.__dict__.update(optimizer.__dict__)
-    wrapped.__dict__.update(attrs)
-    return wrapped
-
-
-def broadcast_parameters(tensors, comm=None, root=0):
-    """Copy ``root``'s values of ``tensors`` (parameters, buffers) to every rank. Collective.
-
-    Packs everything of one dtype into one host buffer and broadcasts it once per dtype.
-    """
-    torch = _torch()
-    comm = transport.world() if comm is None else comm
-    by_dtype = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    for dtype in sorted(by_dtype, key=str):
-        group = by_dtype[dtype]
-        with torch.no_grad():
-            flat = torch.cat([t.detach().reshape(-1).cpu() for t in group]).contiguous()
-            buf = flat.numpy()
-            transport.broadcast(buf, comm, root)
-            off = 0
-            for t in group:
-                n = t.numel()
-                t.copy_(flat[off:off + n].view_as(t))
-                off += n
 
 
 class FlatGrad:
@@ -114,7 +44,7 @@ class FlatGrad:
         >>> sp.step(fg.flat, out=fg.flat)   # averaged sparse gradient, in place
     """
 
-    def __init__(self, params):
+    def __init__(self, params: Iterable[torch.Tensor]) -> None:
         torch = _torch()
         self.params, self.numel = _flat_layout(params, "FlatGrad")
         self.flat = torch.zeros(self.numel, dtype=self.params[0].dtype, device=self.params[0].device)
@@ -126,7 +56,7 @@ class FlatGrad:
             off += n
         self.attach()
 
-    def attach(self):
+    def attach(self) -> None:
         """Point every ``.grad`` at its view (after someone replaced or dropped it)."""
         for p, v in zip(self.params, self._views):
             if p.grad is None or p.grad.data_ptr() != v.data_ptr():
@@ -137,7 +67,7 @@ class FlatGrad:
                     v.zero_()
                 p.grad = v
 
-    def zero(self):
+    def zero(self) -> None:
         self.flat.zero_()
         self.attach()
 
@@ -185,7 +115,7 @@ def _from_torch_keep_tensors(d):
 class _DistributedMixin:
     """Methods put in front of the wrapped optimizer's class (see ``DistributedOptimizer``)."""
 
-    def synchronize(self):
+    def synchronize(self) -> exdyna_mpi.Stats:
         """Replace the flat gradient by the averaged sparse gradient, in place. Collective."""
         torch = _torch()
         self._exdyna_grads.attach()
@@ -201,7 +131,7 @@ class _DistributedMixin:
             self._exdyna_last = sp
         return sp.stats
 
-    def step(self, closure=None):
+    def step(self, closure: None = None) -> Any:
         """``synchronize()`` then the wrapped optimizer's step (momentum, weight decay, ...)."""
         if closure is not None:
             raise ValueError("DistributedOptimizer.step: closures are not supported "
@@ -209,11 +139,11 @@ class _DistributedMixin:
         self.synchronize()
         return super().step()
 
-    def zero_grad(self, set_to_none=False):
+    def zero_grad(self, set_to_none: bool = False) -> None:
         """Zero the flat gradient buffer; ``.grad`` stays a view into it (``set_to_none`` is ignored)."""
         self._exdyna_grads.zero()
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state plus this rank's sparsifier state (residual, controller,
         layout, iteration) under ``"exdyna_sparsifier"``, as tensors and plain Python values, so
         ``torch.save(opt.state_dict(), f"ckpt.{rank}")`` and ``torch.load`` (``weights_only=True``
@@ -225,7 +155,7 @@ class _DistributedMixin:
             d[OPTIONS_KEY] = _to_torch(self._exdyna_options.state_dict())
         return d
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore ``state_dict()`` output; resumes bit-exactly. Collective over the sparsifier's
         communicator: every rank loads its own rank's dict, and a mismatch (other P, sparsifier,
         density or rank) raises the same ``ValueError`` on every rank before anything changes.
@@ -256,26 +186,29 @@ class _DistributedMixin:
             self._exdyna_options.load_state_dict(_from_torch_keep_tensors(opt_state))
 
     @property
-    def stats(self):
+    def stats(self) -> exdyna_mpi.Stats:
         """The sparsifier's stats for the last step (``counts``, ``density``, ``bytes_sent``, ...)."""
         return getattr(self, "_exdyna_last", self.sparsifier).stats
 
     @property
-    def flat_grad(self):
+    def flat_grad(self) -> torch.Tensor:
         return self._exdyna_grads.flat
 
 
-def DistributedOptimizer(optimizer, model=None, *, sparsifier="exdyna", density=0.01, comm=None,
-                         broadcast=True, clip_norm=None, warmup_steps=0, momentum_correction=0.0,
-                         momentum_masking=True, density_warmup=None, density_warmup_steps=None,
-                         **options):
+def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None, *,
+                         sparsifier: str = "exdyna", density: float = 0.01, comm: MPI.Comm | None = None,
+                         broadcast: bool = True, clip_norm: float | None = None, warmup_steps: int = 0,
+                         momentum_correction: float = 0.0, momentum_masking: bool = True,
+                         density_warmup: Sequence[float] | None = None, density_warmup_steps: int | None = None,
+                         **options: Any) -> torch.optim.Optimizer:
     """Wrap a torch optimizer so ``step()`` exchanges a sparse gradient first. Collective.
 
     ``model`` (optional): a ``torch.nn.Module`` whose parameters and buffers are broadcast from rank
     0; without it the optimizer's parameters are used. ``sparsifier``: any name of
-    ``exdyna_mpi.available()`` (``"dense"`` is the allreduce baseline); ``options`` go to it. The result is an instance of a
-    subclass of the optimizer's class (so LR schedulers accept it) sharing its state; use it in place
-    of the original. ``opt.sparsifier`` and ``opt.stats`` give the sparsifier and its last stats.
+    ``exdyna_mpi.available()`` (``"dense"`` is the allreduce baseline); ``options`` go to it. The
+    result is an instance of a subclass of the optimizer's class (so LR schedulers accept it) sharing
+    its state; use it in place of the original. ``opt.sparsifier`` and ``opt.stats`` give the
+    sparsifier and its last stats.
 
     Training-recipe options (all off by default; off, the step is bit-identical to having none; see
     ``_torch_options.py``): ``clip_norm`` (clip this rank's gradient before accumulation),
@@ -309,5 +242,3 @@ def DistributedOptimizer(optimizer, model=None, *, sparsifier="exdyna", density=
     return _wrap(optimizer, _DistributedMixin, "Distributed", _exdyna_grads=grads, sparsifier=sp,
                  _exdyna_options=recipe)
 
-
-from .torch_wagma import FlatParams, GroupAveragingOptimizer  # noqa: E402,F401  (WAGMA-SGD wrapper)

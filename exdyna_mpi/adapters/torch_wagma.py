@@ -13,9 +13,17 @@ the wrapped optimizer (momentum, weight decay act on the local gradient), then a
 1 is local SGD with period ``sync_every``. Construction broadcasts rank 0's parameters and buffers.
 ``state_dict()`` holds the wrapped optimizer's state plus the averager's (``"group_averager"``).
 """
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterable
+
 import exdyna_mpi
 
-from .torch import _broadcast_model, _flat_layout, _torch, _wrap, _wrapped_params
+from ._torch_common import _broadcast_model, _flat_layout, _torch, _wrap, _wrapped_params
+
+if TYPE_CHECKING:
+    import torch
+    from mpi4py import MPI
 
 __all__ = ["GroupAveragingOptimizer", "FlatParams"]
 
@@ -23,7 +31,7 @@ __all__ = ["GroupAveragingOptimizer", "FlatParams"]
 class FlatParams:
     """One contiguous parameter buffer; each parameter's ``.data`` is a view into it."""
 
-    def __init__(self, params):
+    def __init__(self, params: Iterable[torch.Tensor]) -> None:
         torch = _torch()
         self.params, self.numel = _flat_layout(params, "FlatParams")
         with torch.no_grad():
@@ -36,13 +44,13 @@ class FlatParams:
 
 
 class _GroupAveragingMixin:
-    def average(self):
+    def average(self) -> exdyna_mpi.Stats:
         """Average the model as the schedule says for this call (in place). Collective."""
         with _torch().no_grad():
             self.averager.step(self._wagma_params.flat, out=self._wagma_params.flat)
         return self.averager.stats
 
-    def step(self, closure=None):
+    def step(self, closure: None = None) -> Any:
         """The wrapped optimizer's local step, then the model average."""
         if closure is not None:
             raise ValueError("GroupAveragingOptimizer.step: closures are not supported")
@@ -50,37 +58,38 @@ class _GroupAveragingMixin:
         self.average()
         return out
 
-    def synchronize_model(self):
+    def synchronize_model(self) -> None:
         """A global average of the model outside the schedule (e.g. before evaluating). Collective."""
         with _torch().no_grad():
             self.averager.average_all(self._wagma_params.flat, out=self._wagma_params.flat)
 
     @property
-    def stats(self):
+    def stats(self) -> exdyna_mpi.Stats:
         return self.averager.stats
 
     @property
-    def flat_params(self):
+    def flat_params(self) -> torch.Tensor:
         return self._wagma_params.flat
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         d = super().state_dict()
         d["group_averager"] = self.averager.state_dict()
         return d
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         d = dict(state_dict)
         ga = d.pop("group_averager", None)
         super().load_state_dict(d)
         if ga is not None:
             self.averager.load_state_dict(ga)
 
-    def close(self):
+    def close(self) -> None:
         self.averager.close()
 
 
-def GroupAveragingOptimizer(optimizer, model=None, *, group_size=2, sync_every=10, mode="sync",
-                            comm=None, broadcast=True):
+def GroupAveragingOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None, *,
+                            group_size: int = 2, sync_every: int = 10, mode: str = "sync",
+                            comm: MPI.Comm | None = None, broadcast: bool = True) -> torch.optim.Optimizer:
     """Wrap a torch optimizer so ``step()`` is a local step followed by WAGMA model averaging.
 
     The result is an instance of a subclass of the optimizer's class sharing its state; use it in

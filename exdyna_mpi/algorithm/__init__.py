@@ -3,15 +3,15 @@
 - ``layout``: ExDyna's block partitions, their rotation (``partition_of``, ``owners``) and
   rebalancing (``BlockLayout``, ``EqualLayout`` for MiCRO).
 - ``quota``: per-rank selection quotas that bound one step's load imbalance (``max_imbalance``).
-- ``controllers``: the threshold-controller protocol (``Controller``, ``PassPlan``) and its
-  implementations (``measured``, the default; ``faithful``, ``symmetric``, ``histogram``;
+- ``controllers``: the threshold-controller protocol (``Controller``, ``PassPlan``, ``Window``,
+  ``OwnedRange``) and its implementations (``measured``, the default; ``faithful``, ``symmetric``;
   ``DenseController`` at density 1).
 
 Touches no per-element data and makes no MPI call.
 """
-from .controllers import CONTROLLERS, Controller, PassPlan, make_controller, target_count
+from .controllers import CONTROLLERS, Controller, OwnedRange, PassPlan, Window, make_controller, target_count
 from .layout import BlockLayout, EqualLayout, owners, partition_of
 from .quota import quotas
 
-__all__ = ["CONTROLLERS", "BlockLayout", "Controller", "EqualLayout", "PassPlan", "make_controller", "owners",
-           "partition_of", "quotas", "target_count"]
+__all__ = ["CONTROLLERS", "BlockLayout", "Controller", "EqualLayout", "OwnedRange", "PassPlan", "Window",
+           "make_controller", "owners", "partition_of", "quotas", "target_count"]

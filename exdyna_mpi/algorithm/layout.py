@@ -155,10 +155,11 @@ class BlockLayout:
         """Boundaries for step ``t`` from the exact per-block counts of step ``t - 1``.
 
         ``union``: the indices every rank selected at step ``t - 1`` (gathered anyway, identical on
-        every rank: no extra words), or ``counts``: ``block_counts(union)`` already made. Where the selection sits inside a partition is known to the
-        block, so on streams whose load stays put from one step to the next (real gradients:
-        layers) one cut equalises it; a short moving average (``BLOCKS_EMA_SHIFT``) damps the count
-        noise of a stationary stream. Same cut and limits as ``rebalance_adaptive``.
+        every rank: no extra words), or ``counts``: ``block_counts(union)`` already made. Where the
+        selection sits inside a partition is known to the block, so on streams whose load stays put
+        from one step to the next (real gradients: layers) one cut equalises it; a short moving
+        average (``BLOCKS_EMA_SHIFT``) damps the count noise of a stationary stream. Same cut and
+        limits as ``rebalance_adaptive``.
         """
         if not self.moves_blocks():
             return   # a few blocks per partition: a cut moves whole shares of the load; keep the layout

@@ -1,6 +1,6 @@
 """Arrays layer, CUDA side: ``CudaOps``, the ``Ops`` protocol on CUDA buffers.
 
-Every per-element operation is a Numba CUDA kernel (``kernels/cuda.py``) launched on the backend's
+Every per-element operation is a Numba CUDA kernel (``kernels.cuda``) launched on the backend's
 stream (CuPy's current stream on a GPU), so the kernels order correctly with whatever the user's
 framework queued there and the host never waits, except for the count words ``accumulate_select`` /
 ``select_range`` / ``count_range`` return (one small device->host copy each), and for the histogram
@@ -125,22 +125,9 @@ class CudaOps:
         _k.scatter_mean_zero(out, residual, idx, sums, p, BACKEND.stream())
 
     @staticmethod
-    def accumulate_select_hist(residual, grad, acc, lo, hi, thr, idx, shift, key0, hist, predict=False,
-                               fine=None, forecast=None, stride=1):
-        s = _scratch_here()
-        shift_f, key0_f, hist_f = fine if fine is not None else (0, 0, np.zeros(0, np.int64))
-        nh, nf = hist.shape[0], hist_f.shape[0]
-        _k.accumulate_select_hist_async(residual, grad, acc, int(lo), int(hi), thr, idx, shift, key0, nh, s,
-                                        BACKEND.stream(), None, predict, (shift_f, key0_f, nf), forecast, stride)
-        w = _words(s, nh + nf)
-        hist += w[2:2 + nh]
-        hist_f += w[2 + nh:2 + nh + nf]
-        return int(w[0]), int(w[1])
-
-    @staticmethod
-    def accumulate_measure(residual, grad, acc, lo, hi, coarse, fine, stride, mark=None, threads=1):
-        # the histogram pass with the marks (hit-mask bits) of |acc| >= mark instead of a selection
-        # (``threads``: host threads, nothing to do with the device)
+    def accumulate_measure(residual, grad, acc, lo, hi, coarse, fine, stride, mark=None, threads=1, marks=None):
+        # histograms, and the marks (hit-mask bits) of |acc| >= mark kept in this stream's scratch
+        # (``marks``, the host's buffer, and ``threads``, host threads, have nothing to do with the device)
         s, nw = _measure_async(residual, grad, acc, lo, hi, coarse, fine, stride, mark)
         return _add_measure_words(_words(s, nw), coarse, fine)
 
@@ -165,7 +152,7 @@ class CudaOps:
         _scratch_here().marked = None
 
     @staticmethod
-    def select_marked(x, lo, hi, thr, idx, expect=None, keep=False):
+    def select_marked(x, lo, hi, thr, idx, expect=None, keep=False, marks=None):
         # the marks of the measuring pass over [lo, hi) hold every hit when thr >= mark: read the
         # mask, not x; ``expect`` (the count the caller knows exactly) spares the host a wait. The
         # select consumes the marks whatever ``keep`` says: a second one is a full select_range
@@ -174,16 +161,16 @@ class CudaOps:
         return int(expect) if expect is not None else _totals(s)[0]
 
     @staticmethod
-    def release_marks():
+    def release_marks(marks=None):
         pass   # the select consumed them; Scratch clears unused marks before the next selection
 
     @staticmethod
-    def hist_range(x, lo, hi, shift, key0, hist):
+    def hist_range(x, lo, hi, shift, key0, hist, marks=None):
         s = _scratch_here()
         nh = hist.shape[0]
-        marks = _k.hist_range_async(x, int(lo), int(hi), shift, key0, nh, s, BACKEND.stream())
+        from_marks = _k.hist_range_async(x, int(lo), int(hi), shift, key0, nh, s, BACKEND.stream())
         w = _words(s, nh)[2:2 + nh]
-        if marks:   # read the marks only: bucket 0 is the rest of the range (every value is finite here)
+        if from_marks:   # read the marks only: bucket 0 is the rest of the range (every value is finite here)
             w[0] = (int(hi) - int(lo)) - w[1:].sum()
         hist += w
 

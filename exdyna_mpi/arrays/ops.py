@@ -2,16 +2,16 @@
 
 One protocol, two implementations: ``HostOps`` runs the ``@njit`` kernels (``kernels/cpu.py``,
 ``kernels/cpu_controller.py``) on NumPy buffers; ``CudaOps`` (``cuda_ops.py``) runs the CUDA kernels
-(``kernels/cuda.py``) on CUDA buffers, bit-identical. Sparsifiers call these methods only, never a
+on CUDA buffers, bit-identical. Sparsifiers call these methods only, never a
 kernel directly, so one sparsifier body serves both devices. tests/unit/test_layers.py checks that
 both implement every method of ``Ops`` with the same signature. A device backend may add the methods
 of ``DEVICE_ONLY`` (work it queues ahead of the host; ``CudaOps`` documents them); callers test for
 them with ``hasattr``.
 """
+from __future__ import annotations
+
 import ctypes
 import os
-import threading
-import weakref
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -20,26 +20,46 @@ from ..kernels import cpu as _k
 from ..kernels import cpu_controller as _kc
 
 
-_marks = threading.local()   # per thread: the last measuring pass's (acc, lo, hi, mark, indices, values)
+class Marks:
+    """Where a measuring pass (``HostOps.accumulate_measure``) found ``|acc| >= level`` in its range
+    ``[lo, hi)``: the indices, ascending, and their values. The ``select_marked`` and ``hist_range``
+    calls that follow over the same buffer and range read these instead of the range. The caller
+    owns one and passes it to each of those calls; a device backend keeps its marks in its own
+    scratch and ignores it.
 
+    One per caller, reused every step: its buffers keep their pages mapped (pages are touched only
+    where marks land). ``acc`` is held until ``clear``: a buffer that comes back two steps later (the
+    residual and ``acc`` rotate) must not find the old marks, so a select consumes them.
+    """
 
-def _marks_buffers(m, dtype):
-    """(indices, values) buffers of capacity ``m``, kept per thread (pages are touched only where
-    marks land)."""
-    buf, vals = getattr(_marks, "buf", None), getattr(_marks, "vals", None)
-    if buf is None or buf.shape[0] < m:
-        buf = _marks.buf = np.empty(max(m, 1), np.int64)
-    if vals is None or vals.shape[0] < m or vals.dtype != dtype:
-        vals = _marks.vals = np.empty(max(m, 1), dtype)
-    return buf[:m], vals[:m]
+    __slots__ = ("_index_buf", "_value_buf", "acc", "lo", "hi", "level", "index", "value")
 
+    def __init__(self):
+        self._index_buf = self._value_buf = None
+        self.clear()
 
-def _marks_for(x, lo, hi):
-    """``(mark, indices, values)`` of the measuring pass over ``x[lo:hi]`` on this thread, else None."""
-    now = getattr(_marks, "now", None)
-    if now is None or now[0]() is not x or now[1] != lo or now[2] != hi:
-        return None
-    return now[3:]
+    def buffers(self, m: int, dtype) -> tuple[np.ndarray, np.ndarray]:
+        """(indices, values) buffers of capacity ``m`` for the pass to fill."""
+        if self._index_buf is None or self._index_buf.shape[0] < m:
+            self._index_buf = np.empty(max(m, 1), np.int64)
+        if self._value_buf is None or self._value_buf.shape[0] < m or self._value_buf.dtype != dtype:
+            self._value_buf = np.empty(max(m, 1), dtype)
+        return self._index_buf[:m], self._value_buf[:m]
+
+    def hold(self, acc: np.ndarray, lo: int, hi: int, level: float, n: int) -> None:
+        """The pass over ``acc[lo:hi]`` put its ``n`` marks, every value at or above ``level``, in
+        ``buffers``."""
+        self.acc, self.lo, self.hi, self.level = acc, int(lo), int(hi), level
+        self.index, self.value = self._index_buf[:n], self._value_buf[:n]
+
+    def of(self, x, lo, hi) -> tuple[float, np.ndarray, np.ndarray] | None:
+        """``(level, indices, values)`` of the pass over ``x[lo:hi]``, else None."""
+        if self.acc is not x or self.lo != lo or self.hi != hi:
+            return None
+        return self.level, self.index, self.value
+
+    def clear(self) -> None:
+        self.acc, self.lo, self.hi, self.level, self.index, self.value = None, 0, 0, None, None, None
 
 
 ALIGN = 64   # bytes: the start of every buffer HostOps makes
@@ -97,32 +117,30 @@ class Ops(Protocol):
     def scatter_mean_zero(self, out, residual, idx, sums, p):
         """``out[idx] = sums / p``; ``residual[idx] = 0``."""
 
-    def accumulate_select_hist(self, residual, grad, acc, lo, hi, thr, idx, shift, key0, hist, predict=False,
-                               fine=None, forecast=None, stride=1):
-        """``accumulate_select`` that also adds to host ``hist`` (and ``fine = (shift, key0, hist)``'s)
-        the histogram over ``forecast = (flo, fhi)`` (default ``(lo, hi)``) of ``|acc|``, or with
-        ``predict`` of the forecast ``|p|`` (kernels/cpu_controller.py gives the exact rule)."""
+    def hist_range(self, x, lo, hi, shift, key0, hist, marks=None):
+        """``hist += histogram(|x[lo:hi]|)`` (read only; ``hist`` a host int64 array): the bucket
+        rule of kernels/cpu_controller.py. ``marks``: the ``Marks`` of the measuring pass over
+        ``x[lo:hi]``, if any (a window at or above their level reads only those)."""
 
-    def hist_range(self, x, lo, hi, shift, key0, hist):
-        """``hist += histogram(|x[lo:hi]|)`` (read only; ``hist`` a host int64 array)."""
-
-    def accumulate_measure(self, residual, grad, acc, lo, hi, coarse, fine, stride, mark=None, threads=1):
-        """``acc = residual + grad``; over [lo, hi) the histograms ``accumulate_select_hist`` makes of
-        ``|acc|`` with an infinite threshold (``coarse``/``fine``: ``(shift, key0, host int64 hist)``,
-        the coarse one every ``stride``-th element, ``fine`` may be None); selects nothing. Returns the
+    def accumulate_measure(self, residual, grad, acc, lo, hi, coarse, fine, stride, mark=None, threads=1,
+                           marks=None):
+        """``acc = residual + grad``; over [lo, hi) the histograms of ``|acc|`` (``coarse``/``fine``:
+        ``(shift, key0, host int64 hist)``, the coarse one every ``stride``-th element, ``fine`` may
+        be None; kernels/cpu_controller.py gives the bucket rule); selects nothing. Returns the
         number of non-finite values of ``acc``. The measured controller's pass. ``mark``: the backend
-        may remember where ``|acc| >= mark`` for the ``select_marked`` that follows. ``threads``: host
-        threads the pass may use (``host_threads``; the same result with any number)."""
+        may remember where ``|acc| >= mark`` for the ``select_marked`` that follows (the host in
+        ``marks``, a device in its scratch). ``threads``: host threads the pass may use
+        (``host_threads``; the same result with any number)."""
 
-    def select_marked(self, x, lo, hi, thr, idx, expect=None, keep=False):
+    def select_marked(self, x, lo, hi, thr, idx, expect=None, keep=False, marks=None):
         """``select_range`` right after ``accumulate_measure`` over the same range (the same result;
         a backend that kept the marks reads only those when ``thr >= mark``). ``expect``: the count,
         when the caller knows it exactly (a backend may return it without reading its own).
         ``keep``: a backend may keep the marks for one more ``select_marked`` (at a lower threshold)
-        until ``release_marks``."""
+        until ``release_marks``. ``marks``: what the pass was given."""
 
-    def release_marks(self):
-        """Forget the marks of the last measuring pass on this thread."""
+    def release_marks(self, marks=None):
+        """Forget the marks of the last measuring pass (``marks``: what the pass was given)."""
 
     def to_host(self, x):
         """A host (NumPy) view or copy of ``x``."""
@@ -187,14 +205,8 @@ class HostOps:
         _k.scatter_mean_zero(out, residual, idx, sums, p)
 
     @staticmethod
-    def accumulate_select_hist(residual, grad, acc, lo, hi, thr, idx, shift, key0, hist, predict=False,
-                               fine=None, forecast=None, stride=1):
-        return _kc.host_accumulate_select_hist(residual, grad, acc, lo, hi, thr, idx, shift, key0, hist, predict,
-                                               fine, forecast, stride)
-
-    @staticmethod
-    def hist_range(x, lo, hi, shift, key0, hist):
-        marks = _marks_for(x, lo, hi)
+    def hist_range(x, lo, hi, shift, key0, hist, marks=None):
+        marks = marks.of(x, lo, hi) if marks is not None else None
         if marks is not None:   # a zoom at or above the mark: every element it bins is marked
             bits, sign_off = _kc.int_view(x)
             if (int(key0) + 1) << int(shift) >= int(np.array([marks[0]], x.dtype).view(bits.dtype)[0]):
@@ -207,32 +219,34 @@ class HostOps:
         _kc.host_hist_range(x, lo, hi, shift, key0, hist)
 
     @staticmethod
-    def accumulate_measure(residual, grad, acc, lo, hi, coarse, fine, stride, mark=None, threads=1):
+    def accumulate_measure(residual, grad, acc, lo, hi, coarse, fine, stride, mark=None, threads=1, marks=None):
         # one fused kernel (kernels/cpu_controller.py: accumulate_measure, or it on threads); it
         # finds the elements at or above the fine window's first edge anyway: with ``mark`` (that
-        # edge) their indices are kept
-        _marks.now = None
-        keep = mark is not None and fine is not None
-        buf, vals = _marks_buffers(hi - lo, acc.dtype) if keep else (None, None)
+        # edge) and ``marks`` their indices are kept there
+        if marks is not None:
+            marks.clear()
+        keep = mark is not None and fine is not None and marks is not None
+        buf, vals = marks.buffers(hi - lo, acc.dtype) if keep else (None, None)
         bad, n = _kc.host_accumulate_measure(residual, grad, acc, lo, hi, coarse, fine, stride, buf, threads, vals)
         if keep:   # the marks hold every value at or above the window's edge: a lower mark cannot be kept
             bits, _ = _kc.int_view(acc)
             edge = float(np.array([(int(fine[1]) + 1) << int(fine[0])], bits.dtype).view(acc.dtype)[0])
-            _marks.now = (weakref.ref(acc), int(lo), int(hi), max(float(mark), edge), buf[:n], vals[:n])
+            marks.hold(acc, lo, hi, max(float(mark), edge), n)
         return bad
 
     @staticmethod
-    def select_marked(x, lo, hi, thr, idx, expect=None, keep=False):
-        marks = _marks_for(x, lo, hi)
-        if not keep:
-            _marks.now = None
-        if marks is not None and thr >= marks[0]:
-            return int(_kc.select_marks(marks[2], marks[1], thr, idx))   # O(marks), not O(hi - lo)
+    def select_marked(x, lo, hi, thr, idx, expect=None, keep=False, marks=None):
+        held = marks.of(x, lo, hi) if marks is not None else None
+        if marks is not None and not keep:
+            marks.clear()
+        if held is not None and thr >= held[0]:
+            return int(_kc.select_marks(held[2], held[1], thr, idx))   # O(marks), not O(hi - lo)
         return HostOps.select_range(x, lo, hi, thr, idx)
 
     @staticmethod
-    def release_marks():
-        _marks.now = None
+    def release_marks(marks=None):
+        if marks is not None:
+            marks.clear()
 
     @staticmethod
     def to_host(x):

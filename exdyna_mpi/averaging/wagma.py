@@ -37,10 +37,13 @@ same ``StepError`` and the round is used up (the vector is left unchanged), so t
 step. A wait-avoiding group step refuses bad input on the offending rank only (a collective check
 would wait for stragglers); nothing changes there and the rank is simply late for the round.
 """
+from __future__ import annotations
+
 import atexit
 import time
 import weakref
 import zlib
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -50,35 +53,42 @@ from ..sparsifiers.base import Stats
 from .._errors import InputCode, StepError, refusal
 from ..transport.group import MAX_SYNC_EVERY, AsyncRounds, GroupTransport, Message, member_index
 
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
+#: ``(kind, phase, bits, group)`` of one call: ``"global"`` or ``"group"``, the phase (None on a
+#: global step), the rank bits the group spans, and its sorted ranks
+Schedule = tuple[str, int | None, tuple[int, ...], list[int]]
+
 MODES = ("sync", "wait_avoiding")
 
 
 # ---------------------------------------------------------------------- schedule (pure)
-def is_pow2(n):
+def is_pow2(n: object) -> bool:
     return isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 1 and (n & (n - 1)) == 0
 
 
-def n_phases(nranks, group_size):
+def n_phases(nranks: int, group_size: int) -> int:
     """R = ceil(log2 P / log2 S); 1 when there is nothing to rotate (P = 1 or S = 1)."""
     L, g = int(nranks).bit_length() - 1, int(group_size).bit_length() - 1
     return 1 if g == 0 or L == 0 else -(-L // g)
 
 
-def step_kind(t, sync_every):
+def step_kind(t: int, sync_every: int) -> str:
     return "global" if (t + 1) % sync_every == 0 else "group"
 
 
-def phase_of(t, nranks, group_size):
+def phase_of(t: int, nranks: int, group_size: int) -> int:
     return t % n_phases(nranks, group_size)
 
 
-def group_bits(phase, nranks, group_size):
+def group_bits(phase: int, nranks: int, group_size: int) -> tuple[int, ...]:
     """The rank bits a group of ``phase`` spans: [phase*g, min((phase+1)*g, log2 P))."""
     L, g = int(nranks).bit_length() - 1, int(group_size).bit_length() - 1
     return tuple(range(phase * g, min((phase + 1) * g, L)))
 
 
-def group_of(rank, t, nranks, group_size, sync_every):
+def group_of(rank: int, t: int, nranks: int, group_size: int, sync_every: int) -> list[int]:
     """Sorted ranks that average with ``rank`` at call ``t`` (all ranks on a global step)."""
     if step_kind(t, sync_every) == "global":
         return list(range(nranks))
@@ -96,7 +106,7 @@ def group_of(rank, t, nranks, group_size, sync_every):
     return sorted(out)
 
 
-def schedule(t, rank, nranks, group_size, sync_every):
+def schedule(t: int, rank: int, nranks: int, group_size: int, sync_every: int) -> Schedule:
     """(kind, phase or None, bits, group) of call ``t`` on ``rank``."""
     kind = step_kind(t, sync_every)
     if kind == "global":
@@ -128,7 +138,8 @@ class GroupAverager:
 
     name = "wagma"
 
-    def __init__(self, numel, comm=None, *, group_size=2, sync_every=10, mode="sync"):
+    def __init__(self, numel: int, comm: MPI.Comm | None = None, *, group_size: int = 2, sync_every: int = 10,
+                 mode: Literal["sync", "wait_avoiding"] = "sync") -> None:
         comm = transport.world() if comm is None else comm
         self.tx = GroupTransport(comm)
         self.comm = comm
@@ -175,24 +186,24 @@ class GroupAverager:
         self._rounds = None
         self._msgs = {}
         self._closed = False
-        self.stats = None
+        self.stats: Stats | None = None
         _LIVE.add(self)
 
     # ------------------------------------------------------------------ properties
     @property
-    def dtype(self):
+    def dtype(self) -> np.dtype:
         return self._dtype or np.dtype(np.float32)
 
     @property
-    def pending_requests(self):
+    def pending_requests(self) -> int:
         """MPI requests posted and not yet completed (0 between rounds and after ``close``)."""
         return 0 if self._rounds is None else self._rounds.pending
 
     @property
-    def thread_alive(self):
+    def thread_alive(self) -> bool:
         return self._rounds is not None and self._rounds.alive
 
-    def schedule(self, t=None):
+    def schedule(self, t: int | None = None) -> Schedule:
         """(kind, phase, bits, group) of call ``t`` (default: the next call) on this rank."""
         t = self.iteration if t is None else t
         return schedule(t, self.rank, self.nranks, self.group_size, self.sync_every)
@@ -235,7 +246,7 @@ class GroupAverager:
         return self._msgs[s]
 
     # ------------------------------------------------------------------ step
-    def step(self, vec, out=None):
+    def step(self, vec: Any, out: Any = None) -> Any:
         """Average ``vec`` as the schedule says for this call; return the result as the same kind of
         object (``out``, if given, receives it: same dtype, may be ``vec`` itself)."""
         if self._closed:
@@ -335,7 +346,7 @@ class GroupAverager:
                                    self._bits_of_round)
         self._rounds.start(t)
 
-    def average_all(self, vec, out=None):
+    def average_all(self, vec: Any, out: Any = None) -> Any:
         """A global average outside the schedule (e.g. before evaluating). Collective; the call
         counter does not move."""
         inp, err, out_arr = self._take(vec, out)
@@ -365,7 +376,7 @@ class GroupAverager:
             raise ValueError(f"GroupAverager: {what} refused: ranks have made different numbers of "
                              f"calls {got[:, 0].tolist()}")
 
-    def close(self):
+    def close(self) -> None:
         """End the progress thread (after the last round any rank needs) and free the private
         communicators. Collective; idempotent."""
         if self._closed:
@@ -376,20 +387,20 @@ class GroupAverager:
         self._closed = True
         _LIVE.discard(self)
 
-    def __enter__(self):
+    def __enter__(self) -> GroupAverager:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> Literal[False]:
         self.close()
         return False
 
     # ------------------------------------------------------------------ state
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         return {"name": self.name, "numel": self.numel, "nranks": self.nranks, "rank": self.rank,
                 "group_size": self.group_size, "sync_every": self.sync_every, "mode": self.mode,
                 "iteration": self.iteration, "dtype": None if self._dtype is None else self._dtype.str}
 
-    def load_state_dict(self, d):
+    def load_state_dict(self, d: dict[str, Any]) -> None:
         """Restore ``state_dict()`` output (the schedule position). Collective."""
         problem, it = None, -1
         try:

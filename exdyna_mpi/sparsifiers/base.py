@@ -13,7 +13,10 @@
 
 The roles are in ``roles.py``; the controller protocol in ``algorithm/controllers.py``.
 """
+from __future__ import annotations
+
 import time
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -30,30 +33,44 @@ __all__ = ["DEVICES", "NONFINITE_POLICIES", "Selection", "Sparsifier", "Stats"]
 
 
 class Stats:
-    """What the last step did. Attributes, also readable as ``stats["name"]``."""
+    """What the last step did. Attributes, also readable as ``stats["name"]``; a sparsifier may add
+    its own (ExDyna: ``quota_moved``, ``deadline``; FFT: ``rel_error``, ...)."""
 
     FIELDS = ("iteration", "counts", "selected", "density", "threshold", "bounds", "owned",
               "bytes_sent", "bytes_received", "seconds", "skipped", "imbalance")
 
-    def __init__(self, **kw):
+    iteration: int                 # the step's index
+    counts: np.ndarray             # (P,) what each rank selected (its load)
+    selected: int                  # the total selection
+    density: float                 # selected / numel
+    threshold: float | None        # the global threshold, where there is one
+    bounds: np.ndarray | None      # partition boundaries of the step (ExDyna, MiCRO)
+    owned: np.ndarray | None       # the partition each rank owned
+    bytes_sent: int                # this rank's bytes of the step, sent and received
+    bytes_received: int
+    seconds: dict[str, float]      # phase timings ({} for a skipped step)
+    skipped: bool                  # skipped on every rank (non-finite values, ``nonfinite="skip"``)
+    imbalance: float | None        # max count x P / total - 1
+
+    def __init__(self, **kw: Any) -> None:
         for f in self.FIELDS:
             setattr(self, f, kw.pop(f, None))
         for k, v in kw.items():
             setattr(self, k, v)
 
-    def __getitem__(self, key):
+    def __getitem__(self, key: str) -> Any:
         try:
             return getattr(self, key)
         except AttributeError:
             raise KeyError(key) from None
 
-    def keys(self):
+    def keys(self) -> list[str]:
         return [k for k in vars(self)]
 
-    def as_dict(self):
+    def as_dict(self) -> dict[str, Any]:
         return dict(vars(self))
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         body = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if k != "seconds")
         return f"Stats({body})"
 
@@ -71,9 +88,13 @@ class Sparsifier(Selector):
 
     name = "base"
     #: option name -> (default, validator returning an error text or None)
-    OPTIONS = {}
+    OPTIONS: dict[str, tuple[Any, Callable[[Any], str | None]]] = {}
 
-    def __init__(self, numel, density, comm=None, *, device="auto", nonfinite="raise", **options):
+    iteration: int               # the next step's index
+    stats: Stats | None          # what the last step did (None before the first)
+
+    def __init__(self, numel: int, density: float, comm: Any = None, *, device: str = "auto",
+                 nonfinite: str = "raise", **options: Any) -> None:
         self.comm = world() if comm is None else comm
         self.exchange = Exchange(self.comm)
         self.rank, self.nranks = self.exchange.rank, self.exchange.size
@@ -101,8 +122,8 @@ class Sparsifier(Selector):
             opts[key] = val
         for key in sorted(options):
             errors.append(f"unknown option {key!r} for {self.name}")
-        config = f"{self.name} numel={numel!r} density={density!r} nonfinite={nonfinite!r} device={device!r} " + " ".join(
-            f"{k}={v!r}" for k, v in sorted(opts.items()))
+        config = (f"{self.name} numel={numel!r} density={density!r} nonfinite={nonfinite!r} device={device!r} "
+                  + " ".join(f"{k}={v!r}" for k, v in sorted(opts.items())))
         agree_arguments(self.exchange, self.name, errors, config)
         self.exchange.reset_counters()
         # host threads of the per-element pass: this rank's share of its node's cores (1 when the
@@ -121,11 +142,13 @@ class Sparsifier(Selector):
 
     # ------------------------------------------------------------------ device and buffers
     @property
-    def device(self):
+    def device(self) -> str:
+        """"cpu" or "cuda": where the buffers live ("cpu" until ``device="auto"`` sees a gradient)."""
         return self._device or "cpu"
 
     @property
-    def dtype(self):
+    def dtype(self) -> np.dtype:
+        """The residual's dtype (float32 before the first step)."""
         return self.memory.dtype or np.dtype(np.float32)
 
     @property
@@ -133,7 +156,7 @@ class Sparsifier(Selector):
         return self.memory.dtype
 
     @property
-    def residual(self):
+    def residual(self) -> np.ndarray:
         """A copy of the error-feedback buffer (zeros before the first step), on the host."""
         return self.memory.host_copy(self.dtype)
 
@@ -167,7 +190,7 @@ class Sparsifier(Selector):
         return inp, err, out
 
     # ------------------------------------------------------------------ the step template
-    def step(self, grad, out=None):
+    def step(self, grad: Any, out: Any = None) -> Any:
         """Sparsify ``grad``, exchange, and return the averaged sparse gradient (dense, same kind).
 
         ``out`` (optional): a buffer of the same kind, dtype and device to write the result into
@@ -258,7 +281,7 @@ class Sparsifier(Selector):
         return inp.wrap(res)
 
     # ------------------------------------------------------------------ shared by selectors
-    def accumulate(self, grad, acc):
+    def accumulate(self, grad: Any, acc: Any) -> int:
         """``acc = residual + grad`` with no selection; returns the number of non-finite values."""
         no_idx = np.empty(1, dtype=np.int32)
         _, bad = self.ops.accumulate_select(self.memory.residual, grad, acc, 0, 0, self._dtype.type(np.inf), no_idx)
@@ -272,7 +295,7 @@ class Sparsifier(Selector):
             buf = self._vals = self.ops.empty(max(n + n // 4, 1), dtype)
         return buf[:n]
 
-    def average_at(self, acc, union, out, sec, done=False):
+    def average_at(self, acc: Any, union: Any, out: Any, sec: dict[str, float], done: bool = False) -> Any:
         """The end of a union step: sum every rank's ``acc[union]`` (bit-identical everywhere),
         ``acc`` becomes the residual with ``union`` zeroed, and the returned buffer holds the sum / P
         at ``union``, 0 elsewhere. Phase times go into ``sec``. ``done``: the device already wrote
@@ -301,7 +324,7 @@ class Sparsifier(Selector):
     def _load_extra_state(self, d):
         pass
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume bit-exactly on this rank (host copies; safe to pickle)."""
         return {
             "name": self.name, "numel": self.numel, "density": self.density, "nranks": self.nranks,
@@ -311,7 +334,7 @@ class Sparsifier(Selector):
             **self._extra_state(),
         }
 
-    def load_state_dict(self, d):
+    def load_state_dict(self, d: Mapping[str, Any]) -> None:
         """Restore ``state_dict()`` output. Collective: every rank loads its own rank's dict."""
         problem = None
         try:

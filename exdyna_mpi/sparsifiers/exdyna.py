@@ -1,16 +1,20 @@
 """ExDyna and MiCRO: exclusive partitions, one owner per partition per step, a global threshold."""
+from __future__ import annotations
+
+import dataclasses
 import math
 import time
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..algorithm.controllers import CONTROLLERS, make_controller
+from ..algorithm.controllers import CONTROLLERS, PassPlan, Window, make_controller
 from ..algorithm.layout import BlockLayout, EqualLayout, owners, partition_of
 from ..algorithm.quota import quotas
 from ..arrays import threshold_for
+from ..arrays.ops import Marks
 from . import deadline as _deadline
 from .base import Selection, Sparsifier
-from .roles import StepWords
 
 
 def _positive_int(v):
@@ -35,8 +39,70 @@ def _max_imbalance(v):
     return None if ok and 0.0 <= float(v) < math.inf else "must be None or a number >= 0"
 
 
+#: controllers that were removed, and why 'measured' replaces them (asking for one is a bad argument)
+REMOVED_CONTROLLERS = {
+    "histogram": "it forecast the next step's histogram of |acc|; the measured controller measures this step's",
+}
+
+
 def _controller_name(v):
+    if isinstance(v, str) and v in REMOVED_CONTROLLERS:
+        return f"{v!r} was removed ({REMOVED_CONTROLLERS[v]}); use controller='measured' (the default)"
     return None if v in CONTROLLERS else f"must be one of {sorted(CONTROLLERS)}"
+
+
+class FinishAhead(NamedTuple):
+    """What a one-rank device step is given to finish behind its measuring pass
+    (``Ops.accumulate_measure_finish``): the index buffer, the output buffer, P, k and the fine
+    window's tolerance (``MeasuredController.fine_tol``)."""
+
+    idx: Any
+    out: Any
+    p: int
+    k: int
+    tol: float
+
+
+@dataclasses.dataclass(eq=False)
+class ExDynaStep(Selection):
+    """One ExDyna step's state on this rank, from ``select`` through ``choose`` to ``combine`` (the
+    template passes it on as the step's ``Selection``; ``count`` is this rank's selection in the
+    index buffer ``_idx``).
+
+    ``lo``, ``hi``: the range this rank owns this step. ``plan``: the controller's plan of the pass;
+    from ``choose`` on, the resolved one (the step's threshold). ``local``: this rank's own words of
+    a measuring pass (its histograms, before the sum). ``mark``: the level from which that pass kept
+    the elements at or above it (None: it kept none); ``marks``: where the host keeps them (the
+    sparsifier's ``Marks``; a device keeps its own). ``finish``: what the device was given to finish
+    the step behind its pass (None: the host finishes it).
+    """
+
+    lo: int = 0
+    hi: int = 0
+    plan: PassPlan | None = None
+    local: np.ndarray | None = None
+    mark: float | None = None
+    marks: Marks | None = None
+    finish: FinishAhead | None = None
+
+
+class _OwnedRange:
+    """This step's ``acc`` over the owned range, lent to the controller's ``resolve`` for its zooms
+    (``algorithm.controllers.OwnedRange``): reads through the step's marks, sums over ranks."""
+
+    __slots__ = ("sp", "st")
+
+    def __init__(self, sp: ExDyna, st: ExDynaStep):
+        self.sp, self.st = sp, st
+
+    def histogram(self, window: Window) -> np.ndarray:
+        hist = np.zeros(window.buckets, dtype=np.int64)
+        st = self.st
+        self.sp.ops.hist_range(st.acc, st.lo, st.hi, window.shift, window.key0, hist, st.marks)
+        return hist
+
+    def sum(self, words: np.ndarray) -> np.ndarray:
+        return self.sp._host_exchange().sum_words(words, self.sp._word_dtype())
 
 
 class ExDyna(_deadline.DeadlineOption, Sparsifier):
@@ -81,25 +147,32 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
         **_deadline.OPTIONS,
     }
 
-    def __init__(self, numel, density, comm=None, *, controller="measured", balance=True,
-                 n_blocks=1024, block_align=32, max_imbalance=None, device="auto", nonfinite="raise", **unknown):
+    def __init__(self, numel: int, density: float, comm: Any = None, *, controller: str = "measured",
+                 balance: bool | str = True, n_blocks: int = 1024, block_align: int = 32,
+                 max_imbalance: float | None = None, device: str = "auto", nonfinite: str = "raise",
+                 **unknown: Any) -> None:
         super().__init__(numel, density, comm, device=device, nonfinite=nonfinite, controller=controller,
                          balance=balance, n_blocks=n_blocks, block_align=block_align,
                          max_imbalance=max_imbalance, **unknown)
         if max_imbalance is not None and controller != "measured":   # options agree on every rank: same error
             raise ValueError(f"exdyna: max_imbalance needs controller='measured' (it moves selections "
                              f"below the measured threshold), got controller={controller!r}")
+        self._init_selector()
+
+    def _init_selector(self):
+        """What the selector keeps across steps (after the arguments were agreed)."""
         self.layout = self._make_layout()
         self.controller = make_controller(self.options["controller"], self.numel, self.density, self.nranks)
         self._index_dtype = np.dtype(np.int32) if self.numel < 2**31 else np.dtype(np.int64)
         self._idx = None
+        self._marks = Marks()   # the host's marks of each measuring pass, passed to the select and zooms
 
     def _make_layout(self):
         o = self.options
         return BlockLayout(self.numel, self.nranks, o["n_blocks"], o["block_align"])
 
     @property
-    def threshold(self):
+    def threshold(self) -> float:
         """The threshold the next step will use (the measured controller: the last one used, the
         centre of the next step's histogram windows; the next step measures its own)."""
         return self.controller.threshold
@@ -114,84 +187,86 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
         return self._idx
 
     # ------------------------------------------------------------------ the selector
-    def _plan_of(self, step):
-        """The controller's plan of ``step`` (the one ``select`` ran, when it did: asked again only
-        for its shape, which ``choose`` does not change)."""
-        plan = getattr(step, "plan", None)   # (a caller's own step object may have no such slot)
-        return plan if plan is not None else self.controller.plan(step.t, step.dtype)
-
-    def report_size(self, step):
-        """The controller's words (its histograms, if any) ride in the first collective, gathered;
-        a measuring controller's are summed instead (``sum_size``)."""
-        plan = self._plan_of(step)
-        return 0 if plan.measure else plan.n_words
-
     def sum_size(self, step):
-        """A measuring controller's histograms, summed over ranks in the first collective."""
-        plan = self._plan_of(step)
+        """A measuring controller's histograms, summed over ranks in the first collective (a
+        count-only controller reports nothing beyond the count: ``report_size`` is 0)."""
+        plan = self.controller.plan(step.t, step.dtype)   # (select asks for the same plan)
         return plan.n_words if plan.measure else 0
 
     def select(self, step, grad, acc):
-        """acc = residual + grad; select ``|acc| >= threshold`` in the owned partition, in one pass
-        that also fills whatever the controller's plan asks for. A measuring plan selects nothing
-        here: the pass histograms ``|acc|`` over the owned range, ``choose`` selects."""
+        """acc = residual + grad; select ``|acc| >= threshold`` in the owned partition, in one pass.
+        A measuring plan selects nothing here: the pass histograms ``|acc|`` over the owned range
+        (this rank's ``sums``), ``choose`` selects."""
         lo, hi = self._range_at(step.t)
-        fused = _FusedPass(self, grad, acc, lo, hi, step.sec, step.out)
-        plan = step.plan = self.controller.plan(step.t, step.dtype)
-        count, bad, words = fused.run(plan)
-        if fused.plan.measure:
-            return Selection(acc, 0, (), bad, sums=words, fused=fused)
-        return Selection(acc, count, words, bad, fused=fused)
+        plan = self.controller.plan(step.t, step.dtype)
+        st = ExDynaStep(acc, lo=lo, hi=hi, plan=plan)
+        ops, residual = self.ops, self.memory.residual
+        idx = self._idx_buffer(hi - lo)
+        if not plan.measure:
+            count, st.nonfinite = ops.accumulate_select(residual, grad, acc, lo, hi,
+                                                        threshold_for(plan.threshold, plan.dtype), idx)
+            st.count = int(count)
+            return st
+        # the measuring pass: acc and the owned range's histograms, no selection
+        hist = np.zeros(plan.n_words, dtype=np.int64)
+        nb = plan.hist.buckets
+        coarse = (plan.hist.shift, plan.hist.key0, hist[:nb])
+        fine = (plan.fine.shift, plan.fine.key0, hist[nb:]) if plan.fine else None
+        st.mark, st.marks = self.controller.mark(plan), self._marks
+        st.finish = self._finish_ahead(plan, st, step.out)
+        if st.finish is not None:
+            st.nonfinite = ops.accumulate_measure_finish(residual, grad, acc, lo, hi, coarse, fine, plan.stride,
+                                                         st.mark, st.finish)
+        else:
+            st.nonfinite = ops.accumulate_measure(residual, grad, acc, lo, hi, coarse, fine, plan.stride, st.mark,
+                                                  self.threads, st.marks)
+        st.local = st.sums = hist
+        return st
 
-    def choose(self, step, sel, sums):
+    def choose(self, step, sel: ExDynaStep, sums):
         """The threshold from the summed histograms (the controller may zoom: owned-range reads and
         small Allreduces), then select in the owned range (an O(N/P) read)."""
-        fused = sel.fused
-        plan, _ = self.controller.resolve(fused.plan, sums, fused)
-        fused.plan = plan
-        if fused.finish is not None and self.controller.settled_fine:
+        st = sel
+        plan = st.plan = self.controller.resolve(st.plan, sums, _OwnedRange(self, st))
+        if st.finish is not None and plan.settled_fine:
             # fine_pick settled it, so the device did too (kernels.cuda._resolve_fine, the same
             # integer logic: tests/cudasim/test_finish_ahead.py) and finished the step behind the pass
             self.ops.finish_settled()
-            fused.count = sel.count = plan.expected
-            self.memory.output(fused.finish[1], zeroed=True)
-            sel.words, sel.done = (), True
-            return sel
+            st.count = plan.expected
+            self.memory.output(st.finish.out, zeroed=True)
+            st.words, st.done = (), True
+            return st
         t0 = time.perf_counter()
         thr = threshold_for(plan.threshold, plan.dtype)
-        idx = self._idx_buffer(fused.hi - fused.lo)
-        expect = self.controller.local_count(plan, fused.local) if fused.mark is not None else None
-        fused.count = sel.count = self.ops.select_marked(sel.acc, fused.lo, fused.hi, thr, idx, expect,
-                                                         keep=self._quota_bound() is not None)
+        idx = self._idx_buffer(st.hi - st.lo)
+        expect = self.controller.local_count(plan, st.local) if st.mark is not None else None
+        st.count = self.ops.select_marked(st.acc, st.lo, st.hi, thr, idx, expect,
+                                          keep=self._quota_bound() is not None, marks=st.marks)
         if self.ops.device != "cpu":
             # grad is consumed: the device zeroes the output while the host goes on to the exchange.
             # Queued after the select, not before the resolve: a zoom's read (or a count the host
             # must read) would wait behind this O(N) memset (+1 ms a zoom step at 400M on an H100)
             self.memory.output(step.out)
         step.sec["select_range"] = time.perf_counter() - t0
-        sel.words = ()
-        return sel
+        st.words = ()
+        return st
 
-    def combine(self, step, sel, words):
-        t, fused = step.t, sel.fused
-        fused.counts = words[:, 0].copy()
-        if fused.plan.measure:
-            plan, cwords = fused.plan, None
-        else:
-            plan, cwords = self.controller.resolve(fused.plan, words[:, StepWords.N:], fused)
-        counts = fused.counts
+    def combine(self, step, sel: ExDynaStep, words):
+        t, st = step.t, sel
+        plan = st.plan   # resolved by choose (a measuring plan), else the one the pass selected with
+        counts = words[:, 0].copy()
         bounds = self.layout.bounds()   # this step's, before any rebalancing
         bound = self._quota_bound() if plan.measure else None
         moved = 0
         if bound is not None:
             t0 = time.perf_counter()
             at_threshold = counts
-            counts = fused.counts = self._meet_quota(step, fused, sel, counts, bound, bounds)
+            counts = self._meet_quota(step, st, counts, bound, bounds)
             moved = int(np.abs(counts - at_threshold).sum()) // 2
             step.sec["quota"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        idx = self._idx[:fused.count]
-        union, report = self.gather_union(t, sel.acc, idx, counts, lambda: self.exchange.allgatherv(idx, counts))
+        idx = self._idx[:st.count]
+        union, report = self.gather_union(t, st.acc, idx, counts, lambda: self.exchange.allgatherv(idx, counts))
         step.sec["indices"] = time.perf_counter() - t0
         bal = self.options.get("balance", False)
         if bal is True:   # True: the controller's own partner rule; the authors' for theirs
@@ -201,57 +276,57 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
             counts_blk = self.ops.to_host(self.layout.block_counts(union, self.ops.xp))
             self.layout.rebalance_blocks(None, t + 1, counts=counts_blk)
             step.sec["balance"] = time.perf_counter() - t0
-        res = self.average_at(sel.acc, union, step.out, step.sec, done=getattr(sel, "done", False))
+        res = self.average_at(st.acc, union, step.out, step.sec, done=st.done)
         selected = int(counts.sum())
         stats = dict(counts=counts, selected=selected, density=selected / self.numel, threshold=plan.threshold,
                      bounds=bounds, owned=np.array(owners(t, self.nranks)), quota_moved=moved)
         if report is not None:
             stats["deadline"] = report
-        self.controller.update(counts, cwords, plan)
+        self.controller.update(counts, plan)
         if bal == "faithful":
             self.layout.rebalance_faithful(counts, t + 1)
         elif bal == "adaptive":
             self.layout.rebalance_adaptive(counts, t + 1)
         return res, stats
 
-    def _finish_ahead(self, plan, fused):
-        """``(idx, out, p, k, tol)`` when the device can finish this step behind its measuring pass
+    def _finish_ahead(self, plan, st, out):
+        """A ``FinishAhead`` when the device can finish this step behind its measuring pass
         without waiting for the host (``Ops.accumulate_measure_finish``): one rank (nothing to
         exchange), the measured controller with a fine window and marks, the exact exchange; else
         None. The host waits for the pass's words, not for the pass's whole step: on an H100 the
         host's resolve and launches after that wait were a third of a 100M-element step."""
         ops = self.ops
-        if (self.nranks != 1 or not plan.measure or plan.fine is None or fused.mark is None
+        if (self.nranks != 1 or not plan.measure or plan.fine is None or st.mark is None
                 or not hasattr(ops, "accumulate_measure_finish") or not hasattr(self.controller, "fine_pick")
                 or self._deadline_mode() is not None or self.numel >= 2**31):
             return None
-        out = fused.out if fused.out is not None else ops.empty(self.numel, plan.dtype)
-        return (self._idx_buffer(fused.hi - fused.lo), out, 1, self.controller.k, self.controller.fine_tol(plan))
+        out = out if out is not None else ops.empty(self.numel, plan.dtype)
+        return FinishAhead(self._idx_buffer(st.hi - st.lo), out, 1, self.controller.k, self.controller.fine_tol(plan))
 
     def _quota_bound(self):
         """The ``max_imbalance`` in force (None: off, or one rank)."""
         v = self.options.get("max_imbalance")   # (MiCRO has no such option)
         return None if v is None or self.nranks < 2 else float(v)
 
-    def _meet_quota(self, step, fused, sel, counts, bound, bounds):
+    def _meet_quota(self, step, st, counts, bound, bounds):
         """This step's quotas from the gathered counts (the same on every rank); this rank selects
         exactly its own: its largest values, from below the threshold where its quota is larger."""
         capacity = np.diff(bounds)[owners(step.t, self.nranks)]
         want = quotas(counts, capacity, bound)
         mine, have = int(want[self.rank]), int(counts[self.rank])
-        ops, acc, idx = self.ops, sel.acc, self._idx
+        ops, acc, idx = self.ops, st.acc, self._idx
         if mine > have:   # a lower threshold from this rank's own words, then its `mine` largest
-            plan = fused.plan
-            for edge, exact in self.controller.edges_below(plan, fused.local, mine):
-                got = ops.select_marked(acc, fused.lo, fused.hi, threshold_for(edge, plan.dtype), idx, exact,
-                                        keep=True)
+            plan = st.plan
+            for edge, exact in self.controller.edges_below(plan, st.local, mine):
+                got = ops.select_marked(acc, st.lo, st.hi, threshold_for(edge, plan.dtype), idx, exact,
+                                        keep=True, marks=st.marks)
                 if got >= mine:
                     have = got
                     break
-        ops.release_marks()
+        ops.release_marks(st.marks)
         if have > mine:
             self._keep_largest(acc, idx, have, mine)
-        fused.count = sel.count = mine
+        st.count = mine
         return want
 
     def _keep_largest(self, acc, idx, n, m):
@@ -273,81 +348,17 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
         self._deadline_load_state(d)
 
 
-class _FusedPass:
-    """The per-element pass of one ExDyna step over the owned range ``[lo, hi)``, lent to the
-    controller (``algorithm.controllers.FusedPass`` documents the interface)."""
-
-    def __init__(self, sp, grad, acc, lo, hi, sec, out=None):
-        self.sp, self.grad, self.acc, self.lo, self.hi, self.sec, self.out = sp, grad, acc, lo, hi, sec, out
-        self.plan, self.count, self.counts = None, 0, None
-        self.mark, self.local = None, None   # a measuring pass's mark and this rank's own words
-        self.finish = None                   # what the device was given to finish the step with
-
-    def run(self, plan):
-        sp, ops = self.sp, self.sp.ops
-        self.plan = plan
-        idx = sp._idx_buffer(self.hi - self.lo)
-        thr = threshold_for(plan.threshold, plan.dtype)
-        hist = np.zeros(plan.n_words, dtype=np.int64)
-        if plan.measure:   # the measuring pass: acc and the owned range's histograms, no selection
-            nb = plan.hist[0]
-            fine = (plan.fine[1], plan.fine[2], hist[nb:]) if plan.fine else None
-            self.mark = sp.controller.mark(plan)
-            coarse = (plan.hist[1], plan.hist[2], hist[:nb])
-            self.finish = sp._finish_ahead(plan, self)
-            if self.finish is not None:
-                bad = ops.accumulate_measure_finish(sp.memory.residual, self.grad, self.acc, self.lo, self.hi, coarse,
-                                                    fine, plan.stride, self.mark, self.finish)
-            else:
-                bad = ops.accumulate_measure(sp.memory.residual, self.grad, self.acc, self.lo, self.hi, coarse, fine,
-                                             plan.stride, self.mark, sp.threads)
-            self.local = hist
-            count = 0
-        elif plan.hist is None:
-            count, bad = ops.accumulate_select(sp.memory.residual, self.grad, self.acc, self.lo, self.hi, thr, idx)
-        else:   # the same pass also histograms |acc| (or the forecast) for the controller
-            nb = plan.hist[0]
-            fine = (plan.fine[1], plan.fine[2], hist[nb:]) if plan.fine else None
-            forecast = sp._range_at(plan.forecast_step) if plan.forecast_step is not None else None
-            count, bad = ops.accumulate_select_hist(sp.memory.residual, self.grad, self.acc, self.lo, self.hi, thr,
-                                                    idx, plan.hist[1], plan.hist[2], hist[:nb], predict=plan.predict,
-                                                    fine=fine, forecast=forecast, stride=plan.stride)
-        self.count = int(count)
-        # a measuring pass's words are summed as an array; the others join the gathered word list
-        return self.count, bad, (hist if plan.measure else hist.tolist())
-
-    def rerun(self, plan):
-        count, _, words = self.run(plan)
-        got = self.sp.exchange.agree(StepWords.make(count, None, 0) + words)
-        self.counts = got[:, 0].copy()
-        return got[:, StepWords.N:]
-
-    def histogram(self, spec):
-        hist = np.zeros(spec[0], dtype=np.int64)
-        self.sp.ops.hist_range(self.acc, self.lo, self.hi, spec[1], spec[2], hist)
-        return hist
-
-    def agree(self, words):
-        return self.sp.exchange.agree(words)
-
-    def sum(self, words):
-        return self.sp._host_exchange().sum_words(words, self.sp._word_dtype())
-
-
 class MiCRO(ExDyna):
     """MiCRO: ExDyna without blocks or rebalancing (P fixed, equal element partitions)."""
 
     name = "micro"
     OPTIONS = {"controller": ("faithful", _controller_name), **_deadline.OPTIONS}
 
-    def __init__(self, numel, density, comm=None, *, controller="faithful", device="auto",
-                 nonfinite="raise", **unknown):
+    def __init__(self, numel: int, density: float, comm: Any = None, *, controller: str = "faithful",
+                 device: str = "auto", nonfinite: str = "raise", **unknown: Any) -> None:
         Sparsifier.__init__(self, numel, density, comm, device=device, nonfinite=nonfinite,
                             controller=controller, **unknown)
-        self.layout = self._make_layout()
-        self.controller = make_controller(self.options["controller"], self.numel, self.density, self.nranks)
-        self._index_dtype = np.dtype(np.int32) if self.numel < 2**31 else np.dtype(np.int64)
-        self._idx = None
+        self._init_selector()
 
     def _make_layout(self):
         return EqualLayout(self.numel, self.nranks)

@@ -1,22 +1,29 @@
 """Sparsifiers by name, so jobs and benchmarks can swap them."""
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from .base import Sparsifier
 from .baselines import BASELINES
 from .exdyna import ExDyna, MiCRO
 
-REGISTRY = {cls.name: cls for cls in (ExDyna, MiCRO, *BASELINES)}
+REGISTRY: dict[str, type[Sparsifier]] = {cls.name: cls for cls in (ExDyna, MiCRO, *BASELINES)}
+
+_S = TypeVar("_S", bound=type[Sparsifier])
 
 
-def register(cls):
+def register(cls: _S) -> _S:
     """Add a Sparsifier subclass to the factory under ``cls.name``."""
     REGISTRY[cls.name] = cls
     return cls
 
 
-def available():
+def available() -> list[str]:
     """Names ``make`` accepts."""
     return sorted(REGISTRY)
 
 
-def make(name, numel, density, comm=None, **options):
+def make(name: str, numel: int, density: float, comm: Any = None, **options: Any) -> Sparsifier:
     """Build the sparsifier called ``name``; every one has the same ``step``/``stats`` interface.
 
     Example::

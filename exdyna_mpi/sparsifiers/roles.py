@@ -8,7 +8,8 @@ split and the state object of PyTorch's PowerSGD hook:
   output buffer; a refused or skipped step ``keep``s ``acc`` for reuse and changes nothing.
 - **selector** (the subclass; protocol ``Selector``): what a rank selects and what it reports.
   ``report_size(step)`` words ride in the step's first collective after the four ``StepWords``;
-  ``select(step, grad, acc)`` fills ``acc = residual + grad`` and chooses (a ``Selection``);
+  ``select(step, grad, acc)`` fills ``acc = residual + grad`` and chooses (a ``Selection``, or a
+  subclass holding whatever else the selector's later calls need: the step's state on this rank);
   ``combine(step, sel, words)`` runs the exchange and returns the output and the stats.
 - **exchange** (``transport.Exchange`` / ``DeviceExchange``): every MPI call and byte counter.
 - **controller** (``algorithm.controllers.Controller``, ExDyna and MiCRO): the threshold.
@@ -16,7 +17,11 @@ split and the state object of PyTorch's PowerSGD hook:
 ``StepWords`` is the error-word protocol of the first collective; ``agree_arguments`` the
 collective check of constructor arguments.
 """
+from __future__ import annotations
+
+import dataclasses
 import zlib
+from typing import Any
 
 import numpy as np
 
@@ -127,53 +132,61 @@ class ErrorFeedback:
             self.ops, self.residual = ops, ops.from_host(host)
 
 
+@dataclasses.dataclass(eq=False)
 class Selection:
-    """What ``select`` chose on this rank: ``acc``, ``count`` (the first word), ``words`` (the
-    ``report_size`` words it adds to the first collective), ``nonfinite`` (a refusal when > 0), and
-    whatever else its ``combine`` needs (keyword attributes)."""
+    """What ``select`` chose on this rank, passed by the template to ``choose`` and ``combine``.
 
-    def __init__(self, acc, count=0, words=(), nonfinite=0, **more):
-        self.acc, self.count, self.words, self.nonfinite = acc, count, words, nonfinite
-        self.__dict__.update(more)
+    ``acc`` (``residual + grad``, this step's buffer); ``count`` (the first word); ``words`` (the
+    ``report_size`` words it adds to the first collective); ``nonfinite`` (a refusal when > 0);
+    ``sums`` (with ``sum_size`` > 0: this rank's words of the summed first collective); ``done``
+    (the device already wrote the output and the residual: ``Sparsifier.average_at``). A selector
+    whose later calls need more subclasses it (a dataclass with typed fields)."""
+
+    acc: Any
+    count: int = 0
+    words: Any = ()
+    nonfinite: int = 0
+    sums: np.ndarray | None = None
+    done: bool = False
 
 
+@dataclasses.dataclass(eq=False, slots=True)
 class Step:
-    """One step's context: index ``t``, ``dtype`` (the residual's, or the input's on the first step),
-    the caller's ``out`` buffer (or None), ``sec`` (phase timings) and ``plan`` (whatever the selector
-    planned for this step in ``select``, for its later calls; None before)."""
+    """One step's context, made by the template: index ``t``, ``dtype`` (the residual's, or the
+    input's on the first step), the caller's ``out`` buffer (or None) and ``sec`` (phase timings)."""
 
-    __slots__ = ("t", "dtype", "out", "sec", "plan")
-
-    def __init__(self, t, dtype, out):
-        self.t, self.dtype, self.out, self.sec, self.plan = t, dtype, out, {}, None
+    t: int
+    dtype: np.dtype
+    out: Any = None
+    sec: dict = dataclasses.field(default_factory=dict)
 
 
 class Selector:
     """The selector protocol (implemented by every sparsifier class)."""
 
-    def report_size(self, step):
+    def report_size(self, step: Step) -> int:
         """Words this rank adds to the first collective (a refusing rank sends that many zeros)."""
         return 0
 
-    def sum_size(self, step):
+    def sum_size(self, step: Step) -> int:
         """Words this rank adds to a *summed* first collective (an Allreduce whose size does not
         grow with P). 0 (the default): the first collective is the ``StepWords`` Allgather after
         ``select``. > 0: ``select`` only measures (``Selection.sums``), the template sums the words
         of every rank with the error flags, then ``choose`` selects and the counts are gathered."""
         return 0
 
-    def select(self, step, grad, acc):
+    def select(self, step: Step, grad: Any, acc: Any) -> Selection:
         """``acc = residual + grad`` (via ``ops``), and this rank's choice: a ``Selection``.
         Must not change state: the step may still be refused."""
         raise NotImplementedError
 
-    def choose(self, step, sel, sums):
+    def choose(self, step: Step, sel: Selection, sums: np.ndarray) -> Selection:
         """Only with ``sum_size`` > 0, after every rank agreed: select with ``sums`` (the summed
         words, the same on every rank); set ``sel.count`` (and ``sel.words``); return ``sel``. May
         run further collectives (every rank does, with the same arguments)."""
         raise NotImplementedError
 
-    def combine(self, step, sel, words):
+    def combine(self, step: Step, sel: Selection, words: np.ndarray) -> tuple[Any, dict[str, Any]]:
         """After every rank agreed (``words``: the gathered (P, 4 + report_size) words): exchange,
         commit the memory and the selector's own state, return ``(output buffer, stats dict)``; the
         dict holds ``counts`` and the fields the template does not fill (``loads``: the per-rank

@@ -20,5 +20,5 @@ def device_exchange(host_exchange, cuda_aware=None):
     return DeviceExchange(host_exchange, cuda_aware=cuda_aware)
 
 
-__all__ = ["WORD", "DeadlineTransport", "Exchange", "SendDelay", "broadcast", "device_exchange", "node_ranks", "set_send_delay",
-           "world"]
+__all__ = ["WORD", "DeadlineTransport", "Exchange", "SendDelay", "broadcast", "device_exchange", "node_ranks",
+           "set_send_delay", "world"]

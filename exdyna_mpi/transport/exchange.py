@@ -33,7 +33,8 @@ def broadcast(buf, comm=None, root=0):
 
 
 #: environment variables that launchers set to the number of ranks on this node
-_NODE_RANKS_ENV = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
+_NODE_RANKS_ENV = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE",
+                   "SLURM_NTASKS_PER_NODE")
 
 
 def node_ranks(comm):

@@ -6,8 +6,7 @@ usable alone. Exits non-zero (on every rank) when any rank disagrees.
 import os
 import sys
 
-os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
-sys.path.insert(0, os.path.dirname(__file__))
+os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")   # a script: its folder (simdevice.py) is on sys.path
 
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
@@ -20,7 +19,7 @@ def run(comm, steps=4, n=1500, seed=11, **opts):
     """True when the device path (staged and direct) matched the CPU bit for bit on every rank.
     ``opts``: more ExDyna options (``max_imbalance``: rank r's gradient is then 1 + r times larger,
     so that the quotas move selections)."""
-    rank, p = comm.Get_rank(), comm.Get_size()
+    rank = comm.Get_rank()
     kw = dict(n_blocks=16, block_align=32, **opts)
     scale = np.float32(1 + rank if "max_imbalance" in opts else 1)
     ref = exdyna_mpi.ExDyna(n, 0.02, comm, device="cpu", **kw)

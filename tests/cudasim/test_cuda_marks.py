@@ -1,7 +1,9 @@
-"""The measuring pass's marks (kernels/cuda.py: ``accumulate_measure_async`` marks ``|acc| >= mark``
+"""The measuring pass's marks (kernels/cuda: ``accumulate_measure_async`` marks ``|acc| >= mark``
 in the hit mask, ``select_marked_async`` selects from the marks) under the simulator: the selection
 equals ``select_range`` over ``acc`` whatever the threshold, and marks a step never used are gone
 before the next selection; and the measured controller's exact local count from its fine window."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -83,11 +85,11 @@ def test_local_count_is_exact_at_fine_edges(dtype):
     words = np.concatenate([coarse, fine])
     edges = ctl._edges(dtype, plan.fine[1], plan.fine[2], plan.fine[0])
     for e in edges[1:plan.fine[0]]:
-        plan.threshold = float(e)
-        assert ctl.local_count(plan, words) == int(np.count_nonzero(np.abs(x) >= e))
-    plan.threshold = float(edges[5]) * 1.0001
-    assert ctl.local_count(plan, words) is None
-    assert ctl.mark(plan) == float(edges[1])
+        at = dataclasses.replace(plan, threshold=float(e))
+        assert ctl.local_count(at, words) == int(np.count_nonzero(np.abs(x) >= e))
+    off = dataclasses.replace(plan, threshold=float(edges[5]) * 1.0001)
+    assert ctl.local_count(off, words) is None
+    assert ctl.mark(off) == float(edges[1])
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

@@ -1,9 +1,8 @@
-"""The measuring pass's specialised kernel (kernels/cuda.py: ``_acc_measure32/64``, what
-``accumulate_measure_async`` launches when the coarse stride divides the block) under the simulator:
-its acc, histogram words, marks and block counts equal an independent NumPy reference and the
-generic ``_acc_count_hist*`` kernel it replaces, for every stride, range and window shape, with
-non-finite values (a float64 NaN whose bits are all ones included: the pattern at the top of the
-int64 range that a disabled window's edge must not reach)."""
+"""The measuring pass's kernel (kernels/cuda/measure.py: ``_acc_measure32/64``, what
+``accumulate_measure_async`` launches) under the simulator: its acc, histogram words and marks
+equal an independent NumPy reference for every stride, range and window shape, with non-finite
+values (a float64 NaN whose bits are all ones included: the pattern at the top of the int64 range
+that a disabled window's edge must not reach)."""
 import numpy as np
 import pytest
 
@@ -61,65 +60,63 @@ def _windows(dtype, mark):
     return coarse, fine
 
 
-def _run(kernel_specialised, r, g, lo, hi, mark, coarse, fine, stride):
-    n = r.shape[0]
+def _run(r, g, lo, hi, mark, coarse, fine, stride):
     s = kc.new_scratch()
     acc = np.empty_like(r)
-    if kernel_specialised:
-        kc.accumulate_measure_async(r, g, acc, lo, hi, r.dtype.type(mark), coarse[0], coarse[1], coarse[2], s,
-                                    fine=fine, stride=stride)
-    else:
-        nb, _, _ = kc._hist_pass(r, g, acc, lo, hi, r.dtype.type(mark), coarse[0], coarse[1], coarse[2], s, 0,
-                                 False, fine, lo, hi, stride)
-        kc._go(kc._scan, 1, min(kc.SCAN_THREADS, kc._round32(nb)), 0, s.block_counts, s.block_bad, nb, s.offsets,
-               s.totals)
+    kc.accumulate_measure_async(r, g, acc, lo, hi, r.dtype.type(mark), coarse[0], coarse[1], coarse[2], s,
+                                fine=fine, stride=stride)
     nw = 2 + coarse[2] + fine[2]
     mask = s.mask_for(max(hi - lo, 1), keep_marks=True)
     bits = np.unpackbits(mask.view(np.uint8), bitorder="little")[:max(hi - lo, 0)]
-    return acc, s.totals_hist[:nw].tolist(), lo + np.flatnonzero(bits), s.block_counts.copy()
+    return acc, s.totals_hist[:nw].tolist(), lo + np.flatnonzero(bits)
+
+
+def _launched(run, *args):
+    """``run(*args)``'s result and the (kernel, blocks, threads) it launched."""
+    launched = []
+    real = kc._go
+    kc._go = lambda k, nb, bd, *a: launched.append((k, nb, bd)) or real(k, nb, bd, *a)
+    try:
+        return run(*args), launched
+    finally:
+        kc._go = real
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("lo,hi", [(0, 1000), (96, 640), (37, 611), (320, 320), (0, 1)])
 @pytest.mark.parametrize("stride", [1, 4, 32])
 @pytest.mark.parametrize("with_fine", [True, False])
-def test_measure_kernel_matches_reference_and_generic(dtype, lo, hi, stride, with_fine):
-    assert kc.BLOCK % stride == 0   # the specialised kernel is the one launched
+def test_measure_kernel_matches_reference(dtype, lo, hi, stride, with_fine):
+    assert kc.BLOCK % stride == 0   # the block the other launches use
     n = 1000
     r, g = _inputs(n, dtype, seed=lo + 7 * stride)
     mark = 0.04
     coarse, fine = _windows(dtype, mark)
     if not with_fine:
         fine = (0, 0, 0)
-    launched = []
-    real = kc._go
-    kc._go = lambda k, *a: launched.append(k) or real(k, *a)
-    try:
-        acc, words, hits, blocks = _run(True, r, g, lo, hi, mark, coarse, fine, stride)
-    finally:
-        kc._go = real
-    assert kc._measure_kernel(dtype) in launched
+    (acc, words, hits), launched = _launched(_run, r, g, lo, hi, mark, coarse, fine, stride)
+    assert (kc._measure_kernel(dtype), kc._shape(n)[0], kc.BLOCK) in launched
     want_acc, want_words, want_hits = _reference(r, g, lo, hi, mark, coarse, fine, stride)
     assert acc.tobytes() == want_acc.tobytes()
     assert words == want_words
     assert np.array_equal(hits, want_hits)
-    g_acc, g_words, g_hits, g_blocks = _run(False, r, g, lo, hi, mark, coarse, fine, stride)
-    assert (g_acc.tobytes(), g_words) == (acc.tobytes(), words)
-    assert np.array_equal(g_hits, hits) and np.array_equal(g_blocks, blocks)
 
 
-def test_other_strides_take_the_generic_kernel():
-    """A coarse stride that does not divide the block keeps the generic kernel, same words."""
-    n, dtype, stride = 700, np.float32, 3
+def test_stride_above_the_block_widens_it():
+    """A coarse stride larger than the block (the simulator's 32 threads, the controller's strides
+    up to 64) launches blocks of ``stride`` threads: a thread's elements keep their index mod the
+    stride, and the words are the same."""
+    n, dtype, stride = 700, np.float32, 2 * kc.BLOCK
     r, g = _inputs(n, dtype, seed=2)
     coarse, fine = _windows(dtype, 0.04)
-    launched = []
-    real = kc._go
-    kc._go = lambda k, *a: launched.append(k) or real(k, *a)
-    try:
-        acc, words, hits, _ = _run(True, r, g, 50, 650, 0.04, coarse, fine, stride)
-    finally:
-        kc._go = real
-    assert kc._acc_count_hist32 in launched and kc._acc_measure32 not in launched
+    (acc, words, hits), launched = _launched(_run, r, g, 50, 650, 0.04, coarse, fine, stride)
+    assert [bd for k, _, bd in launched if k is kc._acc_measure32] == [stride]
     want_acc, want_words, want_hits = _reference(r, g, 50, 650, 0.04, coarse, fine, stride)
     assert (acc.tobytes(), words) == (want_acc.tobytes(), want_words) and np.array_equal(hits, want_hits)
+
+
+def test_stride_not_a_power_of_two_refused():
+    r, g = _inputs(100, np.float32, seed=3)
+    coarse, fine = _windows(np.float32, 0.04)
+    with pytest.raises(ValueError, match="power of two"):
+        _run(r, g, 0, 100, 0.04, coarse, fine, 3)

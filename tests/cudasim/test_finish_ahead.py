@@ -79,9 +79,9 @@ def test_resolve_fine_is_fine_pick(dtype, kind):
         # (no zoom: fused=None would fail), on fine_pick's answer
         if want is not None:
             c.fine_pick = lambda *a: None
-            plan2, _ = c.resolve(plan, words, fused=None)
+            plan2 = c.resolve(plan, words, owned=None)
             del c.fine_pick
-            assert (plan2.threshold, plan2.expected) == want and c.zooms == 0
+            assert (plan2.threshold, plan2.expected) == want and plan2.zoom_words == ()
     if kind in ("inside", "tie"):
         assert settled > 0
     if kind in ("steep", "above", "below"):

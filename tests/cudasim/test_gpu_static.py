@@ -5,6 +5,7 @@ The toolchain comes from PyPI wheels in the ``test`` extra (nvidia-nvvm, nvidia-
 nvidia-cuda-nvdisasm); the check skips only where they cannot be found (exit 77)."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -34,11 +35,12 @@ def test_static_check_within_budgets(tmp_path):
 
 
 def test_unbudgeted_kernel_fails_loudly(tmp_path):
-    """A kernel added to the module without a budget entry fails the check, by name."""
-    src = open(os.path.join(ROOT, "kernels", "cuda.py")).read()
-    src += "\n\n@cuda.jit\ndef _added_later(x):\n    x[0] = 1\n"
-    f = tmp_path / "cuda_plus.py"
-    f.write_text(src)
-    p = _run("--kernels", str(f), "--names-only")
+    """A kernel added to any module of the package without a budget entry fails the check, by name
+    (one the package does not re-export included)."""
+    pkg = tmp_path / "cuda"
+    shutil.copytree(os.path.join(ROOT, "kernels", "cuda"), pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    with open(pkg / "scatter_gather.py", "a") as f:
+        f.write("\n\n@cuda.jit\ndef _added_later(x):\n    x[0] = 1\n")
+    p = _run("--kernels", str(pkg), "--names-only")
     assert p.returncode == 1
     assert "_added_later: a CUDA kernel with no entry" in p.stdout

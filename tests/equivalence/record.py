@@ -29,11 +29,10 @@ def configs():
     out = []
     for name in exdyna_mpi.available():
         out.append((name, name, {}))
-    for ctl in ("faithful", "histogram", "symmetric"):
+    for ctl in ("faithful", "symmetric"):
         for bal in (True, False, "faithful", "adaptive"):
             out.append((f"exdyna-{ctl}-{bal}", "exdyna", {"controller": ctl, "balance": bal}))
     out.append(("exdyna-small-blocks", "exdyna", {"n_blocks": 64, "block_align": 8}))
-    out.append(("micro-histogram", "micro", {"controller": "histogram"}))
     out.append(("oktopk-periods", "oktopk", {"local_period": 3, "global_period": 4, "region_period": 5,
                                              "warmup": 2}))
     out.append(("fft-16", "fft", {"bits": 16, "block": 256}))

@@ -77,7 +77,7 @@ def test_dtype_disagreement_on_first_step(wcomm):
 
 
 def test_nonfinite_skip_policy_skips_on_all_ranks(comm):
-    P, rank = comm.Get_size(), comm.Get_rank()
+    rank = comm.Get_rank()
     sp = exdyna_mpi.ExDyna(NUMEL, 0.01, comm, nonfinite="skip")
     sp.step(laplace_grad(rank, 0, NUMEL))
     before = _snapshot(sp)
@@ -94,7 +94,7 @@ def test_nonfinite_skip_policy_skips_on_all_ranks(comm):
 
 @pytest.mark.parametrize("bad", [
     {"density": 0.0}, {"density": 1.5}, {"numel": 0}, {"numel": -3}, {"controller": "nope"},
-    {"n_blocks": 0}, {"nonfinite": "ignore"}, {"frobnicate": 1}, {"device": "tpu"},
+    {"controller": "histogram"}, {"n_blocks": 0}, {"nonfinite": "ignore"}, {"frobnicate": 1}, {"device": "tpu"},
     {"max_imbalance": -0.1}, {"max_imbalance": True},
 ])
 def test_bad_construction_on_one_rank_raises_everywhere(comm, bad):
@@ -111,6 +111,12 @@ def test_bad_construction_on_one_rank_raises_everywhere(comm, bad):
     msgs = comm.allgather(msg)
     mpi_assert(all(m is not None and m == msgs[0] for m in msgs), f"not the same error everywhere: {msgs}", comm)
     mpi_assert(f"rank {P - 1}:" in msgs[0], msgs[0], comm)
+
+
+@pytest.mark.parametrize("cls", [exdyna_mpi.ExDyna, exdyna_mpi.MiCRO])
+def test_removed_histogram_controller_names_measured_on_every_rank(wcomm, cls):
+    with pytest.raises(ValueError, match=r"controller 'histogram' was removed.*controller='measured'"):
+        cls(NUMEL, 0.01, wcomm, controller="histogram")
 
 
 def test_ranks_disagreeing_on_numel(wcomm):

@@ -1,4 +1,4 @@
-"""ExDyna with the histogram controller and adaptive rebalancing, across ranks.
+"""ExDyna with adaptive rebalancing, across ranks.
 
 Every rank must hold the same bounds and threshold each step (no extra communication decides
 them), partitions stay non-empty and within the adaptive limit, and the output equals the
@@ -20,10 +20,10 @@ def _grad(rng, n):
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("balance", [True, "adaptive"])
-def test_adaptive_bounds_identical_and_output_matches_reference(wcomm, balance):
+@pytest.mark.parametrize("controller", ["measured", "faithful"])
+def test_adaptive_bounds_identical_and_output_matches_reference(wcomm, controller):
     n, p = 1 << 16, wcomm.Get_size()
-    sp = exdyna_mpi.ExDyna(n, 0.01, wcomm, controller="histogram", balance=balance)
+    sp = exdyna_mpi.ExDyna(n, 0.01, wcomm, controller=controller, balance="adaptive")
     rng = np.random.default_rng(100 + wcomm.Get_rank())
     ref_layout = BlockLayout(n, p)
     m = ref_layout.min_blocks_adaptive()

@@ -195,7 +195,8 @@ def _run_and_check(name, comm, dtype, density=DENSITY, numel=NUMEL, steps=STEPS,
         contrib = allgather_array(acc.astype(np.float64) - after, comm)
         scale = np.abs(accs).max()
         mpi_assert(_close(contrib.sum(axis=0) / P, out, dtype, scale) if name != "fft" else
-                   np.allclose(contrib.sum(axis=0) / P, out, atol=1e-5 * scale), f"{name}: out != mean contribution", comm)
+                   np.allclose(contrib.sum(axis=0) / P, out, atol=1e-5 * scale),
+                   f"{name}: out != mean contribution", comm)
         CHECKS.get(name, _check_union)(sp, comm, accs, out, after, t)
         mpi_assert(sp.stats.iteration == t and len(sp.stats.counts) == P, f"{name}: stats", comm)
         mpi_assert(sp.stats.bytes_sent >= 0 and (P == 1 or sp.stats.bytes_received > 0), f"{name}: bytes", comm)

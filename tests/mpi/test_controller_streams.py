@@ -8,19 +8,13 @@ its summed histogram gave for the chosen threshold, the threshold is the same on
 the output is the average of every rank's ``acc`` at the union of the owners' selections (a
 reference computed here).
 """
-import os
-import sys
-
 import numpy as np
 import pytest
+import streams  # jobs/streams.py: pytest.ini puts jobs/ on the path
 from mpi4py import MPI
 
 import exdyna_mpi
 from tests.conftest import allgather_array, mpi_assert
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                                "jobs"))
-import streams  # noqa: E402
 
 N, DENSITY, STEPS, SKIP = 1 << 17, 0.01, 36, 20
 
@@ -58,7 +52,8 @@ def test_default_controller_holds_density_on_correlated_streams(wcomm, stream):
             tot[union] = wcomm.allreduce(acc[union].astype(np.float64), op=MPI.SUM).astype(np.float32)
             ref[union] = tot[union] / np.float32(p)
             mpi_assert(union.size == s.selected and np.allclose(out, ref, rtol=1e-5, atol=1e-5),
-                       f"step {t}: output differs from the reference: {union.size} {s.selected} {np.abs(out - ref).max()}", wcomm)
+                       f"step {t}: output differs from the reference: {union.size} {s.selected} "
+                       f"{np.abs(out - ref).max()}", wcomm)
             outs = allgather_array(out, wcomm)
             mpi_assert((outs == outs[0]).all(), "outputs not bit-identical", wcomm)
     a = np.array(ratios[SKIP:])

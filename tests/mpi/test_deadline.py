@@ -66,7 +66,8 @@ def _check(sp, comm, grad, before, out, max_loss):
         p = st.owned[r]
         lo, hi = st.bounds[p], st.bounds[p + 1]
         sel = lo + np.flatnonzero(np.abs(accs[r, lo:hi].astype(np.float64)) >= st.threshold)
-        subset &= sel.size == st.counts[r] and np.isin(parts[r], sel).all() and np.unique(parts[r]).size == parts[r].size
+        subset &= (sel.size == st.counts[r] and np.isin(parts[r], sel).all()
+                   and np.unique(parts[r]).size == parts[r].size)
         sel_mass += np.abs(accs[r, sel].astype(np.float64)).sum()
         deferred = np.setdiff1d(sel, parts[r])
         def_mass += np.abs(accs[r, deferred].astype(np.float64)).sum()

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.mpi
 
 def _check_step(sp, comm, grad, out, before):
     """Every property of one step, from all ranks' inputs gathered in the test."""
-    P, rank = comm.Get_size(), comm.Get_rank()
+    P = comm.Get_size()
     st = sp.stats
     acc = before + grad                                   # the same IEEE adds as the kernel
     accs = allgather_array(acc, comm)
@@ -62,7 +62,8 @@ def test_semantics_against_gathered_reference(comm, dtype, numel):
         before = sp.residual
         out = sp.step(g)
         mpi_assert(isinstance(out, np.ndarray) and out.dtype == dtype and out.shape == (numel,), "out kind", comm)
-        mpi_assert(sp.stats.iteration == t and len(sp.stats.counts) == P and len(sp.stats.bounds) == P + 1, "stats", comm)
+        mpi_assert(sp.stats.iteration == t and len(sp.stats.counts) == P and len(sp.stats.bounds) == P + 1,
+                   "stats", comm)
         _check_step(sp, comm, g, out, before)
 
 
@@ -105,7 +106,7 @@ def test_density_one_is_the_dense_average(comm):
 
 def test_zero_counts_are_legal(comm):
     """A rank whose partition holds nothing above threshold sends nothing; nobody waits or pads."""
-    P, rank = comm.Get_size(), comm.Get_rank()
+    P = comm.Get_size()
     numel = 64 * 1024
     sp = exdyna_mpi.ExDyna(numel, 0.01, comm, controller="faithful")
     g = np.zeros(numel, np.float32)

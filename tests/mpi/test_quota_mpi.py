@@ -7,7 +7,6 @@ one-unit-at-a-time rule) and each rank's largest values, then the output, residu
 """
 import numpy as np
 import pytest
-from mpi4py import MPI
 
 import exdyna_mpi
 from tests.conftest import allgather_array, mpi_assert

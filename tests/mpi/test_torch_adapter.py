@@ -8,16 +8,14 @@
 - a short training run on sklearn digits lowers the loss and ends bit-identical on every rank.
 """
 import os
-import sys
 
 import numpy as np
 import pytest
-from mpi4py import MPI
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed")
 
 import exdyna_mpi  # noqa: E402
-from exdyna_mpi import available as sparsifier_names
+from exdyna_mpi import available as sparsifier_names  # noqa: E402
 from exdyna_mpi.adapters.torch import DistributedOptimizer  # noqa: E402
 from tests.conftest import allgather_array, mpi_assert  # noqa: E402
 
@@ -27,8 +25,6 @@ pytestmark = pytest.mark.mpi
 # zeroed". Ok-Topk (reduce, then re-select) and FFT (lossy transform) deliver something else; for
 # them, and any sparsifier added later, the test checks the adapter-level properties only.
 UNION_MEAN = {"dense", "exdyna", "micro", "topk", "cltk", "threshold", "gaussiank", "dgc"}
-
-JOBS = os.path.join(os.path.dirname(__file__), "..", "..", "jobs")
 
 
 def _model(seed):
@@ -118,9 +114,7 @@ def test_optimizer_is_still_the_optimizer_class(wcomm):
 
 
 def test_training_digits_lowers_loss_and_ends_identical(wcomm):
-    if JOBS not in sys.path:
-        sys.path.insert(0, JOBS)
-    import models
+    import models   # jobs/models.py: pytest.ini puts jobs/ on the path
 
     rank, P = wcomm.Get_rank(), wcomm.Get_size()
     model, data = models.build("cnn", 8, seed=3, rank=rank, nranks=P)

@@ -1,4 +1,4 @@
-"""DistributedOptimizer's training-recipe options (issue 13), each against a reference computed here.
+"""DistributedOptimizer's training-recipe options, each against a reference computed here.
 
 - ``clip_norm``: what enters the exchange is each rank's gradient clipped by
   ``torch.nn.utils.clip_grad_norm_`` (run here on a copy of the model); the dense exchange averages it.
@@ -62,7 +62,7 @@ def _step(model, opt, x, y):
 
 
 def test_clip_norm_clips_each_ranks_gradient_like_clip_grad_norm(wcomm):
-    rank, P = wcomm.Get_rank(), wcomm.Get_size()
+    rank = wcomm.Get_rank()
     model = _model()
     clip = 0.05   # well below these gradients' norms: clipping happens on every rank
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, sparsifier="dense",

@@ -15,7 +15,6 @@ the references need no per-step collective (which would hide wait-avoidance).
 - resume from state_dict: the continuation is bit-identical to an uninterrupted run (sync);
 - the torch wrapper: local step, then the group average of the locally stepped models.
 """
-import os
 import subprocess
 import sys
 import time
@@ -343,7 +342,7 @@ def _launch(n, *args, timeout=120):
     if exe is None:
         pytest.skip("no mpiexec on PATH")
     cmd = ["timeout", "-k", "5", str(timeout), exe, "-n", str(n), sys.executable, "-m", "mpi4py",
-           os.path.join(ROOT, "tests", "mpi", "wagma_job.py"), *args]
+           "-m", "tests.mpi.wagma_job", *args]   # from ROOT, as a module: it imports tests.mpi
     t0 = time.perf_counter()
     p = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, stdin=subprocess.DEVNULL)
     assert p.returncode == 0, f"rc {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"

@@ -1,18 +1,16 @@
-"""Launched by tests/mpi/test_wagma.py: ``mpiexec -n P python -m mpi4py tests/mpi/wagma_job.py ...``.
+"""Launched by tests/mpi/test_wagma.py from the repository root, as a module (it imports tests.mpi):
+``mpiexec -n P python -m mpi4py -m tests.mpi.wagma_job ...``.
 
 --checks               the sync-exactness and wait-avoiding checks of test_wagma.py at this P (P=8)
 --exit-without-close   a wait-avoiding run that never calls close(): the interpreter must still exit
 """
-import os
 import sys
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+import numpy as np
+from mpi4py import MPI
 
-import numpy as np  # noqa: E402
-from mpi4py import MPI  # noqa: E402
-
-from exdyna_mpi import GroupAverager  # noqa: E402
-from tests.mpi import test_wagma as tw  # noqa: E402
+from exdyna_mpi import GroupAverager
+from tests.mpi import test_wagma as tw
 
 
 def main():

@@ -24,7 +24,9 @@ def test_converges_under_strong_skew_where_the_neighbour_rule_stalls(nparts):
     for t in range(60):
         ada.rebalance_adaptive(_counts_by_rank(_loads(ada, rate), t, nparts), t + 1)
         fai.rebalance_faithful(_counts_by_rank(_loads(fai, rate), t, nparts), t + 1)
-    imb = lambda lay: _loads(lay, rate).max() * nparts / rate.sum() - 1
+    def imb(lay):
+        return _loads(lay, rate).max() * nparts / rate.sum() - 1
+
     assert imb(ada) < 0.15
     assert imb(ada) < imb(fai)
 

@@ -53,3 +53,17 @@ def test_state_round_trip():
     a.update([3])
     b.update([3])
     assert a.threshold == b.threshold
+
+
+def test_the_histogram_controller_is_gone_and_asking_for_it_names_measured():
+    """controller="histogram" (forecasting) was removed: a bad argument that points to "measured"."""
+    from mpi4py import MPI
+
+    import exdyna_mpi
+    from exdyna_mpi.algorithm.controllers import CONTROLLERS
+
+    assert "histogram" not in CONTROLLERS and "measured" in CONTROLLERS
+    for cls in (exdyna_mpi.ExDyna, exdyna_mpi.MiCRO):
+        with pytest.raises(ValueError, match=r"bad arguments: rank 0: controller 'histogram' was removed .*"
+                                             r"use controller='measured' \(the default\)"):
+            cls(1000, 0.01, MPI.COMM_SELF, controller="histogram")

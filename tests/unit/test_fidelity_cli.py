@@ -12,7 +12,10 @@ pytest.importorskip("torch", reason="PyTorch is not installed")
 pytest.importorskip("sklearn", reason="scikit-learn is not installed")
 pytest.importorskip("matplotlib", reason="matplotlib is not installed")
 
+import fidelity  # noqa: E402  (jobs/fidelity.py: pytest.ini puts jobs/ on the path)
+import fidelity_report  # noqa: E402
 from tests.launch import MPIEXEC, ROOT, child_env  # noqa: E402
+
 JOB = os.path.join(ROOT, "jobs", "fidelity.py")
 
 
@@ -64,9 +67,6 @@ def test_report_merges_files_later_run_replaces_earlier(quick_run, tmp_path):
     later = tmp_path / "later.jsonl"
     run = next(r for r in recs if r["kind"] == "run" and r["workload"] == "cnn" and r["run"] == "exdyna d=0.01")
     later.write_text(json.dumps(dict(run, test_acc=0.4321)) + "\n")
-    sys.path.insert(0, os.path.join(ROOT, "jobs"))
-    import fidelity
-
     rep = tmp_path / "rep"
     assert fidelity.main(["--report", f"{out / 'fidelity.jsonl'},{later}", "--out", str(rep), "--no-plot"]) == 0
     table = (rep / "fidelity.md").read_text()
@@ -75,8 +75,12 @@ def test_report_merges_files_later_run_replaces_earlier(quick_run, tmp_path):
     # Pareto: a run beaten on both bytes and quality is not on the front
     rows = [{"run": "a", "q": 0.9, "bytes_total": 10.0}, {"run": "b", "q": 0.8, "bytes_total": 20.0},
             {"run": "c", "q": 0.7, "bytes_total": 5.0}]
-    assert fidelity.pareto(rows, True) == {"a", "c"}
-    assert fidelity.pareto(rows, False) == {"c"}   # lower is better: c beats both
+    assert fidelity_report.pareto(rows, True) == {"a", "c"}
+    assert fidelity_report.pareto(rows, False) == {"c"}   # lower is better: c beats both
+
+
+def test_report_orders_workloads_as_the_runner_lists_them():
+    assert tuple(fidelity.WORKLOADS) == fidelity_report.WORKLOAD_ORDER
 
 
 def test_report_averages_seeds(quick_run, tmp_path):
@@ -86,9 +90,6 @@ def test_report_averages_seeds(quick_run, tmp_path):
     other = tmp_path / "seed7.jsonl"
     run = next(r for r in recs if r["kind"] == "run" and r["workload"] == "cnn" and r["run"] == "exdyna d=0.01")
     other.write_text(json.dumps(dict(run, seed=7, test_acc=run["test_acc"] - 0.10)) + "\n")
-    sys.path.insert(0, os.path.join(ROOT, "jobs"))
-    import fidelity
-
     rep = tmp_path / "rep"
     assert fidelity.main(["--report", f"{out / 'fidelity.jsonl'},{other}", "--out", str(rep), "--no-plot"]) == 0
     table = (rep / "fidelity.md").read_text()
@@ -101,9 +102,6 @@ def test_lstm_clip_option_reaches_every_lstm_run():
     """--lstm-clip sets the LSTM's base clip_norm for every run, dense included (0: none); the default
     is the workload's 0.25; the CNN keeps its own options; a recipe's clip still cannot loosen it.
     No MPI: parse, build the workload, compute the run options."""
-    sys.path.insert(0, os.path.join(ROOT, "jobs"))
-    import fidelity
-
     def opts(argv, wname="lstm", recipe=None):
         args = fidelity.parse_args(argv)
         wl = fidelity.make_workload(wname, args)
@@ -131,12 +129,9 @@ def test_lstm_schedule_option_cosine_lr_and_merged_report(tmp_path):
     LambdaLR stepped after each optimizer step as train_one does; cosine runs carry the schedule in
     their label and record, and a merged report keeps them apart from constant-lr runs of the same
     base label (own table, own dense reference). No MPI."""
-    sys.path.insert(0, os.path.join(ROOT, "jobs"))
     import math
 
     import torch
-
-    import fidelity
 
     args = fidelity.parse_args([])
     assert args.lstm_schedule == "constant"
@@ -196,10 +191,8 @@ def test_lstm_schedule_option_cosine_lr_and_merged_report(tmp_path):
 def test_recipe_density_warmup_parses_to_a_tuple_the_adapter_accepts():
     """--recipe density_warmup=D1/D2/... (slash-separated: the comma separates options) becomes a tuple
     of floats in the run's recipe and options; DistributedOptimizer accepts it. No MPI (one rank)."""
-    sys.path.insert(0, os.path.join(ROOT, "jobs"))
     import torch
 
-    import fidelity
     from exdyna_mpi.adapters.torch import DistributedOptimizer
 
     text = "momentum_correction=0.8,density_warmup=0.25/0.0625/0.015625,density_warmup_steps=11"
@@ -225,9 +218,6 @@ def test_recipe_density_warmup_parses_to_a_tuple_the_adapter_accepts():
 def test_recipe_clauses_apply_from_their_density_on():
     """--recipe 'BASE|d>=D:KEY=VALUE,...': the clause's options join (or replace) the base for runs at
     densities >= D; the default recipe is momentum 0.8 below d=0.01 and 0.9 from it."""
-    sys.path.insert(0, os.path.join(ROOT, "jobs"))
-    import fidelity
-
     d = fidelity.DEFAULT_RECIPE
     assert fidelity.parse_recipe(d) == {"momentum_correction": 0.8}
     assert fidelity.parse_recipe(d, 0.00338) == {"momentum_correction": 0.8}

@@ -2,15 +2,9 @@
 differences (a hand-computed case)."""
 import json
 import math
-import os
-import sys
 
+import fidelity_paired as fp  # jobs/fidelity_paired.py: pytest.ini puts jobs/ on the path
 import pytest
-
-from tests.launch import ROOT
-
-sys.path.insert(0, os.path.join(ROOT, "jobs"))
-import fidelity_paired as fp  # noqa: E402
 
 
 def _run(label, seed, acc, recipe=None, mb=1.0, workload="cnn"):

@@ -1,16 +1,19 @@
 """HostOps keeps the measuring pass's marks (the indices at or above the fine window's first edge)
-so the select and the zooms that follow read those instead of the owned range: same results as
-``select_range`` / ``hist_range`` over the range, for any threshold, and never another pass's."""
+in the ``Marks`` the caller passes, so the select and the zooms that follow read those instead of the
+owned range: same results as ``select_range`` / ``hist_range`` over the range, for any threshold,
+and never another pass's."""
 import numpy as np
 import pytest
 
 from exdyna_mpi.algorithm.controllers import MeasuredController
 from exdyna_mpi.arrays import HostOps
-from exdyna_mpi.arrays import ops as ops_mod
+from exdyna_mpi.arrays.ops import Marks
 from exdyna_mpi.kernels import cpu_controller as kc
 
+MARKS = Marks()   # one caller's, reused by every pass here (as a sparsifier reuses its own)
 
-def _measure(x, lo, hi, dtype, threshold, mark=True):
+
+def _measure(x, lo, hi, dtype, threshold, mark=True, marks=MARKS):
     ctl = MeasuredController(x.shape[0], 0.01)
     ctl.threshold, ctl.seen = threshold, True
     plan = ctl.plan(1, dtype)
@@ -19,7 +22,7 @@ def _measure(x, lo, hi, dtype, threshold, mark=True):
     acc = np.empty_like(x)
     bad = HostOps.accumulate_measure(np.zeros_like(x), x, acc, lo, hi, (plan.hist[1], plan.hist[2], w[:nb]),
                                      (plan.fine[1], plan.fine[2], w[nb:]), plan.stride,
-                                     ctl.mark(plan) if mark else None)
+                                     ctl.mark(plan) if mark else None, 1, marks)
     return acc, ctl, plan, w, bad
 
 
@@ -38,16 +41,16 @@ def test_select_marked_equals_select_range(dtype, rel):
     acc, ctl, plan, _, bad = _measure(x, lo, hi, dtype, 0.25)
     assert bad == 0
     mark = ctl.mark(plan)
-    marks = ops_mod._marks_for(acc, lo, hi)
+    marks = MARKS.of(acc, lo, hi)
     assert marks is not None and marks[0] == mark
     assert np.array_equal(marks[1], lo + np.flatnonzero(np.abs(acc[lo:hi]) >= mark))   # ascending, all of them
     thr = dtype(mark * rel)
     want = np.empty(hi - lo, np.int32)
     c = HostOps.select_range(acc, lo, hi, thr, want)
     got = np.full(hi - lo, -1, np.int32)
-    assert HostOps.select_marked(acc, lo, hi, thr, got) == c
+    assert HostOps.select_marked(acc, lo, hi, thr, got, marks=MARKS) == c
     assert np.array_equal(got[:c], want[:c])
-    assert ops_mod._marks_for(acc, lo, hi) is None   # consumed
+    assert MARKS.of(acc, lo, hi) is None   # consumed
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -63,9 +66,9 @@ def test_zoom_histogram_from_marks_equals_the_range(dtype, offset):
     want = np.zeros(50, np.int64)
     kc.host_hist_range(acc, lo, hi, *spec[1:], want)
     got = np.zeros(50, np.int64)
-    HostOps.hist_range(acc, lo, hi, spec[1], spec[2], got)
+    HostOps.hist_range(acc, lo, hi, spec[1], spec[2], got, MARKS)
     assert np.array_equal(got, want)
-    assert ops_mod._marks_for(acc, lo, hi) is not None   # a zoom leaves them for the select
+    assert MARKS.of(acc, lo, hi) is not None   # a zoom leaves them for the select
 
 
 def test_marks_of_another_buffer_or_range_are_not_used():
@@ -78,12 +81,18 @@ def test_marks_of_another_buffer_or_range_are_not_used():
     want = np.empty(n, np.int32)
     c = HostOps.select_range(other, 0, n, thr, want)
     got = np.empty(n, np.int32)
-    assert HostOps.select_marked(other, 0, n, thr, got) == c and np.array_equal(got[:c], want[:c])
+    assert HostOps.select_marked(other, 0, n, thr, got, marks=MARKS) == c and np.array_equal(got[:c], want[:c])
     acc, ctl, plan, _, _ = _measure(x, 0, n, np.float32, 0.25)
     c = HostOps.select_range(acc, 100, 5000, thr, want)
-    assert HostOps.select_marked(acc, 100, 5000, thr, got) == c and np.array_equal(got[:c], want[:c])
+    assert HostOps.select_marked(acc, 100, 5000, thr, got, marks=MARKS) == c and np.array_equal(got[:c], want[:c])
     acc, ctl, plan, _, _ = _measure(x, 0, n, np.float32, 0.25, mark=False)
-    assert ops_mod._marks_for(acc, 0, n) is None
+    assert MARKS.of(acc, 0, n) is None
+    acc, ctl, plan, _, _ = _measure(x, 0, n, np.float32, 0.25)
+    other = Marks()   # another caller's marks, or none: the range is read
+    c = HostOps.select_range(acc, 0, n, thr, want)
+    assert HostOps.select_marked(acc, 0, n, thr, got, marks=other) == c and np.array_equal(got[:c], want[:c])
+    assert HostOps.select_marked(acc, 0, n, thr, got) == c and np.array_equal(got[:c], want[:c])
+    assert MARKS.of(acc, 0, n) is not None   # neither touched the pass's own
 
 
 def test_a_mark_below_the_window_edge_is_raised_to_it():
@@ -99,12 +108,12 @@ def test_a_mark_below_the_window_edge_is_raised_to_it():
     acc = np.empty_like(x)
     edge = ctl.mark(plan)
     HostOps.accumulate_measure(np.zeros_like(x), x, acc, 0, n, (plan.hist[1], plan.hist[2], w[:nb]),
-                               (plan.fine[1], plan.fine[2], w[nb:]), plan.stride, edge / 2)
-    assert ops_mod._marks_for(acc, 0, n)[0] == edge
+                               (plan.fine[1], plan.fine[2], w[nb:]), plan.stride, edge / 2, marks=MARKS)
+    assert MARKS.of(acc, 0, n)[0] == edge
     thr = np.float32(edge * 0.75)
     want, got = np.empty(n, np.int32), np.empty(n, np.int32)
     c = HostOps.select_range(acc, 0, n, thr, want)
-    assert HostOps.select_marked(acc, 0, n, thr, got) == c and np.array_equal(got[:c], want[:c])
+    assert HostOps.select_marked(acc, 0, n, thr, got, marks=MARKS) == c and np.array_equal(got[:c], want[:c])
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -115,7 +124,7 @@ def test_nonfinite_in_the_owned_range_is_counted_and_marked(dtype):
     x[[3001, 9000, 16999]] = [np.inf, np.nan, -np.inf]
     acc, ctl, plan, _, bad = _measure(x, lo, hi, dtype, 0.25)
     assert bad == 3
-    marks = ops_mod._marks_for(acc, lo, hi)
+    marks = MARKS.of(acc, lo, hi)
     assert {3001, 9000, 16999} <= set(marks[1].tolist())
     _, _, _, _, clean = _measure(_values(n, dtype, 4), lo, hi, dtype, 0.25)
     assert clean == 0

@@ -1,7 +1,8 @@
 """The layers of docs/architecture.md in the package layout: imports point down only, MPI only in transport.
 
 Static checks over the source (ast), so they cost nothing at run time and fail on the offending line:
-an upward import, ``mpi4py`` imported outside ``transport/``, or an MPI call anywhere else.
+an upward import, ``mpi4py`` imported outside ``transport/``, an MPI call anywhere else, or a cycle in
+the package's import graph (imports inside functions included).
 """
 import ast
 import pathlib
@@ -55,11 +56,25 @@ def imports_of(source, mod):
     return out
 
 
+def typing_only_lines(source):
+    """Lines of the imports under ``if TYPE_CHECKING:``: read by type checkers, never run."""
+    lines = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            for stmt in node.body:
+                for sub in ast.walk(stmt):
+                    if isinstance(sub, (ast.Import, ast.ImportFrom)):
+                        lines.add(sub.lineno)
+    return lines
+
+
 def violations(source, mod):
     me = _part(mod)
     bad = []
+    typing_only = typing_only_lines(source)
     for line, target, raw in imports_of(source, mod):
-        if target[0] == "mpi4py" and me != "transport":
+        # a type hint may name ``MPI.Comm``: only an import that runs counts as using MPI
+        if target[0] == "mpi4py" and me != "transport" and line not in typing_only:
             bad.append(f"line {line}: imports {raw} outside transport/")
         if target[0] != "exdyna_mpi":
             continue
@@ -88,20 +103,180 @@ def test_the_check_catches_an_upward_import_and_a_stray_mpi_call():
     assert violations("from ..transport.exchange import Exchange\n", mod)
     assert violations("import exdyna_mpi.adapters.torch\n", mod)
     assert violations("from mpi4py import MPI\n", mod)
+    assert not violations("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from mpi4py import MPI\n", mod)
+    assert violations("if TYPE_CHECKING:\n    from ..sparsifiers import base\n", mod)
     assert violations("x = comm.Bcast(buf, root=0)\n", ("exdyna_mpi", "adapters", "torch"))
     assert violations("from ..arrays import ops_for\n", ("exdyna_mpi", "algorithm", "layout"))
     assert not violations("from ..kernels import cpu\nfrom .dlpack import Input\n", mod)
     assert not violations("from ..arrays import ops_for\n", ("exdyna_mpi", "sparsifiers", "base"))
 
 
-def test_jobs_import_no_private_module():
-    """jobs/ use the public surface only (no ``exdyna_mpi._x`` / ``exdyna_mpi.x._y``)."""
+
+def _dotted(mod):
+    """``("exdyna_mpi", "arrays", "__init__")`` -> ``"exdyna_mpi.arrays"``."""
+    return ".".join(mod[:-1] if mod[-1] == "__init__" else mod)
+
+
+def import_graph(sources):
+    """The package's import graph: ``{module: [(line, imported module), ...]}`` over ``sources``
+    (``{dotted module name: (source text, module tuple)}``), every import statement counted wherever
+    it sits (module level, inside a function, under ``if TYPE_CHECKING``).
+
+    An import of ``a.b.c`` also runs the packages ``a`` and ``a.b``: those count as edges too, except
+    the packages that already enclose the importing module (they are mid-import when it runs).
+    ``from pkg import x`` with ``x`` a submodule is an edge to ``pkg.x``; with ``x`` a name defined in
+    ``pkg/__init__.py``, an edge to ``pkg``. Imports from outside ``sources`` are left out."""
+    graph = {}
+    for me, (source, mod) in sources.items():
+        pkg = mod[:-1]
+        edges = []
+
+        def add(line, target):
+            parts = target.split(".")
+            for i in range(1, len(parts) + 1):
+                t = ".".join(parts[:i])
+                enclosing = me == t or me.startswith(t + ".")
+                if t in sources and (i == len(parts) or not enclosing) and t != me:
+                    edges.append((line, t))
+
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    add(node.lineno, a.name)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = pkg[: len(pkg) - (node.level - 1)]
+                    target = ".".join(base + (tuple(node.module.split(".")) if node.module else ()))
+                else:
+                    target = node.module
+                subs = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in sources]
+                if len(subs) < len(node.names):
+                    add(node.lineno, target)
+                for sub in subs:
+                    add(node.lineno, sub)
+        graph[me] = edges
+    return graph
+
+
+def cycles(graph):
+    """One cycle per strongly connected component of more than one module (or a module importing
+    itself), as ``["a (line 3) -> b", "b (line 9) -> a"]``; empty when the graph has none."""
+    index, low, stack, on, comps = {}, {}, [], set(), []
+
+    def visit(v):   # Tarjan's algorithm
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for _, w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = set()
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.add(w)
+                if w == v:
+                    break
+            comps.append(comp)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    found = []
+    for comp in comps:
+        start = min(comp)
+        # a shortest way back to ``start`` inside the component (breadth first)
+        prev, frontier, back = {start: None}, [start], None
+        while frontier and back is None:
+            nxt = []
+            for v in frontier:
+                for line, w in sorted(graph.get(v, ()), key=lambda e: e[1]):
+                    if w == start and back is None:
+                        back = (v, line)
+                    elif w in comp and w not in prev:
+                        prev[w] = (v, line)
+                        nxt.append(w)
+            frontier = nxt
+        if back is None:
+            continue    # a single module with no edge to itself
+        path, (v, line) = [f"{back[0]} (line {back[1]}) -> {start}"], back
+        while prev[v] is not None:
+            u, line = prev[v]
+            path.insert(0, f"{u} (line {line}) -> {v}")
+            v = u
+        found.append(path)
+    return found
+
+
+def package_sources():
+    return {_dotted(mod): (path.read_text(), mod) for path, mod in _modules()}
+
+
+def test_no_import_cycles():
+    """No module of the package imports, directly or through others, a module that imports it back:
+    not at module level, not inside a function."""
+    found = cycles(import_graph(package_sources()))
+    assert not found, "import cycles:\n" + "\n".join("  " + "; ".join(c) for c in found)
+
+
+def test_the_cycle_check_sees_imports_inside_functions_and_through_packages():
+    def graph(files):
+        return import_graph({name: (text, tuple(name.split(".")) + (("__init__",) if pkg else ()))
+                             for name, (text, pkg) in files.items()})
+
+    lazy = {"p": ("", True), "p.a": ("from .b import f\n", False),
+            "p.b": ("def f():\n    from .a import g\n", False)}
+    assert cycles(graph(lazy)) == [["p.a (line 1) -> p.b", "p.b (line 2) -> p.a"]]
+    # p.c imports p.q.x, which runs p.q's __init__, which imports p.c
+    through = {"p": ("", True), "p.q": ("from ..c import h\n", True), "p.q.x": ("", False),
+               "p.c": ("import p.q.x\n", False)}
+    assert cycles(graph(through))
+    # a package importing its own submodules, which import siblings: no cycle
+    down = {"p": ("from .a import f\n", True), "p.a": ("from . import b\n", False), "p.b": ("", False)}
+    assert not cycles(graph(down))
+    # ``from . import name`` where the name lives in the package's __init__: back up into it
+    up = {"p": ("from .a import f\nX = 1\n", True), "p.a": ("from . import X\n", False)}
+    assert cycles(graph(up))
+
+#: what jobs/ may import of the library: the public API. Internals go through jobs/common.py.
+PUBLIC = {("exdyna_mpi",), ("exdyna_mpi", "adapters", "torch")}
+
+
+def job_import_problems(source, name):
+    """``line N: import`` for every import of ``exdyna_mpi`` in a job's ``source`` beyond ``PUBLIC``
+    (imports inside functions included)."""
+    return [f"line {line}: {raw}" for line, target, raw in imports_of(source, ("jobs", name))
+            if target[0] == "exdyna_mpi" and target not in PUBLIC]
+
+
+def test_jobs_import_the_public_api_or_common():
+    """jobs/ import the public API (``exdyna_mpi``, ``exdyna_mpi.adapters.torch``); the internals a
+    job measures come through jobs/common.py, the one file that names them (``INTERNALS``)."""
     bad = []
     for path in sorted((ROOT / "jobs").rglob("*.py")):
-        for line, target, raw in imports_of(path.read_text(), ("jobs", path.stem)):
-            if target[0] == "exdyna_mpi" and any(p.startswith("_") and p != "__init__" for p in target[1:]):
-                bad.append(f"{path.name}:{line}: {raw}")
-    assert not bad, bad
+        if path != ROOT / "jobs" / "common.py":
+            bad += [f"{path.relative_to(ROOT)}: {p}" for p in job_import_problems(path.read_text(), path.stem)]
+    assert not bad, "import these through jobs/common.py (INTERNALS):\n" + "\n".join(bad)
+    assert job_import_problems("from exdyna_mpi.transport import SendDelay\n", "x")
+    assert job_import_problems("def f():\n    import exdyna_mpi.kernels.cuda as kc\n", "x")
+    assert not job_import_problems("import exdyna_mpi\nfrom exdyna_mpi.adapters.torch import FlatGrad\n", "x")
+
+
+def test_jobs_common_internals_exist():
+    """Every internal jobs/common.py hands out still exists where it says (a library refactor that
+    moves one fails here, not in a job run)."""
+    import importlib
+
+    import common   # jobs/common.py: pytest.ini puts jobs/ on the path
+
+    missing = [f"{name} (from {mod})" for name, mod in common.INTERNALS.items()
+               if not hasattr(importlib.import_module(mod), name)]
+    assert not missing, missing
+    assert common.HostOps is importlib.import_module("exdyna_mpi.arrays.ops").HostOps
 
 
 def ops_signature_problems(impl):

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from exdyna_mpi.algorithm.controllers import MeasuredController
-from exdyna_mpi.arrays import HostOps, host_threads
+from exdyna_mpi.arrays import HostOps
 from exdyna_mpi.kernels import cpu_controller as kc
 
 

@@ -7,15 +7,16 @@ import sys
 import numpy as np
 import pytest
 
-JOB = os.path.join(os.path.dirname(os.path.dirname(__file__)), "resume_job.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+JOB = "tests.resume_job"   # run as a module from ROOT, so it imports tests.reference
 
 
 def _mpiexec(n, *args):
     exe = shutil.which("mpiexec")
     if exe is None:
         pytest.fail("mpiexec is not on PATH: run the tests through tests/run_all.sh (it activates the venv)")
-    cmd = ["timeout", "-k", "5", "240", exe, "-n", str(n), sys.executable, JOB, *args]
-    r = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    cmd = ["timeout", "-k", "5", "240", exe, "-n", str(n), sys.executable, "-m", JOB, *args]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, stdin=subprocess.DEVNULL)
     assert r.returncode == 0, f"{' '.join(cmd)} -> rc {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
 
 

@@ -1,17 +1,12 @@
 """The stream recorder (jobs/streams.py ``record``): every recorded model, a tiny recording made
 twice. The bytes must repeat (recordings are regenerated, never committed), each rank's gradient
 must be its own minibatch's, and the replay must hand back what was written."""
-import os
-import sys
-
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                                "jobs"))
-import models  # noqa: E402
+import models  # noqa: E402  (jobs/models.py, jobs/streams.py: pytest.ini puts jobs/ on the path)
 import streams  # noqa: E402
 
 

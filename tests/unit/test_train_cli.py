@@ -116,8 +116,9 @@ def test_interrupted_job_resumes_to_the_same_bits(tmp_path, n, how):
     assert f"resumed from job step {marker['step']}" in proc.stdout
     want, got = _final_hashes(straight), _final_hashes(broken)
     assert list(want) == ["dense", "exdyna d=0.05"] and got == want
-    steps = lambda out: [(r["run"], r["step"], r["density"], r["loss"]) for r in _records(out)
-                         if r["kind"] == "step"]
+    def steps(out):
+        return [(r["run"], r["step"], r["density"], r["loss"]) for r in _records(out) if r["kind"] == "step"]
+
     assert steps(broken) == steps(straight)
     assert (broken / "train.png").exists()
 

@@ -2,12 +2,22 @@
 
 Pure host logic on NumPy arrays (vectorised; the per-element passes go through ``HostOps``).
 """
+import dataclasses
+
 import numpy as np
 
 from ...algorithm.controllers import target_count
+from ..roles import Selection
 
 __all__ = ["target_count", "positive_int", "nonneg_int", "float_to_word", "word_to_float",
-           "kth_largest_magnitude", "positive_floor"]
+           "kth_largest_magnitude", "positive_floor", "ThresholdSelection"]
+
+
+@dataclasses.dataclass(eq=False)
+class ThresholdSelection(Selection):
+    """A selection of ``|acc| >= thr`` (``thr`` in acc's dtype): what ``combine`` reports."""
+
+    thr: float = 0.0
 
 
 def positive_int(v):

@@ -1,4 +1,5 @@
-"""Frequency-domain sparsification with range-based low-bit floats (FFT-based gradient compression with range-based low-bit floats).
+"""Frequency-domain sparsification with range-based low-bit floats (after "FFT-based gradient
+compression with range-based low-bit floats").
 
 One step on rank r (B = ``block``, k = density * numel real coefficients per rank):
 
@@ -26,7 +27,9 @@ The per-bin error of the decoded spectrum is bounded by the format: for a part `
 ``|v_hat - v| <= 2^-(m+1) |v|`` when ``|v| >= 2^e_min`` else ``< 2^e_min``; by Parseval a row's
 time-domain error is at most ``sqrt(2 / B * sum |dF|^2)`` (tests/mpi/test_baselines.py checks it).
 """
+import dataclasses
 import time
+from typing import Any
 
 import numpy as np
 
@@ -44,6 +47,17 @@ def _bits(v):
 
 def _block(v):
     return positive_int(v) or (None if v >= 2 else "must be at least 2")
+
+
+@dataclasses.dataclass(eq=False)
+class _SpectrumSelection(Selection):
+    """What ``select`` kept of this rank's spectrum, for ``combine``: the spectrum ``spec``, the
+    level ``tau`` of its kept bins ``kept`` and their coded parts ``codes``."""
+
+    spec: Any = None
+    tau: float = 0.0
+    kept: Any = None
+    codes: Any = None
 
 
 class FFTSparsifier(Sparsifier):
@@ -110,8 +124,8 @@ class FFTSparsifier(Sparsifier):
         parts[0::2] = spec.real[kept]
         parts[1::2] = spec.imag[kept]
         codes, e_max, e_bits = self._code(parts, tau)
-        return Selection(acc, count, [float_to_word(float(tau)), e_max, e_bits], 0, spec=spec, tau=tau, kept=kept,
-                         codes=codes)
+        return _SpectrumSelection(acc, count, [float_to_word(float(tau)), e_max, e_bits], 0, spec=spec, tau=tau,
+                                  kept=kept, codes=codes)
 
     def combine(self, step, sel, words):
         sec, acc, spec, kept = step.sec, sel.acc, sel.spec, sel.kept

@@ -33,10 +33,10 @@ import time
 import numpy as np
 
 from ...arrays import threshold_for
-from ..base import Selection, Sparsifier
+from ..base import Sparsifier
 from ..roles import StepWords
-from ._common import (float_to_word, kth_largest_magnitude, nonneg_int, positive_floor, positive_int,
-                      target_count, word_to_float)
+from ._common import (ThresholdSelection, float_to_word, kth_largest_magnitude, nonneg_int, positive_floor,
+                      positive_int, target_count, word_to_float)
 
 _TAG_IDX, _TAG_VAL = 0x4F6B, 0x4F6C
 _BUCKET = 4
@@ -200,7 +200,7 @@ class OkTopk(Sparsifier):
             if repartition:
                 cuts = proposed_cuts(self._idx[:count], self.numel, self.nranks)
         words = [float_to_word(thr)] + (cuts.tolist() if repartition else [])
-        return Selection(acc, count, words, bad, thr=thr)
+        return ThresholdSelection(acc, count, words, bad, thr=thr)
 
     def combine(self, step, sel, words):
         t, sec, acc, thr, count = step.t, step.sec, sel.acc, sel.thr, sel.count

@@ -27,9 +27,10 @@ import time
 import numpy as np
 
 from ...arrays import threshold_for
-from ..base import Selection, Sparsifier
+from ..base import Sparsifier
 from ..deadline import OPTIONS as DEADLINE_OPTIONS, DeadlineOption
-from ._common import float_to_word, kth_largest_magnitude, positive_floor, target_count, word_to_float
+from ._common import (ThresholdSelection, float_to_word, kth_largest_magnitude, positive_floor, target_count,
+                      word_to_float)
 
 
 class UnionSparsifier(DeadlineOption, Sparsifier):
@@ -74,7 +75,7 @@ class UnionSparsifier(DeadlineOption, Sparsifier):
         if not bad and self._selects(step.t):
             thr = self._local_threshold(acc)
             count = self.ops.select_range(acc, 0, self.numel, thr, self._idx_buffer())
-        return Selection(acc, count, [float_to_word(thr)], bad, thr=thr)
+        return ThresholdSelection(acc, count, [float_to_word(thr)], bad, thr=thr)
 
     def combine(self, step, sel, words):
         self._idx_buffer()
