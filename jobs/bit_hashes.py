@@ -3,7 +3,7 @@
 
 A refactor that must not change behaviour runs this before and after and compares the lines::
 
-    mpiexec -n 4 python -m mpi4py jobs/bit_hashes.py --out results/bit_hashes_P4.jsonl
+    mpiexec -n 4 python -m mpi4py jobs/bit_hashes.py --out results/bit_hashes/P4.jsonl
     NUMBA_ENABLE_CUDASIM=1 python jobs/bit_hashes.py --device cuda --streams cnn16 --steps 3 \
         --sparsifiers exdyna,micro          # the CUDA kernels, simulated
 

@@ -1,7 +1,7 @@
 """Arrays layer: the ONE place that decides between a real CUDA device (CuPy) and the simulator.
 
-``kernels/cuda.py`` reads Numba's ``NUMBA_ENABLE_CUDASIM`` (set before numba is imported) to choose
-its launch shapes; everything above the kernels asks ``BACKEND`` instead of branching on it:
+``kernels/cuda/config.py`` reads Numba's ``NUMBA_ENABLE_CUDASIM`` (set before numba is imported) to
+choose its launch shapes; everything above the kernels asks ``BACKEND`` instead of branching on it:
 
 - ``SimulatedBackend``: the Numba CUDA simulator. CuPy cannot allocate there, so device buffers are
   NumPy arrays that the simulator runs the CUDA kernels on; copies are plain NumPy copies. CI runs the
