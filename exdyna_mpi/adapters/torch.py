@@ -15,6 +15,11 @@ How it works (no copies on the hot path):
 
 Construction broadcasts rank 0's parameters (and buffers) so every rank starts identical. All of it
 is collective over ``comm``. torch is imported lazily, so ``import exdyna_mpi`` never imports it.
+
+For ``DistributedDataParallel``, a communication hook instead (``_torch_hook.py``)::
+
+    ddp.register_comm_hook(exdyna_mpi.adapters.torch.ExDynaHookState("exdyna", density=0.01),
+                           exdyna_mpi.adapters.torch.exdyna_hook)
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 import exdyna_mpi
 
 from ._torch_common import _broadcast_model, _flat_layout, _torch, _wrap, _wrapped_params, broadcast_parameters
+from ._torch_hook import ExDynaHookState, exdyna_hook
 from ._torch_options import OPTIONS_KEY, TrainingOptions
 from .torch_wagma import FlatParams, GroupAveragingOptimizer
 
@@ -31,7 +37,8 @@ if TYPE_CHECKING:
     import torch
     from mpi4py import MPI
 
-__all__ = ["DistributedOptimizer", "FlatGrad", "FlatParams", "GroupAveragingOptimizer", "broadcast_parameters"]
+__all__ = ["DistributedOptimizer", "ExDynaHookState", "FlatGrad", "FlatParams", "GroupAveragingOptimizer",
+           "broadcast_parameters", "exdyna_hook"]
 
 
 class FlatGrad:

@@ -1,0 +1,583 @@
+"""A DDP communication hook: ``ddp.register_comm_hook(ExDynaHookState(...), exdyna_hook)``.
+
+DDP hands the hook one bucket of gradients at a time (in bucket-index order, on every rank) and
+waits, at the end of ``backward()``, for the futures the hook returned. The hook only works out where
+the bucket's parameters sit and enqueues the work; one worker thread per state runs the exchanges in
+FIFO order, so every rank issues its collectives in the same order while the backward thread goes on.
+
+Two scopes:
+
+- ``scope="model"`` (default): one sparsifier over the whole model's gradient, so density and
+  threshold hold for the model as a whole. The buckets of an iteration are copied into one
+  model-wide vector laid out in the *canonical order*: the order in which the parameters appear
+  across the buckets of the first iteration a model is seen (DDP's first iteration after
+  construction uses its initial bucket assignment, the same for the same model and
+  ``bucket_cap_mb``). Later iterations (DDP rebuilds its buckets after the first, in another order)
+  find each parameter's offset by identity. The exchange runs when the bucket with ``is_last()``
+  arrives: it does not overlap with backward, it only keeps the backward thread free.
+- ``scope="bucket"``: one sparsifier per bucket, keyed by the tuple of its parameters' canonical
+  indices (not by bucket index, which DDP gives to other parameters after a rebuild). Each exchange
+  starts as soon as its bucket arrives, overlapping backward. A key seen for the first time (DDP's
+  rebuild after the first iteration) gets a fresh sparsifier whose error-feedback residual is
+  carried over, parameter by parameter, from the sparsifiers that held those parameters; its
+  threshold controller starts afresh. The first iteration of a model not seen before (a resumed run:
+  new model, new DDP, initial buckets) while the state holds sparsifiers, after a load or unpickle,
+  is exchanged with the held grouping instead (all buckets gathered first), so that a resumed run
+  reproduces the uninterrupted one bit for bit once DDP rebuilds to that grouping.
+
+The collectives run on a private duplicate of ``comm`` that the worker makes, so the user's own
+calls on ``comm`` never meet them.
+"""
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+import traceback
+import weakref
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+
+import exdyna_mpi
+from exdyna_mpi import transport
+from exdyna_mpi.transport.group import GroupTransport
+
+from ._torch_common import _torch
+
+if TYPE_CHECKING:
+    import torch
+    from mpi4py import MPI
+
+__all__ = ["ExDynaHookState", "exdyna_hook"]
+
+SCOPES = ("model", "bucket")
+_VERSION = 1
+Key = tuple[int, ...]
+Layout = list[tuple[int, tuple[int, ...]]]
+
+
+class _LayoutError(ValueError):
+    """The model's parameters do not match the state's layout. The layout comes from the model,
+    which DDP checks to be the same on every rank, so every rank raises it together."""
+
+
+class _Job:
+    """One bucket of one iteration, as the backward thread saw it."""
+
+    __slots__ = ("buf", "fut", "key", "runs", "last", "new_model", "total", "copied", "error")
+
+    def __init__(self, buf, fut, key, runs, last, new_model, total, error):
+        self.buf = buf              # the bucket's flat buffer; the result is written back into it
+        self.fut = fut
+        self.key = key              # canonical indices of its parameters, in bucket order
+        self.runs = runs            # (offset in buf, offset in the model-wide vector, length), merged
+        self.last = last
+        self.new_model = new_model  # first iteration of a model not seen before
+        self.total = total          # the model's numel (0 while the first iteration derives it)
+        self.copied = False
+        self.error = error          # a layout error found on the backward thread
+
+
+class ExDynaHookState:
+    """The state of ``exdyna_hook``: the sparsifier(s), the canonical parameter layout, the worker.
+
+    ``sparsifier``: any name of ``exdyna_mpi.available()`` (``"dense"`` gives the plain MPI
+    average); ``density`` and ``options`` go to it. ``comm`` (default ``MPI.COMM_WORLD``) must span
+    the same ranks, in the same order, as DDP's process group. ``scope``: ``"model"`` or ``"bucket"``
+    (module docstring). MPI must run with ``MPI_THREAD_MULTIPLE`` (mpi4py's default): the exchanges
+    run on a worker thread while the main thread may call MPI.
+
+    ``state.stats``: the last exchange's ``exdyna_mpi.Stats`` (``scope="bucket"``: a dict from bucket
+    key to ``Stats``). ``state.step``: iterations completed. ``state.error``: the exception of the
+    last failed exchange (DDP re-raises it from ``backward()`` inside a ``RuntimeError``).
+    ``state.close()`` stops the worker (collective: it frees the private communicator).
+
+    ``state_dict()`` / ``load_state_dict()`` checkpoint it (every rank its own: residuals differ; host
+    NumPy copies, so save with pickle or ``torch.save`` / ``torch.load(weights_only=False)``).
+    Pickling keeps the same, without communicator, thread or futures; after unpickling ``comm`` is
+    ``MPI.COMM_WORLD`` unless ``state.comm`` is set before the first iteration.
+
+    Example::
+
+        >>> ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25)
+        >>> state = ExDynaHookState("exdyna", density=0.01)
+        >>> ddp.register_comm_hook(state, exdyna_hook)
+        >>> loss_fn(ddp(x), y).backward()     # .grad holds the averaged sparse gradient
+        >>> opt.step()
+        >>> state.stats.density, state.stats.bytes_sent
+        >>> torch.save({"model": model.state_dict(), "hook": state.state_dict()}, f"ckpt.{rank}")
+    """
+
+    def __init__(self, sparsifier: str = "exdyna", density: float = 0.01, comm: MPI.Comm | None = None, *,
+                 scope: str = "model", **options: Any) -> None:
+        if scope not in SCOPES:
+            raise ValueError(f"ExDynaHookState: scope must be one of {SCOPES}, got {scope!r}")
+        if sparsifier not in exdyna_mpi.available():
+            raise ValueError(f"ExDynaHookState: unknown sparsifier {sparsifier!r}; "
+                             f"available: {', '.join(exdyna_mpi.available())}")
+        if not GroupTransport.thread_multiple():
+            raise RuntimeError("ExDynaHookState needs MPI initialised with MPI_THREAD_MULTIPLE (mpi4py's default, "
+                               "see mpi4py.rc.thread_level): its exchanges run on a worker thread")
+        self.sparsifier, self.density, self.scope, self.options = sparsifier, density, scope, dict(options)
+        self._user_comm = comm
+        self.step = 0
+        self.stats: Any = None
+        self.error: BaseException | None = None
+        #: the canonical layout, (numel, shape) per parameter; None until the first iteration
+        self.layout: Layout | None = None
+        self._offsets: list[int] = [0]
+        # backward thread: id(param) -> (weak reference, canonical index), for the model seen last
+        self._index: dict[int, tuple[weakref.ref, int]] | None = None
+        self._in_iter = False
+        self._deriving = False
+        self._new_index: dict[int, tuple[weakref.ref, int]] = {}
+        self._new_layout: Layout = []
+        self._new_total = 0
+        self._iter_dtype: Any = None
+        # worker thread
+        self._comm: MPI.Comm | None = None
+        self._queue: queue.SimpleQueue | None = None
+        self._thread: threading.Thread | None = None
+        self._to_load: dict[str, Any] | None = None   # sparsifier states waiting for the worker
+        self._after_load = False
+        self._iter_started = False
+        self._pending: list[_Job] = []
+        self._failed: BaseException | None = None
+        self._regroup = False
+        self._sp: Any = None                          # scope="model"
+        self._flat: torch.Tensor | None = None
+        self._sps: dict[Key, Any] = {}                # scope="bucket": key -> sparsifier
+        self._owner: dict[int, Key] = {}              # canonical index -> the key holding its residual
+
+    # ------------------------------------------------------------------ communicator and worker
+    @property
+    def comm(self) -> MPI.Comm:
+        return transport.world() if self._user_comm is None else self._user_comm
+
+    @comm.setter
+    def comm(self, comm: MPI.Comm) -> None:
+        if self._comm is not None:
+            raise RuntimeError("ExDynaHookState.comm: set it before the first iteration (or after close())")
+        self._user_comm = comm
+
+    def _submit(self, fn: Callable[[], None] | None) -> None:
+        if self._thread is None:
+            self._queue = queue.SimpleQueue()
+            self._thread = threading.Thread(target=_worker_loop, args=(self._queue,), daemon=True,
+                                            name="exdyna-ddp-hook")
+            self._thread.start()
+            weakref.finalize(self, self._queue.put, None)   # a state dropped without close(): end its worker
+        self._queue.put(fn)
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` on the worker after the work queued so far (directly when there is no worker);
+        its exception is raised here."""
+        if self._thread is None:
+            return fn()
+        done, box = threading.Event(), {}
+
+        def job():
+            try:
+                box["value"] = fn()
+            except BaseException as e:   # noqa: BLE001 - handed to the caller
+                box["error"] = e
+            done.set()
+
+        self._submit(job)
+        done.wait()
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
+
+    def close(self) -> None:
+        """Stop the worker after the work queued so far and free the private communicator
+        (collective once an iteration has run). The state stays usable: the next iteration
+        restarts the worker and rebuilds the sparsifiers from their state."""
+        if self._thread is None:
+            return
+
+        def stop():
+            if self._sp is not None or self._sps:
+                self._to_load = self._snapshot()
+            self._sp, self._sps, self._owner, self._flat = None, {}, {}, None
+            if self._comm is not None:
+                self._comm.Free()
+                self._comm = None
+
+        self._call(stop)
+        self._queue.put(None)
+        self._thread.join()
+        self._thread = self._queue = None
+
+    # ------------------------------------------------------------------ checkpoints
+    def _snapshot(self) -> dict[str, Any]:
+        d = {"version": _VERSION, "scope": self.scope, "sparsifier": self.sparsifier, "density": self.density,
+             "layout": None if self.layout is None else [[n, list(s)] for n, s in self.layout], "step": self.step}
+        if self._to_load is not None:   # loaded, not built yet
+            d["state"] = self._to_load["state"]
+        elif self.scope == "model":
+            d["state"] = None if self._sp is None else self._sp.state_dict()
+        else:
+            d["state"] = [[list(k), self._sps[k].state_dict()] for k in sorted(self._sps)]
+        return d
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state: the sparsifier(s)' state dicts, the canonical layout and the step
+        counter (host copies; safe to pickle). Call it between iterations."""
+        return self._call(self._snapshot)
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        """Restore ``state_dict()`` output (this rank's), before the next iteration. A different
+        scope, sparsifier, density or layout raises ``ValueError`` here; a model whose parameters do
+        not match the layout raises it (every rank) at the first iteration, from ``backward()``.
+        The sparsifiers are rebuilt by the worker at the next iteration (collective there)."""
+        try:
+            got = {k: d[k] for k in ("version", "scope", "sparsifier", "density", "layout", "step", "state")}
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"ExDynaHookState.load_state_dict: not a state_dict() output ({e!r})") from None
+        for key, mine in (("version", _VERSION), ("scope", self.scope), ("sparsifier", self.sparsifier),
+                          ("density", self.density)):
+            if got[key] != mine:
+                raise ValueError(f"ExDynaHookState.load_state_dict: the dict has {key}={got[key]!r}, "
+                                 f"this state has {mine!r}")
+        layout = None if got["layout"] is None else _as_layout(got["layout"])
+        if self.layout is not None and layout is not None and layout != self.layout:
+            raise ValueError("ExDynaHookState.load_state_dict: the dict's parameter layout "
+                             f"({len(layout)} parameters, {sum(n for n, _ in layout)} elements) differs from "
+                             f"this state's ({len(self.layout)} parameters, {self._offsets[-1]} elements)")
+        if layout is None and got["state"]:
+            raise ValueError("ExDynaHookState.load_state_dict: sparsifier state without a layout")
+
+        def install():
+            self._sp, self._sps, self._owner, self._flat = None, {}, {}, None
+            if layout is not None and self.layout is None:
+                self._set_layout(layout)
+            self.step = int(got["step"])
+            self._to_load = got if got["state"] else None
+            self._after_load = True
+
+        self._call(install)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"config": (self.sparsifier, self.density, self.scope, self.options), "state": self.state_dict()}
+
+    def __setstate__(self, s: dict[str, Any]) -> None:
+        sparsifier, density, scope, options = s["config"]
+        self.__init__(sparsifier, density, scope=scope, **options)
+        self.load_state_dict(s["state"])
+
+    def _set_layout(self, layout: Layout) -> None:
+        self.layout = list(layout)
+        self._offsets = [0] + np.cumsum([n for n, _ in layout], dtype=np.int64).tolist()
+
+    def _build_from(self, d: dict[str, Any]) -> None:
+        """Worker: the sparsifiers of a loaded dict, each loaded with its state (collective)."""
+        if self.scope == "model":
+            self._sp = self._make(self._offsets[-1])
+            self._collective(lambda: self._sp.load_state_dict(d["state"]))
+            return
+        seen = []
+        for key, sd in d["state"]:
+            key = tuple(int(i) for i in key)
+            sp = self._make(self._key_numel(key))
+            self._collective(lambda: sp.load_state_dict(sd))
+            self._sps[key] = sp
+            for i in key:
+                self._owner[i] = key
+            seen.extend(key)
+        if sorted(seen) != list(range(len(self.layout))):
+            raise _LayoutError("ExDynaHookState.load_state_dict: the bucket keys do not partition the layout")
+
+    # ------------------------------------------------------------------ backward thread
+    def _known(self, p: torch.Tensor) -> bool:
+        got = None if self._index is None else self._index.get(id(p))
+        return got is not None and got[0]() is p
+
+    def _locate(self, params: list[torch.Tensor], buf: torch.Tensor) -> tuple[Key, list[tuple[int, int, int]], bool]:
+        """The bucket's key, its copy runs (buffer offset, model offset, length) and whether this
+        iteration derives the canonical order afresh (the first iteration of a new model)."""
+        if not self._in_iter:   # the first bucket of an iteration decides
+            self._in_iter = True
+            self._deriving = self._index is None or not all(self._known(p) for p in params)
+            self._new_index, self._new_layout, self._new_total = {}, [], 0
+            self._iter_dtype = buf.dtype
+        if self.scope == "model" and buf.dtype != self._iter_dtype:
+            raise _LayoutError(f"ExDynaHookState: scope='model' needs one gradient dtype, got {self._iter_dtype} "
+                               f"and {buf.dtype} (use scope='bucket')")
+        if sum(p.numel() for p in params) != buf.numel():
+            raise _LayoutError(f"ExDynaHookState: a bucket of {buf.numel()} elements holds parameters of "
+                               f"{sum(p.numel() for p in params)} (sparse gradients are not supported)")
+        key, runs, src = [], [], 0
+        for p in params:
+            n = p.numel()
+            if self._deriving:
+                i = len(self._new_layout)
+                entry = (n, tuple(p.shape))
+                if id(p) in self._new_index:
+                    raise _LayoutError("ExDynaHookState: a parameter appears in two buckets of one iteration")
+                if self.layout is not None and (i >= len(self.layout) or self.layout[i] != entry):
+                    have = self.layout[i] if i < len(self.layout) else "nothing"
+                    raise _LayoutError(f"ExDynaHookState: the model's parameter {i} (in bucket order) is {entry} "
+                                       f"(numel, shape), the state's layout has {have}: a state belongs to one "
+                                       "architecture and bucket_cap_mb")
+                self._new_index[id(p)] = (weakref.ref(p), i)
+                self._new_layout.append(entry)
+                dst = self._new_total
+                self._new_total += n
+            else:
+                if not self._known(p):
+                    raise _LayoutError("ExDynaHookState: a bucket holds a parameter that was not in this model's "
+                                       "first iteration")
+                i = self._index[id(p)][1]
+                dst = self._offsets[i]
+            key.append(i)
+            if runs and runs[-1][0] + runs[-1][2] == src and runs[-1][1] + runs[-1][2] == dst:
+                runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + n)   # contiguous: one copy
+            else:
+                runs.append((src, dst, n))
+            src += n
+        return tuple(key), runs, self._deriving
+
+    def _end_iteration(self) -> None:
+        """Backward thread, at the last bucket: install the derived index (and the layout)."""
+        self._in_iter = False
+        if not self._deriving:
+            return
+        if self.layout is not None and len(self._new_layout) != len(self.layout):
+            raise _LayoutError(f"ExDynaHookState: the model has {len(self._new_layout)} parameters, the state's "
+                               f"layout {len(self.layout)}")
+        if self.layout is None:
+            self._set_layout(self._new_layout)
+        self._index = self._new_index
+
+    # ------------------------------------------------------------------ worker: errors
+    def _deliver(self, jobs: list[_Job], e: BaseException) -> None:
+        """Fail the futures of ``jobs``. A collective error (every rank raises it together) is only
+        delivered; any other ends the job, since other ranks may wait for this one in a collective."""
+        self.error = e
+        collective = isinstance(e, (exdyna_mpi.StepError, _LayoutError)) or getattr(e, "_exdyna_collective", False)
+        if not collective:
+            # one write: the launcher may drop what a rank writes after another rank's abort began
+            sys.stderr.write("".join(traceback.format_exception(type(e), e, e.__traceback__))
+                             + f"ExDynaHookState: a non-collective error in the exchange on rank "
+                               f"{self.comm.Get_rank()}: aborting the job\n")
+            sys.stderr.flush()
+        for j in jobs:
+            if not j.fut.done():
+                j.fut.set_exception(e)
+        if not collective:
+            self.comm.Abort(1)
+
+    @staticmethod
+    def _collective(fn: Callable[[], Any]) -> Any:
+        """A library call that refuses collectively (construction, load, step): its ``ValueError``
+        is raised on every rank together."""
+        try:
+            return fn()
+        except ValueError as e:
+            e._exdyna_collective = True
+            raise
+
+    def _make(self, numel: int) -> Any:
+        return self._collective(lambda: exdyna_mpi.make(self.sparsifier, numel, self.density, self._comm,
+                                                        **self.options))
+
+    # ------------------------------------------------------------------ worker: iterations
+    def _run(self, job: _Job) -> None:
+        try:
+            if not self._iter_started:
+                self._iter_started = True
+                self._start_iteration(job)
+            if job.error is not None:
+                raise job.error
+            if self._failed is None:
+                if self.scope == "model" or self._regroup:
+                    self._pending.append(job)
+                    self._gather(job)
+                else:
+                    self._bucket_step(job)
+        except BaseException as e:   # noqa: BLE001 - delivered to the futures
+            self._failed = e
+        if self._failed is not None:
+            # a collective error fails the whole iteration on every rank; anything else aborts
+            self._deliver(self._pending + [job], self._failed)
+            self._pending = []
+        if job.last:
+            self._finish(job)
+
+    def _start_iteration(self, job: _Job) -> None:
+        if self._comm is None:
+            self._comm = self.comm.Dup()
+        if self._to_load is not None:
+            try:
+                self._build_from(self._to_load)
+            except BaseException:
+                self._sp, self._sps, self._owner = None, {}, {}   # kept to load: the next iteration retries
+                raise
+            self._to_load = None
+        self._regroup = (self.scope == "bucket" and bool(self._sps) and job.new_model and self._after_load
+                         and job.key not in self._sps)
+        self._after_load = False
+        if self.scope == "bucket":
+            self.stats = {}
+
+    def _gather(self, job: _Job) -> None:
+        """Copy the bucket into the model-wide vector (once the model's size is known: at the last
+        bucket of the very first iteration)."""
+        torch = _torch()
+        if not job.total:
+            return
+        if self._flat is None or self._flat.numel() != job.total or self._flat.dtype != job.buf.dtype:
+            self._flat = torch.empty(job.total, dtype=job.buf.dtype, device=job.buf.device)
+        with torch.no_grad():
+            for src, dst, n in job.runs:
+                self._flat[dst:dst + n].copy_(job.buf[src:src + n])
+        job.copied = True
+
+    def _finish(self, last: _Job) -> None:
+        """After the last bucket: exchange (scope="model" or a regrouped iteration), write each
+        bucket's slice of the result into its buffer, complete the futures."""
+        torch = _torch()
+        jobs, failed = self._pending, self._failed
+        self._pending, self._failed, self._iter_started = [], None, False
+        if failed is not None:
+            return
+        try:
+            if self.scope == "model" or self._regroup:
+                for j in jobs:
+                    if not j.copied:
+                        j.total = last.total
+                        self._gather(j)
+                if self.scope == "model":
+                    if self._sp is None:
+                        self._sp = self._make(self._flat.numel())
+                    self._collective(lambda: self._sp.step(self._flat, out=self._flat))
+                    self.stats = self._sp.stats
+                else:
+                    self._regrouped_step()
+                with torch.no_grad():
+                    for j in jobs:
+                        for src, dst, n in j.runs:
+                            j.buf[src:src + n].copy_(self._flat[dst:dst + n])
+                for j in jobs:
+                    j.fut.set_result(j.buf)
+            self.step += 1
+        except BaseException as e:   # noqa: BLE001 - delivered to the futures
+            self._deliver(jobs, e)
+        finally:
+            self._regroup = False
+
+    # ------------------------------------------------------------------ worker: scope="bucket"
+    def _key_numel(self, key: Key) -> int:
+        return sum(self.layout[i][0] for i in key)
+
+    def _bucket_step(self, job: _Job) -> None:
+        sp = self._sps.get(job.key)
+        if sp is None:
+            sp = self._adopt(job.key)
+        self._collective(lambda: sp.step(job.buf, out=job.buf))
+        self.stats[job.key] = sp.stats
+        job.fut.set_result(job.buf)
+
+    def _adopt(self, key: Key) -> Any:
+        """A sparsifier for a key seen for the first time, its residual carried over from the
+        sparsifiers that held those parameters. Collective: the same keys come in the same order on
+        every rank, so every rank loads (or not) together."""
+        sp = self._make(self._key_numel(key))
+        owners = sorted({self._owner[i] for i in key if i in self._owner})
+        if owners:
+            held = {k: (self._sps[k].residual, self._key_offsets(k)) for k in owners}
+            res = np.zeros(sp.numel, dtype=np.result_type(*[r.dtype for r, _ in held.values()]))
+            pos = 0
+            for i in key:
+                n = self.layout[i][0]
+                if i in self._owner:
+                    r, offs = held[self._owner[i]]
+                    res[pos:pos + n] = r[offs[i]:offs[i] + n]
+                pos += n
+            d = sp.state_dict()
+            d["residual"], d["dtype"] = res, res.dtype.str
+            self._collective(lambda: sp.load_state_dict(d))
+        for i in key:
+            self._owner[i] = key
+        self._sps[key] = sp
+        live = set(self._owner.values())
+        for k in [k for k in self._sps if k not in live]:
+            del self._sps[k]   # holds no parameter any more
+        return sp
+
+    def _key_offsets(self, key: Key) -> dict[int, int]:
+        """Canonical index -> offset in the key's vector."""
+        offs, pos = {}, 0
+        for i in key:
+            offs[i] = pos
+            pos += self.layout[i][0]
+        return offs
+
+    def _regrouped_step(self) -> None:
+        """Exchange the model-wide vector with the held grouping, key by key in sorted order (the
+        same order on every rank)."""
+        torch = _torch()
+        with torch.no_grad():
+            for key in sorted(self._sps):
+                sp = self._sps[key]
+                runs = [(self._offsets[i], self.layout[i][0]) for i in key]
+                v = torch.cat([self._flat[o:o + n] for o, n in runs])
+                self._collective(lambda: sp.step(v, out=v))
+                pos = 0
+                for o, n in runs:
+                    self._flat[o:o + n].copy_(v[pos:pos + n])
+                    pos += n
+                self.stats[key] = sp.stats
+
+
+def _worker_loop(q: queue.SimpleQueue) -> None:
+    while True:
+        fn = q.get()
+        if fn is None:
+            return
+        fn()
+
+
+def _as_layout(raw: Any) -> Layout:
+    return [(int(n), tuple(int(s) for s in shape)) for n, shape in raw]
+
+
+# ``bucket`` and the return value carry no annotation: DDP's register_comm_hook compares them with
+# the classes ``dist.GradBucket`` and ``Future[Tensor]``, and this module's postponed annotations are
+# strings (torch is not imported when the module is).
+def exdyna_hook(state: ExDynaHookState, bucket):  # -> torch.futures.Future[torch.Tensor]
+    """DDP communication hook (``bucket``: a ``torch.distributed.GradBucket``; returns a
+    ``torch.futures.Future[torch.Tensor]``): the bucket's gradient averaged over the ranks (the mean, as DDP's
+    default allreduce hook gives) through ``state``'s sparsifier(s).
+
+    Returns at once with a future that ``state``'s worker thread completes: with ``scope="bucket"``
+    as soon as this bucket's exchange is done; with ``scope="model"`` after the iteration's last
+    bucket has arrived and the one model-wide exchange is done (no overlap with backward for the
+    exchange itself, but the backward thread never waits for it). A refused step (``StepError``:
+    say, NaN in one rank's gradient) makes ``backward()`` raise on every rank; any other error in the
+    exchange prints its traceback and aborts the MPI job rather than leave other ranks waiting.
+
+    Example::
+
+        >>> # xdoctest: +SKIP
+        >>> state = ExDynaHookState("exdyna", density=0.01, scope="model")
+        >>> ddp_model.register_comm_hook(state, exdyna_hook)
+    """
+    torch = _torch()
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    buf, last = bucket.buffer(), bucket.is_last()
+    key, runs, new_model, error = (), [], False, None
+    try:
+        key, runs, new_model = state._locate(bucket.parameters(), buf)
+        if last:
+            state._end_iteration()
+    except _LayoutError as e:
+        error = e
+        if last:
+            state._in_iter = False
+    total = state._offsets[-1] if state.layout is not None else 0
+    job = _Job(buf, fut, key, runs, last, new_model, total, error)
+    state._submit(lambda: state._run(job))
+    return fut
