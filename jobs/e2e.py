@@ -27,6 +27,10 @@ Methods (``--methods``, run one after another in one launch, ``ddp`` first):
 - ``dense``, ``exdyna``, ``topk``, ``oktopk``, ``micro``: ``exdyna_mpi.adapters.torch.
   DistributedOptimizer`` with that sparsifier at ``--density`` (library defaults), the exchange after
   backward; ``exdyna-q``: ExDyna with ``max_imbalance=0.05``.
+- ``ddp-exdyna``: DDP (default buckets) with the library's hook, ``exdyna_hook`` and
+  ``ExDynaHookState("exdyna", density)``: one sparsifier over the whole model, exchanged on the hook's
+  worker thread once the last bucket is ready; ``ddp-exdyna-bucket``: ``scope="bucket"``, a
+  sparsifier per bucket, each exchanged as soon as its bucket is ready (overlapping backward).
 
 Timing: a step is forward, backward and the optimiser step with its exchange; evaluation is not
 timed. ``step_s`` is the median over steps after ``--warmup`` of the slowest rank's step. Before the
@@ -59,10 +63,13 @@ import numpy as np
 
 from e2e_report import powersgd_start, report, table
 
-DEFAULT_METHODS = ("ddp", "ddp-powersgd", "ddp-bf16", "dense", "exdyna", "topk", "oktopk", "micro", "exdyna-q")
-# For a slow link: ExDyna's deadline exchange (DLCP analogue) and WAGMA-SGD's group averaging.
-ALL_METHODS = DEFAULT_METHODS + ("exdyna-deadline", "wagma")
+DEFAULT_METHODS = ("ddp", "ddp-powersgd", "ddp-bf16", "dense", "exdyna", "ddp-exdyna", "topk", "oktopk", "micro",
+                   "exdyna-q")
+# For a slow link: ExDyna's deadline exchange (DLCP analogue) and WAGMA-SGD's group averaging; the
+# per-bucket hook.
+ALL_METHODS = DEFAULT_METHODS + ("exdyna-deadline", "wagma", "ddp-exdyna-bucket")
 DDP_METHODS = ("ddp", "ddp-powersgd", "ddp-bf16")
+HOOK_METHODS = {"ddp-exdyna": "model", "ddp-exdyna-bucket": "bucket"}   # DDP + exdyna_hook, by scope
 LIBRARY = {"dense": ("dense", {}), "exdyna": ("exdyna", {}), "topk": ("topk", {}), "oktopk": ("oktopk", {}),
            "micro": ("micro", {}), "exdyna-q": ("exdyna", {"max_imbalance": 0.05}),
            "exdyna-deadline": ("exdyna", {"deadline_ms": "auto", "max_loss": 0.01})}
@@ -153,12 +160,57 @@ WORKLOADS = {"lm": LMWork, "cnn": CNNWork}
 # --- methods -------------------------------------------------------------------------------------------
 
 def build(method, wl, args, comm, numel):
-    """``(model, optimizer)`` for ``method``, the model initialised from ``args.seed`` on every rank."""
+    """``(runner, model, optimizer, stats)`` for ``method``, the model initialised from ``args.seed`` on
+    every rank; ``stats()`` gives the library's last ``Stats`` (None for torch's own methods)."""
+    runner, model, opt = _build(method, wl, args, comm, numel)
+    hook = getattr(runner, "_exdyna_hook_state", None)
+    if hook is not None:
+        return runner, model, opt, lambda: merged_stats(hook.stats)
+    if method in LIBRARY:
+        return runner, model, opt, lambda: opt.stats
+    return runner, model, opt, lambda: None
+
+
+def merged_stats(stats):
+    """One ``Stats``-like view of the hook's stats (``scope="bucket"``: a dict of them, summed)."""
+    if not isinstance(stats, dict):
+        return stats
+    from types import SimpleNamespace
+
+    parts = list(stats.values())
+    seconds = {}
+    for s in parts:
+        for k, v in s.seconds.items():
+            seconds[k] = seconds.get(k, 0.0) + v
+    return SimpleNamespace(bytes_sent=sum(s.bytes_sent for s in parts),
+                           counts=np.sum([np.asarray(s.counts, dtype=np.float64) for s in parts], axis=0),
+                           seconds=seconds)
+
+
+def close(runner, opt):
+    """Stop what the method started (the hook's worker, a deadline exchange's pending messages)."""
+    hook = getattr(runner, "_exdyna_hook_state", None)
+    if hook is not None:
+        hook.close()
+    getattr(getattr(opt, "sparsifier", opt), "close", lambda: None)()
+
+
+def _build(method, wl, args, comm, numel):
     import torch
 
     torch.manual_seed(args.seed)
     model = wl.model()
     sgd = dict(lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+    if method in HOOK_METHODS:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        from exdyna_mpi.adapters.torch import ExDynaHookState, exdyna_hook
+
+        ddp = DDP(model)
+        state = ExDynaHookState("exdyna", density=args.density, comm=comm, scope=HOOK_METHODS[method])
+        ddp.register_comm_hook(state, exdyna_hook)
+        ddp._exdyna_hook_state = state
+        return ddp, model, torch.optim.SGD(ddp.parameters(), **sgd)
     if method in DDP_METHODS:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -201,12 +253,12 @@ def bf16_compress_hook_gloo(state, bucket):
 def prime_library(method, wl, args, comm, numel):
     """One untimed step of ``method`` on a throwaway model: Numba compiles the sparsifier's kernels on
     first use (seconds), a cost paid once per process, not per training step."""
-    if method in LIBRARY:
-        _, model, opt = build(method, wl, args, comm, numel)
+    if method in LIBRARY or method in HOOK_METHODS:
+        runner, _, opt, _ = build(method, wl, args, comm, numel)
         x, y = wl.batch_at(0)
-        wl.loss(model, x, y).backward()
+        wl.loss(runner, x, y).backward()
         opt.step()
-        getattr(opt.sparsifier, "close", lambda: None)()
+        close(runner, opt)
 
 
 def lr_warmup(opt, steps):
@@ -256,7 +308,7 @@ def train(method, wl, args, comm, numel, target, log):
 
     P = comm.Get_size()
     prime_library(method, wl, args, comm, numel)
-    runner, model, opt = build(method, wl, args, comm, numel)
+    runner, model, opt, lib_stats = build(method, wl, args, comm, numel)
     sched = lr_warmup(opt, args.lr_warmup)
     wire = WireCounter()
     step_times, wire_bytes, lib_bytes, imbalance, phases = [], [], [], [], {}
@@ -292,8 +344,8 @@ def train(method, wl, args, comm, numel, target, log):
         step_times.append(dt)
         elapsed += dt
         step += 1
-        if method in LIBRARY:
-            st = opt.stats
+        st = lib_stats()
+        if st is not None:
             lib_bytes.append(st.bytes_sent)
             counts = np.asarray(st.counts, dtype=np.float64)
             if counts.mean() > 0:
@@ -319,19 +371,19 @@ def train(method, wl, args, comm, numel, target, log):
            "density": None if method in DDP_METHODS or method == "dense" else args.density}
     if wire.path is not None:
         rec["bytes_per_step"], rec["bytes_source"] = float(w), "wire"
-    elif method in LIBRARY:
+    elif lib_bytes:
         rec["bytes_per_step"] = float(np.mean(comm.allgather(float(np.mean(lib_bytes)))))
         rec["bytes_source"] = "model"
     else:
         per = {"ddp": 4, "ddp-bf16": 2}.get(method)
         rec["bytes_per_step"] = 2 * (P - 1) / P * per * numel if per else None
         rec["bytes_source"] = "model" if per else None
-    if method in LIBRARY:
+    if lib_bytes:
         sl = slice(args.warmup, None)
         rec["phase_s"] = {k: float(np.median(max_over_ranks(comm, v)[sl] if len(v) > args.warmup else v))
                           for k, v in sorted(phases.items())}
         rec["imbalance_median"] = float(np.median(imbalance)) if imbalance else None
-    getattr(getattr(opt, "sparsifier", opt), "close", lambda: None)()
+    close(runner, opt)
     return rec
 
 
