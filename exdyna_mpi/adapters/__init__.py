@@ -5,9 +5,10 @@ never pulls in torch, JAX or TensorFlow:
 
 - ``exdyna_mpi.adapters.torch``: the public torch API. ``DistributedOptimizer`` (one flat gradient
   buffer, sparsified in place before ``optimizer.step()``), ``broadcast_parameters``, ``FlatGrad``;
-  and ``GroupAveragingOptimizer`` / ``FlatParams`` (WAGMA-SGD model averaging), defined in
-  ``torch_wagma.py``. What both share (parameter checks, rank 0's broadcast, the wrapped
-  optimizer class) is in ``_torch_common.py``, which imports neither: no import cycle.
+  ``ExDynaHookState`` / ``exdyna_hook`` (the DDP communication hook, ``_torch_hook.py``); and
+  ``GroupAveragingOptimizer`` / ``FlatParams`` (WAGMA-SGD model averaging), defined in
+  ``torch_wagma.py``. What both share (parameter checks, rank 0's broadcast, the wrapped optimizer
+  class) is in ``_torch_common.py``, which imports neither: no import cycle.
 - JAX and TensorFlow need no adapter: pass a flat gradient to ``Sparsifier.step`` (see
   ``docs/training.md`` and ``jobs/examples/``).
 """

@@ -1,0 +1,97 @@
+"""GPU lane: the DDP communication hook with CUDA buckets.
+
+DDP hands the hook CUDA gradient buffers; the sparsifiers reach them through DLPack as CuPy arrays,
+and the transport stages them or hands them to a CUDA-aware MPI (``EXDYNA_CUDA_AWARE``). Runs where
+CuPy sees a CUDA device and torch was built with CUDA (the lane runs it serially and under
+``mpiexec -n 2``), over a gloo process group that spans the MPI ranks.
+"""
+import hashlib
+import socket
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from exdyna_mpi.arrays import gpu_available
+from tests.conftest import mpi_assert
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.mpi(min_size=1),
+    pytest.mark.skipif(not gpu_available() or not torch.cuda.is_available(),
+                       reason="needs a CUDA device visible to CuPy and a torch built with CUDA"),
+]
+
+from exdyna_mpi.adapters.torch import ExDynaHookState, exdyna_hook  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def gloo():
+    comm = MPI.COMM_WORLD
+    port = None
+    if comm.Get_rank() == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    port = comm.bcast(port, root=0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.Get_rank(),
+                            world_size=comm.Get_size())
+    yield
+    dist.destroy_process_group()
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256),
+                               torch.nn.Tanh(), torch.nn.Linear(256, 10)).cuda()
+
+
+def _train(ddp, steps):
+    rank = MPI.COMM_WORLD.Get_rank()
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    for step in range(steps):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x, y = torch.randn(64, 32, generator=g).cuda(), torch.randint(0, 10, (64,), generator=g).cuda()
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+    torch.cuda.synchronize()
+
+
+def _params(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu().numpy()
+
+
+@pytest.mark.parametrize("scope", ["model", "bucket"])
+@pytest.mark.parametrize("name", ["exdyna", "topk"])
+def test_cuda_buckets_end_bit_identical(name, scope):
+    comm = MPI.COMM_WORLD
+    model = _model()
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.1)
+    state = ExDynaHookState(name, density=0.05, scope=scope)
+    ddp.register_comm_hook(state, exdyna_hook)
+    before = _params(model).copy()
+    _train(ddp, 4)
+    state.close()
+    p = _params(model)
+    digests = comm.allgather(hashlib.sha256(p.tobytes()).hexdigest())
+    mpi_assert(len(set(digests)) == 1, f"{name}/{scope}: parameters differ between ranks", comm)
+    mpi_assert(np.isfinite(p).all() and not np.array_equal(p, before), f"{name}/{scope}: no training", comm)
+
+
+def test_dense_hook_on_cuda_equals_ddp_allreduce():
+    comm = MPI.COMM_WORLD
+    ref_model = _model()
+    _train(torch.nn.parallel.DistributedDataParallel(ref_model, bucket_cap_mb=0.1), 3)
+    model = _model()
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.1)
+    state = ExDynaHookState("dense")
+    ddp.register_comm_hook(state, exdyna_hook)
+    _train(ddp, 3)
+    state.close()
+    got, want = _params(model), _params(ref_model)
+    mpi_assert(np.allclose(got, want, rtol=1e-5, atol=1e-6),
+               f"dense hook differs from DDP's allreduce by {np.abs(got - want).max():.3g}", comm)
