@@ -30,6 +30,23 @@ def pytest_configure(config):
         config.option.xmlpath = f"{xml}.rank{rank}"
 
 
+def init_gloo(comm=MPI.COMM_WORLD):
+    """A torch.distributed gloo process group over ``comm``'s ranks, on loopback (rank 0 picks a
+    free port and broadcasts it)."""
+    import socket
+
+    import torch.distributed as dist
+
+    port = None
+    if comm.Get_rank() == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    port = comm.bcast(port, root=0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.Get_rank(),
+                            world_size=comm.Get_size())
+
+
 def mpi_assert(ok, msg="", comm=MPI.COMM_WORLD):
     """Assert ``ok`` on every rank: all ranks fail together if any rank's ``ok`` is false."""
     flags = comm.allgather(bool(ok))

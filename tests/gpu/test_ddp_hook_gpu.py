@@ -6,14 +6,13 @@ CuPy sees a CUDA device and torch was built with CUDA (the lane runs it serially
 ``mpiexec -n 2``), over a gloo process group that spans the MPI ranks.
 """
 import hashlib
-import socket
 
 import numpy as np
 import pytest
 from mpi4py import MPI
 
 from exdyna_mpi.arrays import gpu_available
-from tests.conftest import mpi_assert
+from tests.conftest import init_gloo, mpi_assert
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
@@ -30,15 +29,7 @@ from exdyna_mpi.adapters.torch import ExDynaHookState, exdyna_hook  # noqa: E402
 
 @pytest.fixture(scope="module", autouse=True)
 def gloo():
-    comm = MPI.COMM_WORLD
-    port = None
-    if comm.Get_rank() == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = comm.bcast(port, root=0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.Get_rank(),
-                            world_size=comm.Get_size())
+    init_gloo()
     yield
     dist.destroy_process_group()
 

@@ -15,7 +15,6 @@ Run as a script (``python tests/mpi/test_ddp_hook.py fault``), this file is that
 import hashlib
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import time
@@ -24,7 +23,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from tests.conftest import mpi_assert, require
+from tests.conftest import init_gloo, mpi_assert, require
 
 torch = require("torch")
 dist = pytest.importorskip("torch.distributed")
@@ -43,20 +42,8 @@ def gloo():
     """One gloo process group over the MPI ranks for the whole module (rank 0 picks the port)."""
     if not dist.is_available():
         pytest.skip("torch.distributed is not available")
-    yield _init_gloo()
+    yield init_gloo()
     dist.destroy_process_group()
-
-
-def _init_gloo():
-    comm = MPI.COMM_WORLD
-    port = None
-    if comm.Get_rank() == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = comm.bcast(port, root=0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.Get_rank(),
-                            world_size=comm.Get_size())
 
 
 def _model(width=16, seed=0):
@@ -412,7 +399,7 @@ def _fault_job():
                 raise RuntimeError("fault drill: rank 1 fails at iteration 2")
             return super().step(grad, out)
 
-    _init_gloo()
+    init_gloo()
     model = _model()
     ddp = _ddp(model)
     ddp.register_comm_hook(ExDynaHookState("fault_drill", 1.0), exdyna_hook)
