@@ -17,6 +17,7 @@ class InputCode(enum.IntEnum):
     REQUIRES_GRAD = 8
     NONFINITE = 9
     BAD_OUT = 11
+    HALF_DEVICE = 12
 
 
 class StepError(ValueError):
@@ -26,7 +27,9 @@ class StepError(ValueError):
 _DEVICE_NAMES = {1: "the CPU", 2: "a CUDA device"}
 
 
-def describe(code, detail, numel, dtype_names):
+def describe(code, detail, numel, dtype_names, accepted=None):
+    """The text of one rank's problem; ``accepted``: the dtype names the caller takes, listed in
+    a dtype refusal."""
     code = InputCode(code)
     if code == InputCode.NOT_ARRAY:
         return "grad is not an array (need a NumPy/CuPy array or a DLPack producer)"
@@ -35,7 +38,9 @@ def describe(code, detail, numel, dtype_names):
     if code == InputCode.LENGTH:
         return f"grad has length {detail}, expected numel={numel}"
     if code == InputCode.DTYPE:
-        return "grad has a non-float dtype, expected float32 or float64"
+        name = dtype_names.get(detail, "unknown")
+        what = f"grad has dtype {name}" if detail else "grad has a dtype that cannot be imported"
+        return what + (f"; accepted: {', '.join(accepted)}" if accepted else "")
     if code == InputCode.DTYPE_MISMATCH:
         return f"grad is {dtype_names.get(detail, '?')}, but earlier steps fixed the dtype"
     if code == InputCode.NOT_CONTIGUOUS:
@@ -47,12 +52,15 @@ def describe(code, detail, numel, dtype_names):
         return "grad requires grad; pass tensor.detach() (or the .grad buffer)"
     if code == InputCode.NONFINITE:
         return f"grad has {detail} non-finite values (NaN or inf) after error feedback"
+    if code == InputCode.HALF_DEVICE:
+        return (f"grad has dtype {dtype_names.get(detail, '?')} on a CUDA device; float16 and bfloat16 are "
+                "accepted on the host (CPU) only: pass a CPU tensor, or float32 on the device")
     if code == InputCode.BAD_OUT:
         return "out must be a contiguous 1-D array of numel elements, same dtype and device as grad"
     return f"error code {int(code)}"
 
 
-def refusal(codes, numel, dtype_names, what="step refused"):
+def refusal(codes, numel, dtype_names, what="step refused", accepted=None):
     """One message naming every failing rank; ``codes`` is a list of (rank, code, detail)."""
-    parts = [f"rank {r}: {describe(c, d, numel, dtype_names)}" for r, c, d in codes]
+    parts = [f"rank {r}: {describe(c, d, numel, dtype_names, accepted)}" for r, c, d in codes]
     return f"{what} on all ranks, state unchanged: " + "; ".join(parts)

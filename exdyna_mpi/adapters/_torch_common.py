@@ -86,7 +86,8 @@ def broadcast_parameters(tensors: Iterable[torch.Tensor], comm: MPI.Comm | None 
         group = by_dtype[dtype]
         with torch.no_grad():
             flat = torch.cat([t.detach().reshape(-1).cpu() for t in group]).contiguous()
-            buf = flat.numpy()
+            # NumPy has no bfloat16: broadcast its bits (the same memory as int16)
+            buf = (flat.view(torch.int16) if flat.dtype == torch.bfloat16 else flat).numpy()
             transport.broadcast(buf, comm, root)
             off = 0
             for t in group:

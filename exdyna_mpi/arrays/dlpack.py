@@ -10,7 +10,28 @@ from .._errors import InputCode
 
 SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 DTYPE_CODES = {np.dtype(np.float32): 1, np.dtype(np.float64): 2}
-DTYPE_NAMES = {0: "unknown", 1: "float32", 2: "float64"}
+#: Every dtype name a gradient may arrive with, by the code that travels in the step's words (the
+#: code names the dtype in a refusal on every rank); 0: a dtype outside this table.
+DTYPE_NAMES = {0: "unknown", 1: "float32", 2: "float64", 3: "float16", 4: "bfloat16", 5: "int8",
+               6: "int16", 7: "int32", 8: "int64", 9: "uint8", 10: "uint16", 11: "uint32", 12: "uint64",
+               13: "bool", 14: "complex64", 15: "complex128", 16: "float128", 17: "complex256"}
+NAME_CODES = {name: code for code, name in DTYPE_NAMES.items() if code}
+#: The dtypes of the full-precision path (and of the averagers): they are computed in as they come.
+FULL_DTYPES = ("float32", "float64")
+#: The half dtypes: accepted by the sparsifiers on the host, computed in float32 (``arrays.half``).
+HALF_DTYPES = ("float16", "bfloat16")
+#: What the sparsifiers accept, in the order a refusal lists them.
+ACCEPTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def dtype_code(name):
+    """The code of dtype ``name`` (0 for one outside ``DTYPE_NAMES``)."""
+    return NAME_CODES.get(name, 0)
+
+
+def compute_dtype(name):
+    """The dtype a gradient of dtype ``name`` is computed in: float32 for the half dtypes."""
+    return np.dtype(np.float32) if name in HALF_DTYPES else np.dtype(name)
 
 # DLPack device types (dlpack.h): 1 CPU, 2 CUDA, 3 CUDA host (pinned), 13 CUDA managed.
 _DL_CPU = (1, 3)
@@ -22,15 +43,18 @@ class Input:
 
     ``array`` is a NumPy or CuPy array sharing memory with the user's object; ``device`` is
     ``"cpu"`` or ``"cuda"``; ``error`` is ``(InputCode, detail)`` when the object cannot be used.
+    ``dtype`` is the name of the user's dtype: ``array.dtype``'s, except for bfloat16, which NumPy
+    lacks: then ``array`` is a uint16 view of the bits (``arrays.half`` converts them).
     """
 
-    __slots__ = ("array", "device", "error", "_wrap")
+    __slots__ = ("array", "device", "error", "dtype", "_wrap")
 
-    def __init__(self, array, device, wrap, error=None):
+    def __init__(self, array, device, wrap, error=None, dtype=None):
         self.array = array
         self.device = device
         self._wrap = wrap
         self.error = error
+        self.dtype = dtype if dtype is not None or array is None else np.dtype(array.dtype).name
 
     def wrap(self, out):
         """Return backend array ``out`` as an object of the kind the user passed."""
@@ -50,6 +74,18 @@ def _torch_wrap(out):
     import torch
 
     return torch.from_dlpack(out)
+
+
+def _torch_bf16_wrap(out):
+    """uint16 bits of bfloat16 values as a torch.bfloat16 tensor (zero-copy)."""
+    import torch
+
+    return torch.from_dlpack(out.view(np.int16)).view(torch.bfloat16)
+
+
+def _ml_bf16_wrap(dtype):
+    """uint16 bits as a NumPy array of ``dtype`` (ml_dtypes' bfloat16), zero-copy."""
+    return lambda out: out.view(dtype)
 
 
 def _jax_wrap(out):
@@ -120,11 +156,13 @@ def _refuse(code, detail=0):
     return Input(None, "cpu", _identity, (code, detail))
 
 
-def _export_error(exc):
-    """Map a ``from_dlpack`` failure to the InputCode every rank will report."""
+def _export_error(exc, dtype=0):
+    """Map a ``from_dlpack`` failure to the InputCode every rank will report (``dtype``: the code
+    of the producer's dtype where known, for a dtype refusal)."""
     text = str(exc).lower()
     if "dtype" in text or "data type" in text:
-        return _refuse(InputCode.DTYPE)
+        # an accepted dtype this producer cannot export to NumPy/CuPy: no name, "unsupported"
+        return _refuse(InputCode.DTYPE, 0 if DTYPE_NAMES.get(dtype) in ACCEPTED_DTYPES else dtype)
     if "gradient" in text:
         return _refuse(InputCode.REQUIRES_GRAD)
     if "contiguous" in text or "stride" in text:
@@ -148,6 +186,8 @@ def as_input(obj):
         True
     """
     if isinstance(obj, np.ndarray):
+        if obj.dtype.name == "bfloat16":   # ml_dtypes' bfloat16: its bits as uint16
+            return Input(obj.view(np.uint16), "cpu", _ml_bf16_wrap(obj.dtype), dtype="bfloat16")
         return Input(obj, "cpu", _identity)
     root = _module_root(obj)
     if root == "cupy":
@@ -157,6 +197,14 @@ def as_input(obj):
         return _refuse(InputCode.REQUIRES_GRAD)
     wrap = _WRAPS.get(root, _identity)
     src = obj
+    name = None
+    dt_code = dtype_code(str(getattr(obj, "dtype", "")).rsplit(".", 1)[-1])
+    if root == "torch" and dt_code == NAME_CODES["bfloat16"]:
+        # DLPack has bfloat16 but NumPy has not: take the same memory as int16 (a view, no copy)
+        try:
+            src, wrap, name = obj.view(_torch_int16()), _torch_bf16_wrap, "bfloat16"
+        except Exception as exc:
+            return _export_error(exc, dt_code)
     if root == "tensorflow":
         try:
             src = _tf_source(obj)
@@ -171,26 +219,35 @@ def as_input(obj):
         return _refuse(InputCode.DEVICE, 0)
     if dev_type in _DL_CPU:
         try:
-            return Input(np.from_dlpack(src), "cpu", wrap)
+            a = np.from_dlpack(src)
         except Exception as exc:
-            return _export_error(exc)
+            return _export_error(exc, dt_code)
+        return Input(a.view(np.uint16) if name else a, "cpu", wrap, dtype=name)
     if dev_type in _DL_CUDA:
         try:
             import cupy
         except ImportError:
             return _refuse(InputCode.DEVICE, 2)
         try:
-            return Input(cupy.from_dlpack(src), "cuda", wrap)
+            a = cupy.from_dlpack(src)
         except Exception as exc:
-            return _export_error(exc)
+            return _export_error(exc, dt_code)
+        return Input(a.view(np.uint16) if name else a, "cuda", wrap, dtype=name)
     return _refuse(InputCode.DEVICE, dev_type)
 
 
-def check_vector(inp, numel, dtype, device):
+def _torch_int16():
+    import torch
+
+    return torch.int16
+
+
+def check_vector(inp, numel, dtype, device, accepted=FULL_DTYPES):
     """Return ``(InputCode, detail)`` for the first problem with ``inp`` as a gradient, or None.
 
-    ``dtype`` is the residual's dtype (None before the first step fixes it); ``device`` the
-    sparsifier's (None while still free).
+    ``dtype`` is the dtype (or its name) earlier steps fixed (None before the first step fixes it);
+    ``device`` the sparsifier's (None while still free); ``accepted`` the dtype names the caller
+    takes (``FULL_DTYPES``, or the sparsifiers' ``ACCEPTED_DTYPES``).
     """
     if inp.error is not None:
         return inp.error
@@ -201,12 +258,12 @@ def check_vector(inp, numel, dtype, device):
         return (InputCode.NDIM, a.ndim)
     if a.shape[0] != numel:
         return (InputCode.LENGTH, a.shape[0])
-    dt = np.dtype(a.dtype)
-    if dt not in SUPPORTED_DTYPES:
-        return (InputCode.DTYPE, 0)
-    if dtype is not None and dt != dtype:
-        return (InputCode.DTYPE_MISMATCH, DTYPE_CODES[dt])
-    if a.strides[0] != dt.itemsize:
+    name = inp.dtype
+    if name not in accepted:
+        return (InputCode.DTYPE, dtype_code(name))
+    if dtype is not None and name != (dtype if isinstance(dtype, str) else np.dtype(dtype).name):
+        return (InputCode.DTYPE_MISMATCH, dtype_code(name))
+    if a.strides[0] != a.dtype.itemsize:
         return (InputCode.NOT_CONTIGUOUS, 0)
     return None
 

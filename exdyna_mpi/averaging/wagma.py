@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from .. import transport
-from ..arrays.dlpack import DTYPE_CODES, DTYPE_NAMES, as_input, check_vector
+from ..arrays.dlpack import DTYPE_CODES, DTYPE_NAMES, FULL_DTYPES, as_input, check_vector
 from ..sparsifiers.base import Stats
 from .._errors import InputCode, StepError, refusal
 from ..transport.group import MAX_SYNC_EVERY, AsyncRounds, GroupTransport, Message, member_index
@@ -61,6 +61,11 @@ if TYPE_CHECKING:
 Schedule = tuple[str, int | None, tuple[int, ...], list[int]]
 
 MODES = ("sync", "wait_avoiding")
+
+
+def _one_refusal(rank, err, numel):
+    """The cause of this rank's own refusal (a local step: no collective)."""
+    return refusal([(rank, *err)], numel, DTYPE_NAMES, accepted=FULL_DTYPES).split(": ", 1)[1]
 
 
 # ---------------------------------------------------------------------- schedule (pure)
@@ -234,7 +239,7 @@ class GroupAverager:
         words = self.tx.agree([int(code), int(detail), dt])
         if words[:, 0].any():
             bad = [(r, int(words[r, 0]), int(words[r, 1])) for r in range(self.nranks) if words[r, 0]]
-            raise StepError("GroupAverager: " + refusal(bad, self.numel, DTYPE_NAMES))
+            raise StepError("GroupAverager: " + refusal(bad, self.numel, DTYPE_NAMES, accepted=FULL_DTYPES))
         if (words[:, 2] != words[0, 2]).any():
             names = ", ".join(f"rank {r}: {DTYPE_NAMES.get(int(d), '?')}" for r, d in enumerate(words[:, 2]))
             raise StepError(f"GroupAverager: step refused on all ranks, state unchanged: "
@@ -283,7 +288,7 @@ class GroupAverager:
                     self.iteration = t + 1  # used up, as on a larger group: schedules stay in step
                 raise StepError(f"GroupAverager: group step {t} refused on rank {self.rank} (a group of "
                                 "one), vector unchanged: "
-                                + refusal([(self.rank, *err)], self.numel, DTYPE_NAMES).split(": ", 1)[1])
+                                + _one_refusal(self.rank, err, self.numel))
             out_arr[...] = a
         elif self.mode == "sync":
             tw = time.perf_counter()
@@ -294,7 +299,7 @@ class GroupAverager:
             if err is not None:
                 raise StepError("GroupAverager: step refused on rank "
                                 f"{self.rank} only (wait-avoiding group step), state unchanged: "
-                                + refusal([(self.rank, *err)], self.numel, DTYPE_NAMES).split(": ", 1)[1])
+                                + _one_refusal(self.rank, err, self.numel))
             tw = time.perf_counter()
             self._rounds.publish(a, t)
             self._rounds.arrive(t)
@@ -338,7 +343,7 @@ class GroupAverager:
             bad = [(by_index[i], int(m[i, 1]), int(m[i, 2])) for i in range(m.shape[0]) if m[i, 1]]
             raise StepError(f"GroupAverager: group step {t} refused on its group {group}, vector "
                             "unchanged, round used up: "
-                            + refusal(bad, self.numel, DTYPE_NAMES).split(": ", 1)[1])
+                            + refusal(bad, self.numel, DTYPE_NAMES, accepted=FULL_DTYPES).split(": ", 1)[1])
         return res
 
     def _start_thread(self, a, t):

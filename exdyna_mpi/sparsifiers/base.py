@@ -2,14 +2,18 @@
 
 ``Sparsifier.step`` is the template (the same sequence for every method):
 
-1. view the input (DLPack), check it locally, bind device and dtype on the first good step;
+1. view the input (DLPack), check it locally, bind device and dtype on the first good step; a half
+   gradient (float16, bfloat16; host only) is widened to float32 here, the one place: every
+   selector then sees float32, the residual and the exchange are float32, and step 6 rounds the
+   output back (``arrays.half``);
 2. ``select`` (the selector role, the subclass) fills ``acc = residual + grad`` from the memory
    role and chooses what this rank sends;
 3. the first collective: ``StepWords`` (count, error word, dtype) plus the selector's
    ``report_size`` words, through the exchange role; every rank raises the same ``StepError`` or
    skips (``nonfinite="skip"``) together, with the state untouched;
 4. ``combine`` (the subclass) exchanges, commits, and returns the output and its stats;
-5. the template completes the stats (iteration, bytes, timings, imbalance) and the iteration count.
+5. the template completes the stats (iteration, bytes, timings, imbalance) and the iteration count;
+6. the output goes back in the gradient's kind and dtype (a half one rounded to nearest even).
 
 The roles are in ``roles.py``; the controller protocol in ``algorithm/controllers.py``.
 """
@@ -20,7 +24,8 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from ..arrays import DTYPE_CODES, as_input, check_vector, host_threads, ops_for
+from ..arrays import (ACCEPTED_DTYPES, HALF_DTYPES, as_input, check_vector, compute_dtype, dtype_code,
+                      host_threads, narrow, ops_for, widen)
 from ..arrays.ops import cuda_available
 from .._errors import InputCode
 from ..transport import Exchange, device_exchange, node_ranks, world
@@ -134,6 +139,8 @@ class Sparsifier(Selector):
         self.nonfinite = nonfinite
         self.options = opts
         self.memory = ErrorFeedback(self.numel)
+        self._grad_dtype = None     # the gradients' dtype name, fixed by the first good step
+        self._wide = None           # float32 buffers of a half gradient: its values, the output
         self._device, self.ops, self._input_device = None, None, None
         if device != "auto":
             self._use_device(device)
@@ -170,24 +177,39 @@ class Sparsifier(Selector):
             self.exchange = device_exchange(self.exchange)
 
     def _bind(self, inp):
-        """Fix device and dtype from the first good gradient; allocate the residual there."""
+        """Fix device and dtype from the first good gradient; allocate the residual there (float32
+        for a half gradient)."""
+        self._grad_dtype = inp.dtype
         if self.memory.bound:
             return
         if self._device is None:
             self._use_device(inp.device)
-        self.memory.bind(self.ops, inp.array.dtype)
+        self.memory.bind(self.ops, compute_dtype(inp.dtype))
 
     def _take(self, grad, out=None):
         """View ``grad`` (and ``out``) as backend arrays; the local problem, if any, as (code, detail)."""
         inp = as_input(grad)
-        err = check_vector(inp, self.numel, self._dtype, self._input_device)
+        err = check_vector(inp, self.numel, self._grad_dtype, self._input_device, ACCEPTED_DTYPES)
+        if err is None and self._grad_dtype is None and self._dtype is not None \
+                and compute_dtype(inp.dtype) != self._dtype:
+            # a loaded residual whose gradient dtype was not recorded: the residual's dtype decides
+            err = (InputCode.DTYPE_MISMATCH, dtype_code(inp.dtype))
+        if err is None and inp.dtype in HALF_DTYPES and (inp.device == "cuda" or self._device == "cuda"):
+            err = (InputCode.HALF_DEVICE, dtype_code(inp.dtype))
         if err is None and out is not None:
             o = as_input(out)
-            err = check_vector(o, self.numel, np.dtype(inp.array.dtype), inp.device)
+            err = check_vector(o, self.numel, inp.dtype, inp.device, ACCEPTED_DTYPES)
             if err is not None:
                 err = (InputCode.BAD_OUT, 0)
             out = o.array if err is None else None
         return inp, err, out
+
+    def _widen(self, inp):
+        """A half gradient's float32 copy and a float32 output buffer (both kept across steps)."""
+        if self._wide is None:
+            self._wide = (np.empty(self.numel, np.float32), np.empty(self.numel, np.float32))
+        grad, res = self._wide
+        return widen(inp.array, inp.dtype, grad), res
 
     # ------------------------------------------------------------------ the step template
     def step(self, grad: Any, out: Any = None) -> Any:
@@ -199,16 +221,20 @@ class Sparsifier(Selector):
         t_start = time.perf_counter()
         self.exchange.reset_counters()
         inp, err, out = self._take(grad, out)
-        code = DTYPE_CODES.get(np.dtype(inp.array.dtype), 0) if err is None else 0
+        code = dtype_code(inp.dtype) if err is None else 0
         dtype = self._dtype if self._dtype is not None else (
-            np.dtype(inp.array.dtype) if err is None else np.dtype(np.float32))
+            compute_dtype(inp.dtype) if err is None else np.dtype(np.float32))
+        half = err is None and inp.dtype in HALF_DTYPES
+        g = inp.array
         step = Step(self.iteration, dtype, out)
         sec = step.sec
         sel = None
         if err is None:
             self._bind(inp)
             t0 = time.perf_counter()
-            sel = self.select(step, inp.array, self.memory.take())
+            if half:
+                g, step.out = self._widen(inp)
+            sel = self.select(step, g, self.memory.take())
             sec["select"] = time.perf_counter() - t0
             if sel.nonfinite:
                 err = (InputCode.NONFINITE, sel.nonfinite)
@@ -244,6 +270,10 @@ class Sparsifier(Selector):
                            bytes_received=self.exchange.bytes_received, seconds=sec, skipped=False,
                            imbalance=imbalance(loads), **st)
         self.iteration = step.t + 1
+        if half:
+            t0 = time.perf_counter()
+            res = narrow(res, inp.dtype, out)
+            sec["narrow"] = time.perf_counter() - t0
         sec["total"] = time.perf_counter() - t_start
         return inp.wrap(res)
 
@@ -330,6 +360,7 @@ class Sparsifier(Selector):
             "name": self.name, "numel": self.numel, "density": self.density, "nranks": self.nranks,
             "rank": self.rank, "options": dict(self.options), "iteration": self.iteration,
             "dtype": None if self._dtype is None else self._dtype.str,
+            "grad_dtype": self._grad_dtype,
             "residual": None if not self.memory.held else self.residual,
             **self._extra_state(),
         }
@@ -359,4 +390,6 @@ class Sparsifier(Selector):
         # an unbound sparsifier (device="auto", no step yet) keeps the residual on the host until
         # its first gradient names the device (binding it to the CPU here would refuse CUDA input)
         self.memory.load(self.ops, d["dtype"], d["residual"])
+        # older dicts lack "grad_dtype": the residual's dtype then fixes what a gradient computes in
+        self._grad_dtype = d.get("grad_dtype") if d["residual"] is not None else None
         self._load_extra_state(d)

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from .._errors import InputCode, StepError, refusal
-from ..arrays import DTYPE_NAMES
+from ..arrays import ACCEPTED_DTYPES, DTYPE_NAMES
 
 
 class ErrorFeedback:
@@ -213,7 +213,7 @@ class StepWords:
             bad = [(r, int(words[r, 1]), int(words[r, 2])) for r in range(words.shape[0]) if words[r, 1]]
             if nonfinite == "skip" and all(c == InputCode.NONFINITE for _, c, _ in bad):
                 return True
-            raise StepError(f"{name}: " + refusal(bad, numel, DTYPE_NAMES))
+            raise StepError(f"{name}: " + refusal(bad, numel, DTYPE_NAMES, accepted=ACCEPTED_DTYPES))
         dts = words[:, 3]
         if (dts != dts[0]).any():
             names = ", ".join(f"rank {r}: {DTYPE_NAMES.get(int(d), '?')}" for r, d in enumerate(dts))

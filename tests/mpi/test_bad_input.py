@@ -39,7 +39,8 @@ def _bad(kind, good):
 
 
 @pytest.mark.parametrize("kind,words", [
-    ("length", "length 11999, expected numel=12000"), ("2d", "2 dimensions"), ("int", "non-float dtype"),
+    ("length", "length 11999, expected numel=12000"), ("2d", "2 dimensions"),
+    ("int", "dtype int32; accepted: float16, bfloat16, float32, float64"),
     ("nan", "1 non-finite"), ("inf", "1 non-finite"), ("list", "not an array"), ("strided", "not contiguous"),
     ("float64", "dtype"),
 ])

@@ -105,8 +105,8 @@ def test_torch_bad_inputs_refused_with_state_untouched():
     _refused(sp, torch.nn.Parameter(torch.randn(N)), "requires grad")
     _refused(sp, torch.randn(2 * N)[::2], "not contiguous")        # imports with stride 2, then refused
     _refused(sp, torch.randn(N, 3)[:, 0], "not contiguous")
-    _refused(sp, torch.randn(N, dtype=torch.bfloat16), "non-float dtype")
-    _refused(sp, torch.zeros(N, dtype=torch.int32), "non-float dtype")
+    _refused(sp, torch.randn(N, dtype=torch.bfloat16), "earlier steps fixed the dtype")
+    _refused(sp, torch.zeros(N, dtype=torch.int32), "dtype int32; accepted: float16, bfloat16, float32, float64")
     _refused(sp, torch.randn(N // 10, 10), "2 dimensions")
     _refused(sp, torch.randn(N, dtype=torch.float64), "earlier steps fixed the dtype")
     _refused(sp, torch.zeros(N, device="meta"), "not on this sparsifier's device")
