@@ -10,7 +10,7 @@ first collective), so every rank computes the same threshold sequence. The proto
   summed over ranks);
 - ``resolve(plan, sums, owned) -> PassPlan``: after the summed first collective, the plan of the
   step's selection (its ``threshold`` and ``expected`` count set); it may zoom through ``owned``
-  (an ``OwnedRange`` the sparsifier lends it: owned-range reads and small Allreduces). It changes
+  (an ``OwnedRange`` the sparsifier passes in: owned-range reads and small Allreduces). It changes
   nothing: ``update`` takes the result;
 - ``update(counts, plan=None)``: set the next threshold from the gathered counts ``(P,)`` and the
   step's (resolved) plan;
@@ -82,7 +82,7 @@ class PassPlan:
 
 
 class OwnedRange(Protocol):
-    """This step's accumulator over the range this rank owns, lent to ``resolve`` for its zooms."""
+    """This step's accumulator over the range this rank owns, passed to ``resolve`` for its zooms."""
 
     def histogram(self, window: Window) -> np.ndarray:
         """This rank's histogram of ``|acc|`` over its owned range (host int64; an O(N/P) read)."""

@@ -87,7 +87,7 @@ class ExDynaStep(Selection):
 
 
 class _OwnedRange:
-    """This step's ``acc`` over the owned range, lent to the controller's ``resolve`` for its zooms
+    """This step's ``acc`` over the owned range, passed to the controller's ``resolve`` for its zooms
     (``algorithm.controllers.OwnedRange``): reads through the step's marks, sums over ranks."""
 
     __slots__ = ("sp", "st")
