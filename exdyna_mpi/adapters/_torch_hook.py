@@ -305,9 +305,10 @@ class ExDynaHookState:
         if self.scope == "model" and buf.dtype != self._iter_dtype:
             raise _LayoutError(f"ExDynaHookState: scope='model' needs one gradient dtype, got {self._iter_dtype} "
                                f"and {buf.dtype} (use scope='bucket')")
-        if sum(p.numel() for p in params) != buf.numel():
+        held = sum(p.numel() for p in params)
+        if held != buf.numel():
             raise _LayoutError(f"ExDynaHookState: a bucket of {buf.numel()} elements holds parameters of "
-                               f"{sum(p.numel() for p in params)} (sparse gradients are not supported)")
+                               f"{held} (sparse gradients are not supported)")
         key, runs, src = [], [], 0
         for p in params:
             n = p.numel()

@@ -8,8 +8,6 @@ import numpy as np
 
 from .._errors import InputCode
 
-SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
-DTYPE_CODES = {np.dtype(np.float32): 1, np.dtype(np.float64): 2}
 #: Every dtype name a gradient may arrive with, by the code that travels in the step's words (the
 #: code names the dtype in a refusal on every rank); 0: a dtype outside this table.
 DTYPE_NAMES = {0: "unknown", 1: "float32", 2: "float64", 3: "float16", 4: "bfloat16", 5: "int8",

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from .. import transport
-from ..arrays.dlpack import DTYPE_CODES, DTYPE_NAMES, FULL_DTYPES, as_input, check_vector
+from ..arrays.dlpack import DTYPE_NAMES, FULL_DTYPES, as_input, check_vector, dtype_code
 from ..sparsifiers.base import Stats
 from .._errors import InputCode, StepError, refusal
 from ..transport.group import MAX_SYNC_EVERY, AsyncRounds, GroupTransport, Message, member_index
@@ -235,7 +235,7 @@ class GroupAverager:
     def _collective_check(self, inp, err):
         """Allgather error words and dtypes; raise the same StepError everywhere if any is bad."""
         code, detail = err if err is not None else (InputCode.OK, 0)
-        dt = DTYPE_CODES.get(np.dtype(inp.array.dtype), 0) if err is None else 0
+        dt = dtype_code(inp.dtype) if err is None else 0
         words = self.tx.agree([int(code), int(detail), dt])
         if words[:, 0].any():
             bad = [(r, int(words[r, 0]), int(words[r, 1])) for r in range(self.nranks) if words[r, 0]]
