@@ -18,6 +18,7 @@ class InputCode(enum.IntEnum):
     NONFINITE = 9
     BAD_OUT = 11
     HALF_DEVICE = 12
+    WIRE = 13
 
 
 class StepError(ValueError):
@@ -55,6 +56,10 @@ def describe(code, detail, numel, dtype_names, accepted=None):
     if code == InputCode.HALF_DEVICE:
         return (f"grad has dtype {dtype_names.get(detail, '?')} on a CUDA device; float16 and bfloat16 are "
                 "accepted on the host (CPU) only: pass a CPU tensor, or float32 on the device")
+    if code == InputCode.WIRE:
+        where = " on a CUDA device" if detail >= 100 else ""
+        return (f"grad has dtype {dtype_names.get(detail % 100, '?')}{where}; values travel in 16 bits "
+                "(wire_dtype) only from float32, float16 or bfloat16 gradients on the host (CPU)")
     if code == InputCode.BAD_OUT:
         return "out must be a contiguous 1-D array of numel elements, same dtype and device as grad"
     return f"error code {int(code)}"

@@ -26,15 +26,20 @@ import numpy as np
 
 from ..arrays import (ACCEPTED_DTYPES, HALF_DTYPES, as_input, check_vector, compute_dtype, dtype_code,
                       host_threads, narrow, ops_for, widen)
+from ..arrays.half import WireFormat
 from ..arrays.ops import cuda_available
 from .._errors import InputCode
 from ..transport import Exchange, device_exchange, node_ranks, world
+from ..kernels import cpu_half as _kh
 from .roles import ErrorFeedback, Selection, Selector, Step, StepWords, agree_arguments, imbalance
 
 NONFINITE_POLICIES = ("raise", "skip")
 DEVICES = ("auto", "cpu", "cuda")
+#: ``wire_dtype``: None (the gradient's: 16-bit values for a half gradient where the sparsifier can
+#: send them, else the computing dtype), or one of these
+WIRE_DTYPES = ("float32", "bfloat16", "float16")
 
-__all__ = ["DEVICES", "NONFINITE_POLICIES", "Selection", "Sparsifier", "Stats"]
+__all__ = ["DEVICES", "NONFINITE_POLICIES", "WIRE_DTYPES", "Selection", "Sparsifier", "Stats"]
 
 
 class Stats:
@@ -94,6 +99,11 @@ class Sparsifier(Selector):
     name = "base"
     #: option name -> (default, validator returning an error text or None)
     OPTIONS: dict[str, tuple[Any, Callable[[Any], str | None]]] = {}
+    #: whether the values can travel in 16 bits (``wire_dtype``; a half gradient's default): the
+    #: sparsifiers whose step ends in ``average_at`` and dense
+    WIRE_HALF = False
+    #: indices in compact form on the wire (host); False sends int32/int64 indices (benchmarks)
+    COMPACT_INDICES = True
 
     iteration: int               # the next step's index
     stats: Stats | None          # what the last step did (None before the first)
@@ -118,6 +128,12 @@ class Sparsifier(Selector):
             errors.append(f"device must be one of {DEVICES}, got {device!r}")
         elif device == "cuda" and not cuda_available():
             errors.append("device='cuda' but no CUDA device is available to CuPy")
+        wire_dtype = options.pop("wire_dtype", None)
+        if wire_dtype is not None and wire_dtype not in WIRE_DTYPES:
+            errors.append(f"wire_dtype must be None or one of {WIRE_DTYPES}, got {wire_dtype!r}")
+        elif wire_dtype in HALF_DTYPES and not self.WIRE_HALF:
+            errors.append(f"{self.name} cannot send its values in {wire_dtype} (wire_dtype); the sparsifiers "
+                          f"that can: {', '.join(_wire_half_names())}")
         opts = {}
         for key, (default, check) in self.OPTIONS.items():
             val = options.pop(key, default)
@@ -128,6 +144,7 @@ class Sparsifier(Selector):
         for key in sorted(options):
             errors.append(f"unknown option {key!r} for {self.name}")
         config = (f"{self.name} numel={numel!r} density={density!r} nonfinite={nonfinite!r} device={device!r} "
+                  f"wire_dtype={wire_dtype!r} "
                   + " ".join(f"{k}={v!r}" for k, v in sorted(opts.items())))
         agree_arguments(self.exchange, self.name, errors, config)
         self.exchange.reset_counters()
@@ -138,6 +155,8 @@ class Sparsifier(Selector):
         self.density = density
         self.nonfinite = nonfinite
         self.options = opts
+        self.wire_dtype = wire_dtype
+        self._wire = None           # the WireFormat of a step whose values travel in 16 bits
         self.memory = ErrorFeedback(self.numel)
         self._grad_dtype = None     # the gradients' dtype name, fixed by the first good step
         self._wide = None           # float32 buffers of a half gradient: its values, the output
@@ -180,11 +199,22 @@ class Sparsifier(Selector):
         """Fix device and dtype from the first good gradient; allocate the residual there (float32
         for a half gradient)."""
         self._grad_dtype = inp.dtype
+        self._wire = self._wire_format(inp.dtype)
         if self.memory.bound:
             return
         if self._device is None:
             self._use_device(inp.device)
         self.memory.bind(self.ops, compute_dtype(inp.dtype))
+
+    def _wire_format(self, grad_dtype):
+        """The 16-bit format this sparsifier's values travel in for gradients of ``grad_dtype``, or
+        None (the computing dtype): ``wire_dtype``, else the gradient's own where it is half."""
+        name = self.wire_dtype
+        if name is None and grad_dtype in HALF_DTYPES:
+            name = grad_dtype
+        if name not in HALF_DTYPES or not self.WIRE_HALF:
+            return None
+        return WireFormat.of(name)
 
     def _take(self, grad, out=None):
         """View ``grad`` (and ``out``) as backend arrays; the local problem, if any, as (code, detail)."""
@@ -196,6 +226,9 @@ class Sparsifier(Selector):
             err = (InputCode.DTYPE_MISMATCH, dtype_code(inp.dtype))
         if err is None and inp.dtype in HALF_DTYPES and (inp.device == "cuda" or self._device == "cuda"):
             err = (InputCode.HALF_DEVICE, dtype_code(inp.dtype))
+        if err is None and self.wire_dtype in HALF_DTYPES and (
+                compute_dtype(inp.dtype) != np.float32 or inp.device == "cuda" or self._device == "cuda"):
+            err = (InputCode.WIRE, dtype_code(inp.dtype) + (100 if "cuda" in (inp.device, self._device) else 0))
         if err is None and out is not None:
             o = as_input(out)
             err = check_vector(o, self.numel, inp.dtype, inp.device, ACCEPTED_DTYPES)
@@ -311,6 +344,14 @@ class Sparsifier(Selector):
         return inp.wrap(res)
 
     # ------------------------------------------------------------------ shared by selectors
+    def gather_selection(self, idx: Any, counts: np.ndarray, spans: np.ndarray) -> Any:
+        """Every rank's selection in rank order (``Exchange.allgatherv``); on the host in compact
+        form (``Exchange.allgather_indices``): ``spans`` (P, 2) holds each rank's ``[lo, hi)``."""
+        if self.COMPACT_INDICES and self._device == "cpu" and self.numel < 2**32:
+            return self.exchange.allgather_indices(idx, counts, spans)
+        return self.exchange.allgatherv(idx, counts)
+
+
     def accumulate(self, grad: Any, acc: Any) -> int:
         """``acc = residual + grad`` with no selection; returns the number of non-finite values."""
         no_idx = np.empty(1, dtype=np.int32)
@@ -338,6 +379,16 @@ class Sparsifier(Selector):
         vals = self._vals_buffer(union.shape[0], dtype)
         ops.gather(acc, union, vals)
         sec["gather"] = time.perf_counter() - t0
+        if self._wire is not None:
+            # 16-bit values: vals becomes what this rank keeps (the rounding it did), means are shared
+            t0 = time.perf_counter()
+            means = self.exchange.mean_wire(vals, self._wire)
+            sec["reduce"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            res = self.memory.commit(acc, out)
+            _kh.scatter_wire(res, self.memory.residual, union, means, vals, self._wire.mode, self._wire.table)
+            sec["scatter"] = time.perf_counter() - t0
+            return res
         t0 = time.perf_counter()
         self.exchange.sum_identical(vals)
         sec["reduce"] = time.perf_counter() - t0
@@ -393,3 +444,14 @@ class Sparsifier(Selector):
         # older dicts lack "grad_dtype": the residual's dtype then fixes what a gradient computes in
         self._grad_dtype = d.get("grad_dtype") if d["residual"] is not None else None
         self._load_extra_state(d)
+
+
+def _wire_half_names():
+    """The names of the sparsifier classes whose values can travel in 16 bits."""
+    names, todo = set(), [Sparsifier]
+    while todo:
+        cls = todo.pop()
+        todo.extend(cls.__subclasses__())
+        if cls.WIRE_HALF and cls.name != "base":
+            names.add(cls.name)
+    return sorted(names)

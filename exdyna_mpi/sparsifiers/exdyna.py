@@ -138,6 +138,7 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
     """
 
     name = "exdyna"
+    WIRE_HALF = True
     OPTIONS = {
         "controller": ("measured", _controller_name),
         "balance": (True, _balance),
@@ -266,7 +267,9 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
             step.sec["quota"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         idx = self._idx[:st.count]
-        union, report = self.gather_union(t, st.acc, idx, counts, lambda: self.exchange.allgatherv(idx, counts))
+        own = np.asarray(owners(t, self.nranks))
+        spans = np.stack((bounds[own], bounds[own + 1]), axis=1)
+        union, report = self.gather_union(t, st.acc, idx, counts, lambda: self.gather_selection(idx, counts, spans))
         step.sec["indices"] = time.perf_counter() - t0
         bal = self.options.get("balance", False)
         if bal is True:   # True: the controller's own partner rule; the authors' for theirs

@@ -7,6 +7,13 @@ agreement of the first collective (``agree``), the error texts behind a refusal
 ``rotating_rounds``; later WAGMA's group averaging and a deadline exchange go beside them).
 ``broadcast`` is the seam the adapters use (rank 0's parameters at start-up).
 
+``allgather_indices`` sends each rank's selection in the smallest of three compact forms (uint32
+offsets, 16-bit offsets per 65,536-element segment, or a bitmap of the rank's span; chosen from the
+agreed counts and spans alone, ``kernels/cpu_half.py``). ``mean_wire`` averages values that travel
+in 16 bits (``wire_dtype``): each rank's values are rounded to the 16-bit format for the ranks that
+reduce them (the rounding stays with the sender), the owner of each share sums in float32 in rank
+order, and the 16-bit mean is gathered, so every rank holds the same bits.
+
 Vector collectives use exact counts (no padding; zero counts are legal). Sums that every rank must
 hold bit-identically are computed as Reduce_scatter + Allgatherv: each element is reduced on one
 rank only and then copied, so the bits cannot differ between ranks (MPI does not promise that for
@@ -17,6 +24,8 @@ import os
 
 import numpy as np
 from mpi4py import MPI
+
+from ..kernels import cpu_half as _kh
 
 WORD = np.int64
 
@@ -143,6 +152,81 @@ class Exchange:
         self.comm.Allgatherv(mine, [vals, (counts, displs)])
         self._account_reduce(n, vals.itemsize)
         return vals
+
+    @staticmethod
+    def _shares(n, p):
+        """Equal shares of ``n`` elements over ``p`` ranks: (counts, displacements)."""
+        counts = np.full(p, n // p, dtype=np.int64)
+        counts[: n % p] += 1
+        displs = np.zeros(p, dtype=np.int64)
+        np.cumsum(counts[:-1], out=displs[1:])
+        return counts, displs
+
+    def allgather_indices(self, idx, counts, spans, out=None):
+        """Every rank's selection in rank order, as ``allgatherv(idx, counts)`` gives it, sent in
+        compact form. ``spans`` (P, 2): each rank's ``[lo, hi)``, which holds all its indices (the
+        same on every rank); ``idx[:counts[rank]]`` ascending. Spans below 2**32 elements."""
+        counts = np.asarray(counts, dtype=np.int64)
+        total = int(counts.sum())
+        if out is None:
+            out = np.empty(total, dtype=idx.dtype)
+        if self.size == 1:
+            out[:total] = idx[:total]
+            return out
+        lo = spans[:, 0].astype(np.int64)
+        span = (spans[:, 1] - spans[:, 0]).astype(np.int64)
+        nbytes = np.array([_kh.index_form(int(c), int(s))[1] for c, s in zip(counts, span)], dtype=np.int64)
+        me = self.rank
+        send = np.empty(int(nbytes[me]), dtype=np.uint8)
+        _kh.encode_indices(idx[: int(counts[me])], int(lo[me]), int(span[me]), send)
+        bdispls = np.zeros(self.size, dtype=np.int64)
+        np.cumsum(nbytes[:-1], out=bdispls[1:])
+        recv = np.empty(int(nbytes.sum()), dtype=np.uint8)
+        self.comm.Allgatherv(send, [recv, (nbytes, bdispls)])
+        self._account_allgather(nbytes, 1)
+        at = 0
+        for r in range(self.size):
+            c = int(counts[r])
+            _kh.decode_indices(recv[bdispls[r]: bdispls[r] + nbytes[r]], c, int(lo[r]), int(span[r]),
+                               out[at: at + c])
+            at += c
+        return out
+
+    def mean_wire(self, vals, fmt):
+        """The mean over ranks of float32 ``vals`` (n,), its values travelling in the 16-bit
+        ``fmt`` (``arrays.half.WireFormat``); returns the means' 16-bit patterns (n,), the same on
+        every rank. ``vals`` becomes what this rank's residual keeps: outside its own share, what
+        rounding its values to 16 bits lost; inside, what rounding the mean lost (sum - P x mean).
+
+        Share ``j`` (an equal split, as ``sum_identical``'s) is reduced on rank ``j``: every other
+        rank sends it its 16-bit values (``Alltoallv``), rank ``j`` adds them to its own float32
+        values in float32, in rank order, and the 16-bit means are gathered (``Allgatherv``).
+        """
+        n, p, me = vals.shape[0], self.size, self.rank
+        counts, displs = self._shares(n, p)
+        c, d = int(counts[me]), int(displs[me])
+        means = np.empty(n, dtype=np.uint16)
+        if p == 1 or n == 0:
+            _kh.owner_mean(np.empty((1, n), np.uint16), vals, 0, 1, fmt.mode, fmt.table, means, vals)
+            return means
+        sent = np.empty(n, dtype=np.uint16)
+        _kh.wire_round(vals, fmt.mode, fmt.table, sent, d, d + c)
+        recv = np.empty((p, c), dtype=np.uint16)
+        scounts = counts.copy()
+        scounts[me] = 0
+        rcounts = np.full(p, c, dtype=np.int64)
+        rcounts[me] = 0
+        rdispls = np.arange(p, dtype=np.int64) * c
+        self.comm.Alltoallv([sent, (scounts, displs)], [recv, (rcounts, rdispls)])
+        b = int(scounts.sum()) * 2
+        self.bytes_sent += b
+        self.bytes_received += int(rcounts.sum()) * 2
+        mine = np.empty(c, dtype=np.uint16)
+        own = vals[d: d + c]
+        _kh.owner_mean(recv, own, me, p, fmt.mode, fmt.table, mine, own)
+        self.comm.Allgatherv(mine, [means, (counts, displs)])
+        self._account_allgather(counts, 2)
+        return means
 
     def bcast_from(self, buf, root):
         """Broadcast ``buf`` in place from ``root``."""

@@ -14,6 +14,7 @@ import streams  # jobs/streams.py: pytest.ini puts jobs/ on the path
 from mpi4py import MPI
 
 import exdyna_mpi
+from exdyna_mpi.kernels.cpu_half import index_form
 from tests.conftest import allgather_array, mpi_assert
 
 N, DENSITY, STEPS, SKIP = 1 << 17, 0.01, 36, 20
@@ -93,7 +94,7 @@ def test_quotas_bound_the_imbalance_and_keep_the_density(wcomm, stream):
 
 @pytest.mark.mpi(min_size=2)
 def test_summed_words_do_not_grow_with_p(wcomm):
-    """Bytes of one step = indices + values + the summed words (a fixed number, whatever P) + one
+    """Bytes of one step = compact indices + values + the summed words (a fixed number, whatever P) + one
     count word per rank: the ring model of ``transport.Exchange``, counted here from the counts."""
     rank, p = wcomm.Get_rank(), wcomm.Get_size()
     n = 1 << 16
@@ -106,7 +107,11 @@ def test_summed_words_do_not_grow_with_p(wcomm):
     assert words == 3 + sp.controller.N_COARSE + sp.controller.n_fine
     total = int(c.sum())
     reduce = sum(2 * (p - 1) * w * 4 // p for w in [words] + sp.controller.zoom_words)
-    want = (total - int(c[(rank + 1) % p])) * 4 + 2 * (p - 1) * total * 4 // p + reduce + (p - 1) * 8
+    # indices in compact form: each rank's bytes from its count and the span of its partition
+    b, own = sp.stats.bounds, sp.stats.owned
+    nbytes = [index_form(int(c[r]), int(b[own[r] + 1] - b[own[r]]))[1] for r in range(p)] if p > 1 else [0]
+    idx_bytes = sum(nbytes) - nbytes[(rank + 1) % p]
+    want = idx_bytes + 2 * (p - 1) * total * 4 // p + reduce + (p - 1) * 8
     mpi_assert(sp.stats.bytes_sent == want, f"bytes sent {sp.stats.bytes_sent}, model {want}", wcomm)
 
 

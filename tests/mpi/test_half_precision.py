@@ -1,9 +1,10 @@
 """Half-precision gradients (float16, bfloat16) through every sparsifier, on the host.
 
-A half gradient is computed in float32: the residual is float32, float32 values go on the wire, and
-the output is rounded to the gradient's dtype. The reference here is a second instance of the same
-sparsifier fed the float32-widened gradients: rounded to the half dtype, its output must equal the
-half run's bit for bit, and its residual must be the half run's residual. Also: float32 unchanged,
+A half gradient is computed in float32: the residual is float32 and the output is rounded to the
+gradient's dtype. With ``wire_dtype="float32"`` float32 values go on the wire, and the reference here
+is a second instance of the same sparsifier fed the float32-widened gradients: rounded to the half
+dtype, its output must equal the half run's bit for bit, and its residual must be the half run's
+residual. (16-bit values on the wire, the default for a half gradient: tests/mpi/test_wire.py.) Also: float32 unchanged,
 ranks bit-identical, the output's kind and dtype, ``out=``, ``state_dict`` round trip, the refusal
 text, and the torch adapters (``DistributedOptimizer``, the DDP hook) with a bfloat16 model.
 
@@ -84,7 +85,7 @@ def test_half_equals_rounded_float32_reference(name, dtype, wcomm):
     if kind == "torch":
         torch = require("torch")
     rank = wcomm.Get_rank()
-    sp = exdyna_mpi.make(name, NUMEL, DENSITY, wcomm, **OPTIONS.get(name, {}))
+    sp = exdyna_mpi.make(name, NUMEL, DENSITY, wcomm, wire_dtype="float32", **OPTIONS.get(name, {}))
     ref = exdyna_mpi.make(name, NUMEL, DENSITY, wcomm, **OPTIONS.get(name, {}))
     for t in range(STEPS):
         g32 = _grad32(rank, t, dtype)
@@ -128,9 +129,9 @@ def test_half_out_buffer_and_state_dict_round_trip(name, wcomm):
 
 
 def test_ml_dtypes_bfloat16(wcomm):
-    ml_dtypes = pytest.importorskip("ml_dtypes")
+    ml_dtypes = require("ml_dtypes")
     rank = wcomm.Get_rank()
-    sp = exdyna_mpi.make("exdyna", NUMEL, DENSITY, wcomm)
+    sp = exdyna_mpi.make("exdyna", NUMEL, DENSITY, wcomm, wire_dtype="float32")
     ref = exdyna_mpi.make("exdyna", NUMEL, DENSITY, wcomm)
     for t in range(2):
         g32 = _grad32(rank, t, "bfloat16")

@@ -11,6 +11,8 @@ class DenseAllreduce(Sparsifier):
 
     The sum is ``Exchange.sum_identical`` (reduce-scatter + allgatherv), so ``out`` is identical to
     the bit on every rank; its bytes are those of a ring allreduce, 2 (P-1)/P n words per rank.
+    With 16-bit values (``wire_dtype``, or a half gradient) the sum is ``Exchange.mean_wire`` and
+    the residual keeps what rounding to 16 bits lost (error feedback, as DDP's bf16 hook has not).
 
     Example::
 
@@ -20,6 +22,7 @@ class DenseAllreduce(Sparsifier):
 
     name = "dense"
     OPTIONS = {}
+    WIRE_HALF = True   # 16-bit values with error feedback: the residual keeps what rounding lost
 
     def select(self, step, grad, acc):
         # residual is all zeros, so acc is a copy of grad with its non-finite values counted
@@ -27,6 +30,14 @@ class DenseAllreduce(Sparsifier):
 
     def combine(self, step, sel, words):
         acc = sel.acc
+        if self._wire is not None:
+            t0 = time.perf_counter()
+            means = self.exchange.mean_wire(acc, self._wire)   # acc becomes the rounding this rank kept
+            step.sec["reduce"] = time.perf_counter() - t0
+            res = self.memory.commit(acc, step.out)
+            self._wire.widen_into(means, res)
+            return res, dict(counts=words[:, 0].copy(), selected=self.numel, density=1.0, threshold=0.0,
+                             bounds=None, owned=None)
         t0 = time.perf_counter()
         self.exchange.sum_identical(acc)
         step.sec["reduce"] = time.perf_counter() - t0

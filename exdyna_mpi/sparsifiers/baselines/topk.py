@@ -36,6 +36,8 @@ from ._common import (ThresholdSelection, float_to_word, kth_largest_magnitude, 
 class UnionSparsifier(DeadlineOption, Sparsifier):
     """Base of the union-exchange methods; subclasses implement ``_threshold(acc)``."""
 
+    WIRE_HALF = True
+
     def __init__(self, numel, density, comm=None, **kw):
         super().__init__(numel, density, comm, **kw)
         self.k = target_count(self.density, self.numel)
@@ -64,7 +66,8 @@ class UnionSparsifier(DeadlineOption, Sparsifier):
         return threshold_for(max(float(thr), float(positive_floor(self._dtype))), self._dtype)
 
     def _exchange_indices(self, counts, t):
-        return self.exchange.allgatherv(self._idx[:counts[self.rank]], counts)
+        spans = np.tile(np.array([0, self.numel], dtype=np.int64), (self.nranks, 1))
+        return self.gather_selection(self._idx[:counts[self.rank]], counts, spans)
 
     def report_size(self, step):
         return 1   # this rank's threshold, as a float64 bit pattern

@@ -1,0 +1,247 @@
+"""CPU kernels of the 16-bit formats: half values and compact indices, ``@njit`` on NumPy buffers.
+
+Half values travel as their 16-bit patterns (uint16): Numba has no bfloat16 type and its float16
+support is partial, so the conversions are integer operations on the patterns, round-to-nearest-
+even, the same bits as NumPy's ``astype(np.float16)`` and ``ml_dtypes.bfloat16``
+(tests/serial/test_half_kernels.py). ``MODE_BF16`` / ``MODE_F16`` name the format; widening float16
+reads a 65,536-entry table (``f16_table``), exact by construction.
+
+Wire rounding *saturates*: a finite float32 beyond the format's range is sent as its largest finite
+value, not inf, so the rounding error a rank keeps in its residual stays finite.
+
+Compact indices: a rank's selection inside its span ``[lo, lo + L)`` is sent in the smallest of
+three forms, chosen from ``(count, L)`` alone so that every rank knows every rank's byte count
+without asking (``index_form``):
+
+- ``FORM_RAW``: uint32 offsets from ``lo`` (4 bytes each);
+- ``FORM_SEG16``: the span cut in segments of 65,536 elements, one uint32 count per segment, then
+  the uint16 low halves of the offsets, segment by segment (2 bytes each + 4 per segment);
+- ``FORM_BITMAP``: one bit per element of the span.
+
+Every form decodes to ascending offsets when the selection was ascending (the seg16 encoder is a
+counting sort by segment, stable within one).
+"""
+import numpy as np
+from numba import njit
+
+MODE_BF16 = 1
+MODE_F16 = 2
+
+FORM_RAW = 0
+FORM_SEG16 = 1
+FORM_BITMAP = 2
+SEG = 65536
+
+
+def f16_table():
+    """float32 value of every float16 pattern (65,536 entries, exact)."""
+    return np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+
+
+# ---------------------------------------------------------------------------- scalar conversions
+@njit(cache=True, nogil=True, inline="always")
+def _bf16_round(b, saturate):
+    # b: the float32 pattern as int64 (0 .. 2**32 - 1)
+    a = b & 0x7FFFFFFF
+    if a > 0x7F800000:                      # NaN: keep sign and top payload, make it quiet
+        return (b >> 16) | 0x0040
+    r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+    if saturate and (r & 0x7FFF) == 0x7F80 and a != 0x7F800000:
+        r = (r & 0x8000) | 0x7F7F
+    return r & 0xFFFF
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _f16_round(b, saturate):
+    sign = (b >> 16) & 0x8000
+    a = b & 0x7FFFFFFF
+    if a >= 0x7F800000:
+        if a == 0x7F800000:
+            return sign | 0x7C00
+        h = 0x7C00 + ((a & 0x7FFFFF) >> 13)   # NaN as NumPy makes it: top payload, never inf
+        if h == 0x7C00:
+            h += 1
+        return sign | h
+    if a >= 0x477FF000:                     # rounds to inf
+        return sign | (0x7BFF if saturate else 0x7C00)
+    if a >= 0x38800000:                     # a normal float16
+        return sign | ((a - 0x38000000 + 0xFFF + ((a >> 13) & 1)) >> 13)
+    if a >= 0x33000000:                     # a subnormal float16 (or the smallest normal, by carry)
+        e = a >> 23
+        m = (a & 0x7FFFFF) | 0x800000
+        shift = 126 - e
+        h = m >> shift
+        rem = m & ((1 << shift) - 1)
+        half = 1 << (shift - 1)
+        if rem > half or (rem == half and (h & 1) == 1):
+            h += 1
+        return sign | h
+    return sign                             # rounds to a signed zero
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _round(b, mode, saturate):
+    if mode == MODE_BF16:
+        return _bf16_round(b, saturate)
+    return _f16_round(b, saturate)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _widen_bits(h, mode, table):
+    # the float32 pattern (int64) of 16-bit pattern h
+    if mode == MODE_BF16:
+        return np.int64(h) << 16
+    return np.int64(table[h])
+
+
+# ---------------------------------------------------------------------------- whole-vector passes
+@njit(cache=True, nogil=True)
+def widen(h, mode, table_bits, out_bits):
+    """``out_bits`` (the uint32 view of a float32 array) = the values of the 16-bit patterns ``h``.
+    ``table_bits``: ``f16_table().view(np.uint32)`` (read for float16 only)."""
+    for i in range(h.shape[0]):
+        out_bits[i] = _widen_bits(h[i], mode, table_bits)
+
+
+@njit(cache=True, nogil=True)
+def narrow(x_bits, mode, out):
+    """``out`` (uint16) = float32 patterns ``x_bits`` rounded to nearest even (inf beyond range)."""
+    for i in range(x_bits.shape[0]):
+        out[i] = _round(np.int64(x_bits[i]), mode, False)
+
+
+@njit(cache=True, nogil=True)
+def wire_round(vals, mode, table_bits, sent, lo, hi):
+    """Outside ``[lo, hi)``: ``sent[i]`` = ``vals[i]`` rounded (saturating) and ``vals[i]`` becomes
+    what the rounding lost, ``vals[i] - sent[i]`` (exact in float32). ``[lo, hi)`` (this rank's own
+    share, reduced here in float32) is left as it is."""
+    vb = vals.view(np.uint32)
+    w = np.empty(1, np.uint32)
+    wf = w.view(np.float32)
+    for i in range(vals.shape[0]):
+        if i >= lo and i < hi:
+            continue
+        h = _round(np.int64(vb[i]), mode, True)
+        sent[i] = h
+        w[0] = _widen_bits(h, mode, table_bits)
+        vals[i] = vals[i] - wf[0]
+
+
+@njit(cache=True, nogil=True)
+def owner_mean(recv, own, me, p, mode, table_bits, mean_out, err):
+    """The reduction of this rank's share: ``recv`` (p, c) the 16-bit values every rank sent (row
+    ``me`` unused), ``own`` (c,) this rank's float32 values. The float32 sum in rank order, the mean
+    sum / p rounded to 16 bits (saturating) into ``mean_out``, and into ``err`` what the rounding of
+    the mean lost, ``sum - p * mean`` (this rank's residual keeps it). ``err`` may be ``own``."""
+    c = own.shape[0]
+    pf = np.float32(p)
+    w = np.empty(1, np.uint32)
+    wf = w.view(np.float32)
+    for i in range(c):
+        s = np.float32(0.0)
+        for r in range(p):
+            if r == me:
+                s += own[i]
+            else:
+                w[0] = _widen_bits(recv[r, i], mode, table_bits)
+                s += wf[0]
+        wf[0] = s / pf
+        h = _round(np.int64(w[0]), mode, True)
+        mean_out[i] = h
+        w[0] = _widen_bits(h, mode, table_bits)
+        err[i] = s - pf * wf[0]
+
+
+@njit(cache=True, nogil=True)
+def scatter_wire(out, residual, idx, means, err, mode, table_bits):
+    """``out[idx[j]]`` = the value of 16-bit ``means[j]``, ``residual[idx[j]] = err[j]``: the end of
+    a step whose values travelled in 16 bits (one pass over the union)."""
+    ob = out.view(np.uint32)
+    for j in range(idx.shape[0]):
+        i = idx[j]
+        ob[i] = _widen_bits(means[j], mode, table_bits)
+        residual[i] = err[j]
+
+
+# ---------------------------------------------------------------------------- compact indices
+@njit(cache=True, nogil=True)
+def index_form(count, span):
+    """``(form, bytes)``: the smallest encoding of ``count`` offsets in a span of ``span`` elements,
+    padded to a multiple of 4 bytes (ties: raw, then seg16, then bitmap)."""
+    raw = 4 * count
+    nseg = (span + SEG - 1) // SEG
+    seg = 4 * nseg + 2 * count
+    seg = (seg + 3) // 4 * 4
+    bmp = (span + 7) // 8
+    bmp = (bmp + 3) // 4 * 4
+    if raw <= seg and raw <= bmp:
+        return FORM_RAW, raw
+    if seg <= bmp:
+        return FORM_SEG16, seg
+    return FORM_BITMAP, bmp
+
+
+@njit(cache=True, nogil=True)
+def encode_indices(idx, lo, span, out):
+    """Write the selection ``idx`` (global indices inside ``[lo, lo + span)``) into the uint8 buffer
+    ``out`` in its ``index_form``; returns the bytes written."""
+    count = idx.shape[0]
+    form, nbytes = index_form(count, span)
+    if form == FORM_RAW:
+        o32 = out[:nbytes].view(np.uint32)
+        for j in range(count):
+            o32[j] = idx[j] - lo
+    elif form == FORM_SEG16:
+        nseg = (span + SEG - 1) // SEG
+        head = out[:4 * nseg].view(np.uint32)
+        head[:] = 0
+        for j in range(count):
+            head[(idx[j] - lo) >> 16] += 1
+        start = np.empty(nseg, np.int64)
+        acc = 0
+        for s in range(nseg):
+            start[s] = acc
+            acc += head[s]
+        body = out[4 * nseg:4 * nseg + 2 * count].view(np.uint16)
+        for j in range(count):
+            o = idx[j] - lo
+            s = o >> 16
+            body[start[s]] = o & 0xFFFF
+            start[s] += 1
+        out[4 * nseg + 2 * count:nbytes] = 0
+    else:
+        out[:nbytes] = 0
+        for j in range(count):
+            o = idx[j] - lo
+            out[o >> 3] |= np.uint8(1 << (o & 7))
+    return nbytes
+
+
+@njit(cache=True, nogil=True)
+def decode_indices(buf, count, lo, span, out):
+    """The ``count`` global indices encoded in ``buf`` (one rank's bytes) into ``out``."""
+    form, nbytes = index_form(count, span)
+    if form == FORM_RAW:
+        o32 = buf[:nbytes].view(np.uint32)
+        for j in range(count):
+            out[j] = lo + np.int64(o32[j])
+    elif form == FORM_SEG16:
+        nseg = (span + SEG - 1) // SEG
+        head = buf[:4 * nseg].view(np.uint32)
+        body = buf[4 * nseg:4 * nseg + 2 * count].view(np.uint16)
+        j = 0
+        for s in range(nseg):
+            base = lo + s * SEG
+            for _ in range(head[s]):
+                out[j] = base + np.int64(body[j])
+                j += 1
+    else:
+        j = 0
+        for b in range(nbytes):
+            v = buf[b]
+            if v == 0:
+                continue
+            for bit in range(8):
+                if (v >> bit) & 1:
+                    out[j] = lo + 8 * b + bit
+                    j += 1
