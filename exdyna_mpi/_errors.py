@@ -17,7 +17,7 @@ class InputCode(enum.IntEnum):
     REQUIRES_GRAD = 8
     NONFINITE = 9
     BAD_OUT = 11
-    HALF_DEVICE = 12
+    # 12: no longer used (half gradients on a CUDA device were refused before the device kernels)
     WIRE = 13
 
 
@@ -53,9 +53,6 @@ def describe(code, detail, numel, dtype_names, accepted=None):
         return "grad requires grad; pass tensor.detach() (or the .grad buffer)"
     if code == InputCode.NONFINITE:
         return f"grad has {detail} non-finite values (NaN or inf) after error feedback"
-    if code == InputCode.HALF_DEVICE:
-        return (f"grad has dtype {dtype_names.get(detail, '?')} on a CUDA device; float16 and bfloat16 are "
-                "accepted on the host (CPU) only: pass a CPU tensor, or float32 on the device")
     if code == InputCode.WIRE:
         where = " on a CUDA device" if detail >= 100 else ""
         return (f"grad has dtype {dtype_names.get(detail % 100, '?')}{where}; values travel in 16 bits "

@@ -26,7 +26,9 @@ Methods (``--methods``, run one after another in one launch, ``ddp`` first):
 - ``ddp-bf16``: DDP with torch's ``bf16_compress_hook`` (values cast to bfloat16 for the allreduce).
 - ``dense``, ``exdyna``, ``topk``, ``oktopk``, ``micro``: ``exdyna_mpi.adapters.torch.
   DistributedOptimizer`` with that sparsifier at ``--density`` (library defaults), the exchange after
-  backward; ``exdyna-q``: ExDyna with ``max_imbalance=0.05``.
+  backward; ``exdyna-q``: ExDyna with ``max_imbalance=0.05``; ``exdyna-bf16`` and ``dense-bf16``:
+  float32 gradients, values sent in bfloat16 (``wire_dtype="bfloat16"``, error feedback keeps the
+  rounding), the counterparts of ``ddp-bf16``.
 - ``ddp-exdyna``: DDP (default buckets) with the library's hook, ``exdyna_hook`` and
   ``ExDynaHookState("exdyna", density)``: one sparsifier over the whole model, exchanged on the hook's
   worker thread once the last bucket is ready; ``ddp-exdyna-bucket``: ``scope="bucket"``, a
@@ -67,12 +69,13 @@ DEFAULT_METHODS = ("ddp", "ddp-powersgd", "ddp-bf16", "dense", "exdyna", "ddp-ex
                    "exdyna-q")
 # For a slow link: ExDyna's deadline exchange (DLCP analogue) and WAGMA-SGD's group averaging; the
 # per-bucket hook.
-ALL_METHODS = DEFAULT_METHODS + ("exdyna-deadline", "wagma", "ddp-exdyna-bucket")
+ALL_METHODS = DEFAULT_METHODS + ("exdyna-deadline", "wagma", "ddp-exdyna-bucket", "exdyna-bf16", "dense-bf16")
 DDP_METHODS = ("ddp", "ddp-powersgd", "ddp-bf16")
 HOOK_METHODS = {"ddp-exdyna": "model", "ddp-exdyna-bucket": "bucket"}   # DDP + exdyna_hook, by scope
 LIBRARY = {"dense": ("dense", {}), "exdyna": ("exdyna", {}), "topk": ("topk", {}), "oktopk": ("oktopk", {}),
            "micro": ("micro", {}), "exdyna-q": ("exdyna", {"max_imbalance": 0.05}),
-           "exdyna-deadline": ("exdyna", {"deadline_ms": "auto", "max_loss": 0.01})}
+           "exdyna-deadline": ("exdyna", {"deadline_ms": "auto", "max_loss": 0.01}),
+           "exdyna-bf16": ("exdyna", {"wire_dtype": "bfloat16"}), "dense-bf16": ("dense", {"wire_dtype": "bfloat16"})}
 
 
 # --- workloads -----------------------------------------------------------------------------------------
@@ -368,7 +371,7 @@ def train(method, wl, args, comm, numel, target, log):
                                      else times[:args.steps])),
            "final_loss": evals[-1][2], "loss_at_steps": loss_at_steps, "target": target,
            "time_to_target_s": ttt, "evals": evals, "params_identical": len(set(hashes)) == 1,
-           "density": None if method in DDP_METHODS or method == "dense" else args.density}
+           "density": None if method in DDP_METHODS or method.startswith("dense") else args.density}
     if wire.path is not None:
         rec["bytes_per_step"], rec["bytes_source"] = float(w), "wire"
     elif lib_bytes:
@@ -445,7 +448,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.strip().split("\n")[0])
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="lm")
     ap.add_argument("--methods", default=",".join(DEFAULT_METHODS),
-                    help=f"comma-separated, of {', '.join(ALL_METHODS)} (default: all but the last two)")
+                    help=f"comma-separated, of {', '.join(ALL_METHODS)} (default: DEFAULT_METHODS, not the last five)")
     ap.add_argument("--ranks", type=int, help="checked against the MPI world's size")
     ap.add_argument("--rate", type=float, help="link rate for the records (default: EXDYNA_TESTBED_RATE_MBIT)")
     ap.add_argument("--steps", type=int, help="step budget of every method (lm 150, cnn 88: 8 epochs at P=4)")

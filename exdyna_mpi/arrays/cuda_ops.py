@@ -15,6 +15,7 @@ import numpy as np
 from ..kernels import cuda as _k
 from .device import BACKEND
 
+_HALF_MODES = {"bfloat16": _k.half.MODE_BF16, "float16": _k.half.MODE_F16}
 _local = threading.local()  # per thread: (device, stream) -> kernels.cuda.Scratch, reused every step
 
 
@@ -123,6 +124,18 @@ class CudaOps:
     @staticmethod
     def scatter_mean_zero(out, residual, idx, sums, p):
         _k.scatter_mean_zero(out, residual, idx, sums, p, BACKEND.stream())
+
+    @staticmethod
+    def widen_half(a, name, out):
+        """``out`` (float32) = the values of half array ``a`` (its 16-bit patterns)."""
+        _k.widen16(a.view(np.uint16), out.view(np.uint32), _HALF_MODES[name], BACKEND.stream())
+        return out
+
+    @staticmethod
+    def narrow_half(x, name, out):
+        """``out`` (half ``name``; bfloat16 as uint16) = float32 ``x`` rounded to nearest even."""
+        _k.narrow16(x.view(np.uint32), out.view(np.uint16), _HALF_MODES[name], BACKEND.stream())
+        return out
 
     @staticmethod
     def accumulate_measure(residual, grad, acc, lo, hi, coarse, fine, stride, mark=None, threads=1, marks=None):

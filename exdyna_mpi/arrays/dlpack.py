@@ -94,6 +94,13 @@ def _jax_wrap(out):
     return jax.dlpack.from_dlpack(_aligned_host(out))
 
 
+def _jax_bf16_wrap(out):
+    """uint16 bits of bfloat16 values as a JAX bfloat16 array."""
+    import jax
+
+    return jax.lax.bitcast_convert_type(_jax_wrap(out.view(np.uint16)), "bfloat16")
+
+
 def _cupy_wrap(out):
     return out
 
@@ -135,6 +142,13 @@ def _tf_wrap(out):
     import tensorflow as tf
 
     return tf.experimental.dlpack.from_dlpack(_aligned_host(out).__dlpack__())
+
+
+def _tf_bf16_wrap(out):
+    """uint16 bits of bfloat16 values as a TensorFlow bfloat16 tensor."""
+    import tensorflow as tf
+
+    return tf.bitcast(_tf_wrap(out.view(np.uint16)), tf.bfloat16)
 
 
 def _tf_source(obj):
@@ -203,8 +217,20 @@ def as_input(obj):
             src, wrap, name = obj.view(_torch_int16()), _torch_bf16_wrap, "bfloat16"
         except Exception as exc:
             return _export_error(exc, dt_code)
+    if root in ("jax", "jaxlib") and dt_code == NAME_CODES["bfloat16"]:
+        # the bits as uint16 (JAX arrays are immutable: a bitcast is a new array either way)
+        try:
+            import jax
+
+            src, wrap, name = jax.lax.bitcast_convert_type(obj, "uint16"), _jax_bf16_wrap, "bfloat16"
+        except Exception as exc:
+            return _export_error(exc, dt_code)
     if root == "tensorflow":
         try:
+            if getattr(getattr(obj, "dtype", None), "name", "") == "bfloat16":
+                import tensorflow as tf
+
+                obj, wrap, name = tf.bitcast(obj, tf.uint16), _tf_bf16_wrap, "bfloat16"
             src = _tf_source(obj)
         except Exception as exc:
             return _export_error(exc)

@@ -18,6 +18,7 @@ import numpy as np
 
 from ..kernels import cpu as _k
 from ..kernels import cpu_controller as _kc
+from . import half as _half
 
 
 class Marks:
@@ -117,6 +118,12 @@ class Ops(Protocol):
     def scatter_mean_zero(self, out, residual, idx, sums, p):
         """``out[idx] = sums / p``; ``residual[idx] = 0``."""
 
+    def widen_half(self, a, name, out):
+        """``out`` (float32) = the values of half array ``a`` (dtype ``name``; bfloat16 as uint16)."""
+
+    def narrow_half(self, x, name, out):
+        """``out`` (half ``name``; bfloat16 as uint16) = float32 ``x`` rounded to nearest even."""
+
     def hist_range(self, x, lo, hi, shift, key0, hist, marks=None):
         """``hist += histogram(|x[lo:hi]|)`` (read only; ``hist`` a host int64 array): the bucket
         rule of kernels/cpu_controller.py. ``marks``: the ``Marks`` of the measuring pass over
@@ -203,6 +210,14 @@ class HostOps:
     @staticmethod
     def scatter_mean_zero(out, residual, idx, sums, p):
         _k.scatter_mean_zero(out, residual, idx, sums, p)
+
+    @staticmethod
+    def widen_half(a, name, out):
+        return _half.widen(a, name, out)
+
+    @staticmethod
+    def narrow_half(x, name, out):
+        return _half.narrow(x, name, out)
 
     @staticmethod
     def hist_range(x, lo, hi, shift, key0, hist, marks=None):

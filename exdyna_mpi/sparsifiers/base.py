@@ -3,9 +3,10 @@
 ``Sparsifier.step`` is the template (the same sequence for every method):
 
 1. view the input (DLPack), check it locally, bind device and dtype on the first good step; a half
-   gradient (float16, bfloat16; host only) is widened to float32 here, the one place: every
-   selector then sees float32, the residual and the exchange are float32, and step 6 rounds the
-   output back (``arrays.half``);
+   gradient (float16, bfloat16) is widened to float32 here, the one place (``Ops.widen_half``):
+   every selector then sees float32, the residual is float32, and step 6 rounds the output back;
+   values travel in 16 bits where ``wire_dtype`` (or a half gradient, on the host) says so
+   (``average_at``; dense's ``combine``);
 2. ``select`` (the selector role, the subclass) fills ``acc = residual + grad`` from the memory
    role and chooses what this rank sends;
 3. the first collective: ``StepWords`` (count, error word, dtype) plus the selector's
@@ -25,7 +26,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from ..arrays import (ACCEPTED_DTYPES, HALF_DTYPES, as_input, check_vector, compute_dtype, dtype_code,
-                      host_threads, narrow, ops_for, widen)
+                      host_threads, ops_for)
 from ..arrays.half import WireFormat
 from ..arrays.ops import cuda_available
 from .._errors import InputCode
@@ -199,12 +200,11 @@ class Sparsifier(Selector):
         """Fix device and dtype from the first good gradient; allocate the residual there (float32
         for a half gradient)."""
         self._grad_dtype = inp.dtype
+        if not self.memory.bound:
+            if self._device is None:
+                self._use_device(inp.device)
+            self.memory.bind(self.ops, compute_dtype(inp.dtype))
         self._wire = self._wire_format(inp.dtype)
-        if self.memory.bound:
-            return
-        if self._device is None:
-            self._use_device(inp.device)
-        self.memory.bind(self.ops, compute_dtype(inp.dtype))
 
     def _wire_format(self, grad_dtype):
         """The 16-bit format this sparsifier's values travel in for gradients of ``grad_dtype``, or
@@ -212,8 +212,8 @@ class Sparsifier(Selector):
         name = self.wire_dtype
         if name is None and grad_dtype in HALF_DTYPES:
             name = grad_dtype
-        if name not in HALF_DTYPES or not self.WIRE_HALF:
-            return None
+        if name not in HALF_DTYPES or not self.WIRE_HALF or self._device == "cuda":
+            return None     # (16-bit values from a CUDA device: not yet; float32 values go)
         return WireFormat.of(name)
 
     def _take(self, grad, out=None):
@@ -224,8 +224,6 @@ class Sparsifier(Selector):
                 and compute_dtype(inp.dtype) != self._dtype:
             # a loaded residual whose gradient dtype was not recorded: the residual's dtype decides
             err = (InputCode.DTYPE_MISMATCH, dtype_code(inp.dtype))
-        if err is None and inp.dtype in HALF_DTYPES and (inp.device == "cuda" or self._device == "cuda"):
-            err = (InputCode.HALF_DEVICE, dtype_code(inp.dtype))
         if err is None and self.wire_dtype in HALF_DTYPES and (
                 compute_dtype(inp.dtype) != np.float32 or inp.device == "cuda" or self._device == "cuda"):
             err = (InputCode.WIRE, dtype_code(inp.dtype) + (100 if "cuda" in (inp.device, self._device) else 0))
@@ -238,11 +236,18 @@ class Sparsifier(Selector):
         return inp, err, out
 
     def _widen(self, inp):
-        """A half gradient's float32 copy and a float32 output buffer (both kept across steps)."""
+        """A half gradient's float32 copy and a float32 output buffer (both kept across steps, on
+        the sparsifier's device)."""
         if self._wide is None:
-            self._wide = (np.empty(self.numel, np.float32), np.empty(self.numel, np.float32))
+            self._wide = (self.ops.empty(self.numel, np.float32), self.ops.empty(self.numel, np.float32))
         grad, res = self._wide
-        return widen(inp.array, inp.dtype, grad), res
+        return self.ops.widen_half(inp.array, inp.dtype, grad), res
+
+    def _narrow(self, res, name, out):
+        """The float32 output ``res`` rounded to half dtype ``name`` (into ``out`` when given)."""
+        if out is None:
+            out = self.ops.empty(self.numel, np.uint16 if name == "bfloat16" else np.float16)
+        return self.ops.narrow_half(res, name, out)
 
     # ------------------------------------------------------------------ the step template
     def step(self, grad: Any, out: Any = None) -> Any:
@@ -305,7 +310,7 @@ class Sparsifier(Selector):
         self.iteration = step.t + 1
         if half:
             t0 = time.perf_counter()
-            res = narrow(res, inp.dtype, out)
+            res = self._narrow(res, inp.dtype, out)
             sec["narrow"] = time.perf_counter() - t0
         sec["total"] = time.perf_counter() - t_start
         return inp.wrap(res)

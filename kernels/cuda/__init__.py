@@ -14,6 +14,8 @@ The modules, by job:
 - ``finish``: a one-rank step finished on the device behind its measuring pass
   (``finish_fine_async``);
 - ``scatter_gather``: ``gather``, ``scatter``, ``zero_at``, ``scatter_mean_zero``;
+- ``half``: float16/bfloat16 gradients widened to float32 and outputs rounded back (``widen16``,
+  ``narrow16``), on the 16-bit patterns;
 - ``blocks``: device functions the passes share; ``scratch``: ``Scratch``, the reused device words;
 - ``config``: simulator or GPU, limits, launch shapes, the block-scan variant;
 - ``launch``: grid sizing and ``_go``, the launch every launcher makes; ``_numba_private``: the
@@ -41,6 +43,7 @@ from . import (
     blocks,
     config,
     finish,
+    half,
     launch,
     measure,
     scatter_gather,
@@ -65,6 +68,7 @@ from .finish import (  # noqa: F401
     _take_mean_zero_at,
     finish_fine_async,
 )
+from .half import narrow16, widen16  # noqa: F401
 from .launch import _chunk, _dev, _fast, _go, _launch, _round32, _shape  # noqa: F401
 from .measure import (  # noqa: F401
     _acc_measure32,
@@ -114,7 +118,7 @@ from .select import (  # noqa: F401
     select_range_async,
 )
 
-_MODULES = (config, _numba_private, launch, blocks, scatter_gather, scratch, select, measure, finish)
+_MODULES = (config, _numba_private, launch, blocks, scatter_gather, scratch, select, measure, finish, half)
 
 
 class _Package(types.ModuleType):

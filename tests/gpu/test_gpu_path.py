@@ -231,3 +231,28 @@ def test_one_rank_step_finished_on_device_matches_cpu(cp, monkeypatch, out_kind)
         assert dev.residual.tobytes() == ref.residual.tobytes(), step
         assert list(dev.stats.counts) == list(ref.stats.counts) and dev.stats.threshold == ref.stats.threshold
     assert sum(settled) >= 4, settled
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_gradients_on_the_device_equal_the_host(cp, dtype, wcomm):
+    # CuPy float16 / torch CUDA bfloat16 in, the same kind out; the host run of the same values
+    # (float32 values on the wire, as on the device) gives the same bits, ranks identical
+    rank = wcomm.Get_rank()
+    n = 1 << 20
+    dev = exdyna_mpi.ExDyna(n, 0.01, wcomm, device="cuda")
+    host = exdyna_mpi.ExDyna(n, 0.01, wcomm, device="cpu", wire_dtype="float32")
+    rng = np.random.default_rng(rank)
+    for _ in range(3):
+        g = (rng.standard_normal(n) * 0.1).astype(np.float32)
+        if dtype == "float16":
+            got = cp.asnumpy(dev.step(cp.asarray(g.astype(np.float16)))).view(np.uint16)
+            want = host.step(g.astype(np.float16)).view(np.uint16)
+        else:
+            torch = pytest.importorskip("torch")
+            out = dev.step(torch.from_numpy(g).to("cuda", torch.bfloat16))
+            assert out.is_cuda and out.dtype == torch.bfloat16
+            got = out.view(torch.int16).cpu().numpy()
+            want = host.step(torch.from_numpy(g).to(torch.bfloat16)).view(torch.int16).numpy()
+        mpi_assert(np.array_equal(got, want), f"{dtype}: device and host differ", wcomm)
+        allo = allgather_array(got, wcomm)
+        mpi_assert((allo == allo[0]).all(), f"{dtype}: ranks differ", wcomm)

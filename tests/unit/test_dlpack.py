@@ -150,6 +150,37 @@ def test_jax_in_jax_out():
     assert as_input(jnp.zeros(N)).wrap(buf).unsafe_buffer_pointer() == buf.ctypes.data  # no copy out
 
 
+def _bf16_reference(bits):
+    """The outputs (uint16) of a NumPy run fed the bfloat16 patterns ``bits`` (ml_dtypes)."""
+    ml_dtypes = require("ml_dtypes")
+    sp = exdyna_mpi.ExDyna(N, DENSITY, MPI.COMM_SELF)
+    return [sp.step(b.view(ml_dtypes.bfloat16)).view(np.uint16).copy() for b in bits]
+
+
+def test_jax_bfloat16_in_and_out():
+    jax = require("jax")
+    import jax.numpy as jnp
+
+    xs = [jnp.asarray(g, dtype=jnp.bfloat16) for g in _grads(4)]
+    ref = _bf16_reference([np.asarray(jax.lax.bitcast_convert_type(x, jnp.uint16)) for x in xs])
+    sp = exdyna_mpi.ExDyna(N, DENSITY, MPI.COMM_SELF)
+    for x, r in zip(xs, ref):
+        out = sp.step(x)
+        assert isinstance(out, jax.Array) and out.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(out, jnp.uint16)), r)
+
+
+def test_tensorflow_bfloat16_in_and_out():
+    tf = require("tensorflow")
+    xs = [tf.cast(tf.constant(g), tf.bfloat16) for g in _grads(5)]
+    ref = _bf16_reference([tf.bitcast(x, tf.uint16).numpy() for x in xs])
+    sp = exdyna_mpi.ExDyna(N, DENSITY, MPI.COMM_SELF)
+    for x, r in zip(xs, ref):
+        out = sp.step(x)
+        assert isinstance(out, tf.Tensor) and out.dtype == tf.bfloat16
+        np.testing.assert_array_equal(tf.bitcast(out, tf.uint16).numpy(), r)
+
+
 # --------------------------------------------------------------------------- TensorFlow
 def test_tensorflow_in_tensorflow_out():
     tf = require("tensorflow")
