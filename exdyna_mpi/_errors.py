@@ -54,9 +54,8 @@ def describe(code, detail, numel, dtype_names, accepted=None):
     if code == InputCode.NONFINITE:
         return f"grad has {detail} non-finite values (NaN or inf) after error feedback"
     if code == InputCode.WIRE:
-        where = " on a CUDA device" if detail >= 100 else ""
-        return (f"grad has dtype {dtype_names.get(detail % 100, '?')}{where}; values travel in 16 bits "
-                "(wire_dtype) only from float32, float16 or bfloat16 gradients on the host (CPU)")
+        return (f"grad has dtype {dtype_names.get(detail, '?')}; values travel in 16 bits (wire_dtype) only "
+                "from float32, float16 or bfloat16 gradients")
     if code == InputCode.BAD_OUT:
         return "out must be a contiguous 1-D array of numel elements, same dtype and device as grad"
     return f"error code {int(code)}"

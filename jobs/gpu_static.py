@@ -122,8 +122,8 @@ def signature(spec, dtype):
     ft = {"float32": T.float32, "float64": T.float64}.get(dtype, T.float32)
     it = T.int32 if ft == T.float32 else T.int64
     table = {"x": T.Array(ft, 1, "C"), "X": ft, "ix": T.Array(it, 1, "C"), "w": T.Array(T.int64, 1, "C"),
-             "u": T.Array(T.uint32, 1, "C"), "h": T.Array(T.uint16, 1, "C"), "i": T.int64, "b": T.boolean,
-             "d": T.float64}
+             "u": T.Array(T.uint32, 1, "C"), "h": T.Array(T.uint16, 1, "C"), "H": T.Array(T.uint16, 2, "C"),
+             "i": T.int64, "b": T.boolean, "d": T.float64}
     return tuple(table[s] for s in spec)
 
 

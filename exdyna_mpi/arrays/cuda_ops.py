@@ -132,6 +132,12 @@ class CudaOps:
         return out
 
     @staticmethod
+    def scatter_wire(out, residual, idx, means, err, fmt):
+        """``out[idx]`` = the values of 16-bit ``means`` (``fmt``: an ``arrays.half.WireFormat``),
+        ``residual[idx] = err``."""
+        _k.scatter_wire(out, residual, idx, means, err, fmt.mode, BACKEND.stream())
+
+    @staticmethod
     def narrow_half(x, name, out):
         """``out`` (half ``name``; bfloat16 as uint16) = float32 ``x`` rounded to nearest even."""
         _k.narrow16(x.view(np.uint32), out.view(np.uint16), _HALF_MODES[name], BACKEND.stream())

@@ -19,7 +19,7 @@ import numpy as np
 from ..kernels import cpu_half as _kh
 from .dlpack import HALF_DTYPES
 
-__all__ = ["HALF_DTYPES", "WireFormat", "bf16_bits_to_f32", "f32_to_bf16_bits", "narrow", "widen"]
+__all__ = ["HALF_DTYPES", "WireFormat", "bf16_bits_to_f32", "f32_to_bf16_bits", "narrow", "scatter_wire", "widen"]
 
 _MODES = {"bfloat16": _kh.MODE_BF16, "float16": _kh.MODE_F16}
 _TABLE = None
@@ -50,6 +50,11 @@ class WireFormat:
         """``out`` (float32) = the values of the 16-bit patterns ``bits``."""
         _kh.widen(bits, self.mode, self.table, out.view(np.uint32))
         return out
+
+
+def scatter_wire(out, residual, idx, means, err, fmt):
+    """``out[idx]`` = the values of 16-bit ``means``, ``residual[idx] = err`` (one pass)."""
+    _kh.scatter_wire(out, residual, idx, means, err, fmt.mode, fmt.table)
 
 
 def _bits16(a):

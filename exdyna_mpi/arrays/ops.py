@@ -124,6 +124,10 @@ class Ops(Protocol):
     def narrow_half(self, x, name, out):
         """``out`` (half ``name``; bfloat16 as uint16) = float32 ``x`` rounded to nearest even."""
 
+    def scatter_wire(self, out, residual, idx, means, err, fmt):
+        """``out[idx]`` = the values of 16-bit ``means`` (``fmt``: ``arrays.half.WireFormat``);
+        ``residual[idx] = err``."""
+
     def hist_range(self, x, lo, hi, shift, key0, hist, marks=None):
         """``hist += histogram(|x[lo:hi]|)`` (read only; ``hist`` a host int64 array): the bucket
         rule of kernels/cpu_controller.py. ``marks``: the ``Marks`` of the measuring pass over
@@ -218,6 +222,10 @@ class HostOps:
     @staticmethod
     def narrow_half(x, name, out):
         return _half.narrow(x, name, out)
+
+    @staticmethod
+    def scatter_wire(out, residual, idx, means, err, fmt):
+        _half.scatter_wire(out, residual, idx, means, err, fmt)
 
     @staticmethod
     def hist_range(x, lo, hi, shift, key0, hist, marks=None):

@@ -5,7 +5,7 @@
 1. view the input (DLPack), check it locally, bind device and dtype on the first good step; a half
    gradient (float16, bfloat16) is widened to float32 here, the one place (``Ops.widen_half``):
    every selector then sees float32, the residual is float32, and step 6 rounds the output back;
-   values travel in 16 bits where ``wire_dtype`` (or a half gradient, on the host) says so
+   values travel in 16 bits where ``wire_dtype`` (or a half gradient) says so
    (``average_at``; dense's ``combine``);
 2. ``select`` (the selector role, the subclass) fills ``acc = residual + grad`` from the memory
    role and chooses what this rank sends;
@@ -31,7 +31,6 @@ from ..arrays.half import WireFormat
 from ..arrays.ops import cuda_available
 from .._errors import InputCode
 from ..transport import Exchange, device_exchange, node_ranks, world
-from ..kernels import cpu_half as _kh
 from .roles import ErrorFeedback, Selection, Selector, Step, StepWords, agree_arguments, imbalance
 
 NONFINITE_POLICIES = ("raise", "skip")
@@ -212,8 +211,8 @@ class Sparsifier(Selector):
         name = self.wire_dtype
         if name is None and grad_dtype in HALF_DTYPES:
             name = grad_dtype
-        if name not in HALF_DTYPES or not self.WIRE_HALF or self._device == "cuda":
-            return None     # (16-bit values from a CUDA device: not yet; float32 values go)
+        if name not in HALF_DTYPES or not self.WIRE_HALF:
+            return None
         return WireFormat.of(name)
 
     def _take(self, grad, out=None):
@@ -224,9 +223,8 @@ class Sparsifier(Selector):
                 and compute_dtype(inp.dtype) != self._dtype:
             # a loaded residual whose gradient dtype was not recorded: the residual's dtype decides
             err = (InputCode.DTYPE_MISMATCH, dtype_code(inp.dtype))
-        if err is None and self.wire_dtype in HALF_DTYPES and (
-                compute_dtype(inp.dtype) != np.float32 or inp.device == "cuda" or self._device == "cuda"):
-            err = (InputCode.WIRE, dtype_code(inp.dtype) + (100 if "cuda" in (inp.device, self._device) else 0))
+        if err is None and self.wire_dtype in HALF_DTYPES and compute_dtype(inp.dtype) != np.float32:
+            err = (InputCode.WIRE, dtype_code(inp.dtype))
         if err is None and out is not None:
             o = as_input(out)
             err = check_vector(o, self.numel, inp.dtype, inp.device, ACCEPTED_DTYPES)
@@ -391,7 +389,7 @@ class Sparsifier(Selector):
             sec["reduce"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             res = self.memory.commit(acc, out)
-            _kh.scatter_wire(res, self.memory.residual, union, means, vals, self._wire.mode, self._wire.table)
+            ops.scatter_wire(res, self.memory.residual, union, means, vals, self._wire)
             sec["scatter"] = time.perf_counter() - t0
             return res
         t0 = time.perf_counter()

@@ -22,6 +22,7 @@ import os
 import numpy as np
 
 from ..arrays.cuda_ops import CudaOps
+from ..kernels import cuda as _k
 from ..arrays.device import BACKEND
 
 log = logging.getLogger("exdyna_mpi")
@@ -325,6 +326,46 @@ class DeviceExchange:
         self.comm.Allgatherv(mine, [vals, (counts, displs)])
         self.host._account_reduce(n, vals.itemsize)
         return vals
+
+    def mean_wire(self, vals, fmt):
+        """``Exchange.mean_wire`` on a device buffer: ``vals`` (float32, device) becomes what this
+        rank keeps; returns the 16-bit means as a device array, the same on every rank. Direct: the
+        rounding and the owner's float32 sum are device kernels and MPI reads device buffers.
+        Staged: ``vals`` goes to pinned host memory, the host ``Exchange`` does the rest, the means
+        and ``vals`` come back (2 bytes + 4 bytes per value, as ``sum_identical`` moves 4 + 4)."""
+        n = vals.shape[0]
+        ops = CudaOps
+        means = ops.empty(n, np.uint16)
+        if not self.cuda_aware or self.size == 1 or n == 0:
+            hv = self._buffer("vals", n, vals.dtype)
+            _to_host_async(vals, hv)
+            ops.synchronize()
+            hm = self.host.mean_wire(hv, fmt)
+            _to_device_async(hv, vals)
+            _to_device_async(hm, means)
+            return means
+        p, me = self.size, self.rank
+        counts, displs = self.host._shares(n, p)
+        c, d = int(counts[me]), int(displs[me])
+        stream = BACKEND.stream()
+        sent = ops.empty(n, np.uint16)
+        _k.wire_round(vals, fmt.mode, sent, d, d + c, stream)
+        recv = ops.empty(p * c, np.uint16)
+        scounts = counts.copy()
+        scounts[me] = 0
+        rcounts = np.full(p, c, dtype=np.int64)
+        rcounts[me] = 0
+        rdispls = np.arange(p, dtype=np.int64) * c
+        ops.synchronize()
+        self.comm.Alltoallv([sent, (scounts, displs)], [recv, (rcounts, rdispls)])
+        self.host.bytes_sent += int(scounts.sum()) * 2
+        self.host.bytes_received += int(rcounts.sum()) * 2
+        mine = ops.empty(c, np.uint16)
+        _k.owner_mean(recv.reshape(p, c), vals[d: d + c], me, p, fmt.mode, mine, stream)
+        ops.synchronize()
+        self.comm.Allgatherv(mine, [means, (counts, displs)])
+        self.host._account_allgather(counts, 2)
+        return means
 
     def bcast_from(self, buf, root):
         """Broadcast device ``buf`` in place from ``root``."""

@@ -15,7 +15,8 @@ The modules, by job:
   (``finish_fine_async``);
 - ``scatter_gather``: ``gather``, ``scatter``, ``zero_at``, ``scatter_mean_zero``;
 - ``half``: float16/bfloat16 gradients widened to float32 and outputs rounded back (``widen16``,
-  ``narrow16``), on the 16-bit patterns;
+  ``narrow16``), on the 16-bit patterns; 16-bit values on the wire (``wire_round``,
+  ``owner_mean``, ``scatter_wire``);
 - ``blocks``: device functions the passes share; ``scratch``: ``Scratch``, the reused device words;
 - ``config``: simulator or GPU, limits, launch shapes, the block-scan variant;
 - ``launch``: grid sizing and ``_go``, the launch every launcher makes; ``_numba_private``: the
@@ -68,7 +69,7 @@ from .finish import (  # noqa: F401
     _take_mean_zero_at,
     finish_fine_async,
 )
-from .half import narrow16, widen16  # noqa: F401
+from .half import narrow16, owner_mean, scatter_wire, widen16, wire_round  # noqa: F401
 from .launch import _chunk, _dev, _fast, _go, _launch, _round32, _shape  # noqa: F401
 from .measure import (  # noqa: F401
     _acc_measure32,

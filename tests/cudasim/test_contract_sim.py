@@ -29,15 +29,15 @@ def test_bad_input_on_one_rank(wcomm, name, kind):
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_half_on_the_device_equals_the_host(wcomm, dtype):
-    # a half gradient on the device: widened and rounded by the device kernels, float32 values on
-    # the wire there; the host run with float32 values on the wire gives the same bits
+    # a half gradient on the device: widened and rounded by the device kernels, 16-bit values on
+    # the wire; the host run gives the same bits
     import numpy as np
 
     import exdyna_mpi
     from tests.cudasim.simdevice import simulated
 
     sp = simulated(exdyna_mpi.ExDyna, 4096, 0.01, wcomm)
-    ref = exdyna_mpi.ExDyna(4096, 0.01, wcomm, device="cpu", wire_dtype="float32")
+    ref = exdyna_mpi.ExDyna(4096, 0.01, wcomm, device="cpu")
     rng = np.random.default_rng(wcomm.Get_rank())
     for _ in range(2):
         g = (rng.standard_normal(4096) * 0.1).astype(np.float32)

@@ -1,6 +1,6 @@
-"""Half gradients on the (simulated) device: the conversion kernels of kernels/cuda/half.py give the
-host kernels' bits, and a float16 or bfloat16 step on the device equals the host step (float32
-values on the wire: 16-bit values from a device are refused, on every rank, with the reason)."""
+"""Half gradients and 16-bit values on the (simulated) device: the kernels of kernels/cuda/half.py
+give the host kernels' bits, and a float16 or bfloat16 step, or a float32 one with
+``wire_dtype="bfloat16"``, on the device equals the host step, staged and direct (CUDA-aware)."""
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -49,7 +49,7 @@ def test_device_conversions_match_the_host(name, mode):
 def test_half_step_on_the_device_equals_the_host(cls, dtype):
     n = 1500
     kw = dict(n_blocks=16, block_align=32) if cls is exdyna_mpi.ExDyna else {}
-    ref = cls(n, 0.03, MPI.COMM_SELF, device="cpu", wire_dtype="float32", **kw)
+    ref = cls(n, 0.03, MPI.COMM_SELF, device="cpu", **kw)
     dev = simulated(cls, n, 0.03, MPI.COMM_SELF, cuda_aware=False, **kw)
     rng = np.random.default_rng(3)
     half = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16
@@ -63,9 +63,52 @@ def test_half_step_on_the_device_equals_the_host(cls, dtype):
         assert dev.stats.bytes_sent == ref.stats.bytes_sent
 
 
-def test_16_bit_values_from_the_device_are_refused():
-    dev = simulated(exdyna_mpi.ExDyna, 800, 0.05, MPI.COMM_SELF, cuda_aware=False, wire_dtype="bfloat16",
-                    n_blocks=8, block_align=32)
-    with pytest.raises(exdyna_mpi.StepError, match="values travel in 16 bits .* on the host"):
-        dev.step(np.zeros(800, np.float32))
-    assert dev.iteration == 0
+@pytest.mark.parametrize("name,mode", [("bfloat16", kc.half.MODE_BF16), ("float16", kc.half.MODE_F16)])
+def test_wire_kernels_match_the_host(name, mode):
+    from exdyna_mpi.arrays.half import WireFormat
+
+    fmt = WireFormat.of(name)
+    rng = np.random.default_rng(mode)
+    n, p, me = 300, 3, 1
+    big = 7e4 if name == "float16" else 3.4e38
+    vals = (rng.standard_normal(n) * 3).astype(np.float32)
+    vals[[5, 77]] = [big, -big]                                # saturated, not inf
+    vals[[6, 7, 8, 9, 10]] = [0.0, -0.0, 1e-40, -3e-42, 2.0**-126]   # zeros, subnormals, the smallest normal
+    lo, hi = 100, 200
+    host_v, dev_v = vals.copy(), vals.copy()
+    host_s, dev_s = np.zeros(n, np.uint16), np.zeros(n, np.uint16)
+    kh.wire_round(host_v, fmt.mode, fmt.table, host_s, lo, hi)
+    kc.wire_round(dev_v, mode, dev_s, lo, hi)
+    assert np.array_equal(host_s, dev_s) and host_v.tobytes() == dev_v.tobytes()
+    c = hi - lo
+    recv = np.stack([host_s[lo:hi]] * p)                       # any 16-bit rows do
+    recv[0] = narrow(rng.standard_normal(c).astype(np.float32), name).view(np.uint16)
+    own_h, own_d = vals[lo:hi].copy(), vals[lo:hi].copy()
+    m_h, m_d = np.empty(c, np.uint16), np.empty(c, np.uint16)
+    kh.owner_mean(recv, own_h, me, p, fmt.mode, fmt.table, m_h, own_h)
+    kc.owner_mean(recv, own_d, me, p, mode, m_d)
+    assert np.array_equal(m_h, m_d) and own_h.tobytes() == own_d.tobytes()
+    idx = np.sort(rng.choice(1000, c, replace=False)).astype(np.int32)
+    out_h, out_d = np.zeros(1000, np.float32), np.zeros(1000, np.float32)
+    res_h, res_d = np.ones(1000, np.float32), np.ones(1000, np.float32)
+    kh.scatter_wire(out_h, res_h, idx, m_h, own_h, fmt.mode, fmt.table)
+    kc.scatter_wire(out_d, res_d, idx, m_d, own_d, mode)
+    assert out_h.tobytes() == out_d.tobytes() and res_h.tobytes() == res_d.tobytes()
+
+
+@pytest.mark.parametrize("aware", [False, True], ids=["staged", "direct"])
+@pytest.mark.parametrize("name", ["exdyna", "topk", "dense"])
+def test_16_bit_values_on_the_device_equal_the_host(name, aware):
+    n = 1200
+    density = 1.0 if name == "dense" else 0.03
+    cls = exdyna_mpi.sparsifiers.REGISTRY[name]
+    ref = cls(n, density, MPI.COMM_SELF, device="cpu", wire_dtype="bfloat16")
+    dev = simulated(cls, n, density, MPI.COMM_SELF, cuda_aware=aware, wire_dtype="bfloat16")
+    rng = np.random.default_rng(9)
+    for step in range(3):
+        g = (rng.standard_normal(n) * 0.05).astype(np.float32)
+        want = ref.step(g.copy())
+        got = dev.step(g.copy())
+        assert got.tobytes() == want.tobytes(), f"step {step}"
+        assert dev.residual.tobytes() == ref.residual.tobytes()
+        assert ref.residual.any()                              # the rounding was kept

@@ -235,12 +235,12 @@ def test_one_rank_step_finished_on_device_matches_cpu(cp, monkeypatch, out_kind)
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_half_gradients_on_the_device_equal_the_host(cp, dtype, wcomm):
-    # CuPy float16 / torch CUDA bfloat16 in, the same kind out; the host run of the same values
-    # (float32 values on the wire, as on the device) gives the same bits, ranks identical
+    # CuPy float16 / torch CUDA bfloat16 in, the same kind out, 16-bit values on the wire; the host
+    # run of the same values gives the same bits, ranks identical
     rank = wcomm.Get_rank()
     n = 1 << 20
     dev = exdyna_mpi.ExDyna(n, 0.01, wcomm, device="cuda")
-    host = exdyna_mpi.ExDyna(n, 0.01, wcomm, device="cpu", wire_dtype="float32")
+    host = exdyna_mpi.ExDyna(n, 0.01, wcomm, device="cpu")
     rng = np.random.default_rng(rank)
     for _ in range(3):
         g = (rng.standard_normal(n) * 0.1).astype(np.float32)

@@ -35,7 +35,7 @@ class DenseAllreduce(Sparsifier):
             means = self.exchange.mean_wire(acc, self._wire)   # acc becomes the rounding this rank kept
             step.sec["reduce"] = time.perf_counter() - t0
             res = self.memory.commit(acc, step.out)
-            self._wire.widen_into(means, res)
+            self.ops.widen_half(means, self._wire.name, res)
             return res, dict(counts=words[:, 0].copy(), selected=self.numel, density=1.0, threshold=0.0,
                              bounds=None, owned=None)
         t0 = time.perf_counter()
