@@ -39,9 +39,12 @@ def f16_table():
 
 
 # ---------------------------------------------------------------------------- scalar conversions
-@njit(cache=True, nogil=True, inline="always")
-def _bf16_round(b, saturate):
-    # b: the float32 pattern as int64 (0 .. 2**32 - 1)
+# The rounding logic is plain Python, compiled for both targets: here with ``njit`` and in
+# kernels/cuda/half.py as ``cuda.jit`` device functions, so host and device cannot drift apart.
+def bf16_round_bits(b, saturate):
+    """The bfloat16 pattern of the float32 pattern ``b`` (an int64, 0 .. 2**32 - 1), round to
+    nearest even; NaN stays a quiet NaN, inf stays inf; ``saturate``: a finite value beyond range
+    becomes the largest finite one instead of inf."""
     a = b & 0x7FFFFFFF
     if a > 0x7F800000:                      # NaN: keep sign and top payload, make it quiet
         return (b >> 16) | 0x0040
@@ -51,14 +54,15 @@ def _bf16_round(b, saturate):
     return r & 0xFFFF
 
 
-@njit(cache=True, nogil=True, inline="always")
-def _f16_round(b, saturate):
+def f16_round_bits(b, saturate):
+    """The float16 pattern of the float32 pattern ``b``, as NumPy's cast makes it (NaN: the top of
+    the payload, never inf), round to nearest even; ``saturate`` as ``bf16_round_bits``."""
     sign = (b >> 16) & 0x8000
     a = b & 0x7FFFFFFF
     if a >= 0x7F800000:
         if a == 0x7F800000:
             return sign | 0x7C00
-        h = 0x7C00 + ((a & 0x7FFFFF) >> 13)   # NaN as NumPy makes it: top payload, never inf
+        h = 0x7C00 + ((a & 0x7FFFFF) >> 13)
         if h == 0x7C00:
             h += 1
         return sign | h
@@ -77,6 +81,10 @@ def _f16_round(b, saturate):
             h += 1
         return sign | h
     return sign                             # rounds to a signed zero
+
+
+_bf16_round = njit(cache=True, nogil=True, inline="always")(bf16_round_bits)
+_f16_round = njit(cache=True, nogil=True, inline="always")(f16_round_bits)
 
 
 @njit(cache=True, nogil=True, inline="always")

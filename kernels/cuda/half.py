@@ -1,6 +1,7 @@
 """The 16-bit formats on the device: float16 and bfloat16 gradients widened to float32 and outputs
 rounded back, on their 16-bit patterns (uint16 views: numba-cuda's bfloat16 is incomplete), the
-conversion in registers; and the device side of 16-bit values on the wire (``wire_round``,
+conversion in registers (the rounding is ``kernels/cpu_half.py``'s own Python, compiled for the
+device); and the device side of 16-bit values on the wire (``wire_round``,
 ``owner_sum`` + ``owner_round``, ``scatter_wire``). The integer logic of ``kernels/cpu_half.py``
 (round-to-nearest-even, NaN kept quiet, inf beyond range, saturation on the wire), so device and
 host give the same bits (tests/cudasim/test_half_cuda.py); float16 is widened arithmetically here
@@ -16,32 +17,24 @@ import math
 import numpy as np
 from numba import cuda
 
+from ..cpu_half import bf16_round_bits, f16_round_bits
 from .launch import _elementwise
 
 MODE_BF16 = 1
 MODE_F16 = 2
 
 
-@cuda.jit(device=True, inline=True)
-def _bf16_round(b):
-    a = b & 0x7FFFFFFF
-    if a > 0x7F800000:
-        return (b >> 16) | 0x0040
-    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF
+_bf16_round = cuda.jit(device=True, inline=True)(bf16_round_bits)
+_f16_round = cuda.jit(device=True, inline=True)(f16_round_bits)
 
 
 @cuda.jit(device=True, inline=True)
 def _round_sat(b, mode):
-    """``b`` (a finite float32's pattern) rounded to 16 bits, its largest finite value beyond range."""
+    """``b`` (a float32's pattern) rounded to 16 bits, a finite value beyond range to the largest
+    finite one (``kernels.cpu_half``'s logic, compiled here)."""
     if mode == MODE_BF16:
-        r = _bf16_round(b)
-        if (r & 0x7FFF) == 0x7F80:
-            r = (r & 0x8000) | 0x7F7F
-        return r
-    r = _f16_round(b)
-    if (r & 0x7FFF) == 0x7C00 and (b & 0x7FFFFFFF) != 0x7F800000:
-        r = (r & 0x8000) | 0x7BFF
-    return r
+        return _bf16_round(b, True)
+    return _f16_round(b, True)
 
 
 @cuda.jit(device=True, inline=True)
@@ -75,34 +68,6 @@ def _value16(h, mode):
         v = math.ldexp(np.float32(m), -24) if e == 0 else math.ldexp(np.float32(1024 + m), int(e - 25))
     v = np.float32(v)
     return -v if (h & 0x8000) != 0 else v
-
-
-@cuda.jit(device=True, inline=True)
-def _f16_round(b):
-    sign = (b >> 16) & 0x8000
-    a = b & 0x7FFFFFFF
-    if a >= 0x7F800000:
-        if a == 0x7F800000:
-            return sign | 0x7C00
-        h = 0x7C00 + ((a & 0x7FFFFF) >> 13)
-        if h == 0x7C00:
-            h += 1
-        return sign | h
-    if a >= 0x477FF000:
-        return sign | 0x7C00
-    if a >= 0x38800000:
-        return sign | ((a - 0x38000000 + 0xFFF + ((a >> 13) & 1)) >> 13)
-    if a >= 0x33000000:
-        e = a >> 23
-        m = (a & 0x7FFFFF) | 0x800000
-        shift = 126 - e
-        h = m >> shift
-        rem = m & ((1 << shift) - 1)
-        half = 1 << (shift - 1)
-        if rem > half or (rem == half and (h & 1) == 1):
-            h += 1
-        return sign | h
-    return sign
 
 
 @cuda.jit(device=True, inline=True)
@@ -143,9 +108,9 @@ def _narrow16(x_bits, out, mode):
     while j < x_bits.shape[0]:
         b = np.int64(x_bits[j])
         if mode == MODE_BF16:
-            out[j] = _bf16_round(b)
+            out[j] = _bf16_round(b, False)
         else:
-            out[j] = _f16_round(b)
+            out[j] = _f16_round(b, False)
         j += stride
 
 
