@@ -237,8 +237,15 @@ def _load(kernels_file):
     import importlib.util
 
     path = os.path.abspath(kernels_file)
-    if os.path.isdir(path):  # a package: its modules import each other relatively
-        spec = importlib.util.spec_from_file_location("kernels_under_check", os.path.join(path, "__init__.py"),
+    if os.path.isdir(path):
+        # a package: its modules import each other relatively, and the host kernels beside it
+        # (``from ..cpu_half import ...``), so its parent folder is loaded as a package first
+        root = importlib.util.spec_from_file_location(
+            "kernels_under_check_root", os.path.join(os.path.dirname(path), "__init__.py"),
+            submodule_search_locations=[os.path.dirname(path)])
+        sys.modules[root.name] = importlib.util.module_from_spec(root)
+        spec = importlib.util.spec_from_file_location("kernels_under_check_root.under_check",
+                                                      os.path.join(path, "__init__.py"),
                                                       submodule_search_locations=[path])
     else:
         spec = importlib.util.spec_from_file_location("kernels_under_check", path)

@@ -37,8 +37,9 @@ def test_static_check_within_budgets(tmp_path):
 def test_unbudgeted_kernel_fails_loudly(tmp_path):
     """A kernel added to any module of the package without a budget entry fails the check, by name
     (one the package does not re-export included)."""
-    pkg = tmp_path / "cuda"
-    shutil.copytree(os.path.join(ROOT, "kernels", "cuda"), pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    # the whole kernels folder: the CUDA package imports the host kernels beside it
+    shutil.copytree(os.path.join(ROOT, "kernels"), tmp_path / "kernels", ignore=shutil.ignore_patterns("__pycache__"))
+    pkg = tmp_path / "kernels" / "cuda"
     with open(pkg / "scatter_gather.py", "a") as f:
         f.write("\n\n@cuda.jit\ndef _added_later(x):\n    x[0] = 1\n")
     p = _run("--kernels", str(pkg), "--names-only")
