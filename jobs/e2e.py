@@ -31,7 +31,7 @@ Methods (``--methods``, run one after another in one launch, ``ddp`` first):
   rounding), the counterparts of ``ddp-bf16``; the training recipe's parts, one at a time:
   ``exdyna-mc`` (momentum correction with the run's momentum, DGC's masking), ``exdyna-q02``
   (``max_imbalance=0.2``), ``exdyna-dw`` (density warm-up 25 %, 6.25 %, 1.5625 %, each stage an eighth
-  of ``--steps``).
+  of ``--steps``); ``exdyna-mcq``: momentum correction and ``max_imbalance=0.05`` together.
 - ``ddp-exdyna``: DDP (default buckets) with the library's hook, ``exdyna_hook`` and
   ``ExDynaHookState("exdyna", density)``: one sparsifier over the whole model, exchanged on the hook's
   worker thread once the last bucket is ready; ``ddp-exdyna-bucket``: ``scope="bucket"``, a
@@ -73,18 +73,20 @@ DEFAULT_METHODS = ("ddp", "ddp-powersgd", "ddp-bf16", "dense", "exdyna", "ddp-ex
 # For a slow link: ExDyna's deadline exchange (DLCP analogue) and WAGMA-SGD's group averaging; the
 # per-bucket hook.
 ALL_METHODS = DEFAULT_METHODS + ("exdyna-deadline", "wagma", "ddp-exdyna-bucket", "exdyna-bf16", "dense-bf16",
-                                 "exdyna-mc", "exdyna-q02", "exdyna-dw")
+                                 "exdyna-mc", "exdyna-q02", "exdyna-dw", "exdyna-mcq")
 DDP_METHODS = ("ddp", "ddp-powersgd", "ddp-bf16")
 HOOK_METHODS = {"ddp-exdyna": "model", "ddp-exdyna-bucket": "bucket"}   # DDP + exdyna_hook, by scope
 LIBRARY = {"dense": ("dense", {}), "exdyna": ("exdyna", {}), "topk": ("topk", {}), "oktopk": ("oktopk", {}),
            "micro": ("micro", {}), "exdyna-q": ("exdyna", {"max_imbalance": 0.05}),
            "exdyna-deadline": ("exdyna", {"deadline_ms": "auto", "max_loss": 0.01}),
            "exdyna-bf16": ("exdyna", {"wire_dtype": "bfloat16"}), "dense-bf16": ("dense", {"wire_dtype": "bfloat16"}),
-           "exdyna-mc": ("exdyna", {}), "exdyna-q02": ("exdyna", {"max_imbalance": 0.2}), "exdyna-dw": ("exdyna", {})}
+           "exdyna-mc": ("exdyna", {}), "exdyna-q02": ("exdyna", {"max_imbalance": 0.2}), "exdyna-dw": ("exdyna", {}),
+           "exdyna-mcq": ("exdyna", {"max_imbalance": 0.05})}
 #: the training recipe's options, set from the run's arguments in _build: momentum correction with the
 #: run's momentum (the wrapped SGD then runs without it); DGC's density warm-up, 25 %, 6.25 %, 1.5625 %,
 #: each stage an eighth of the step budget (an epoch of the CNN's)
 RECIPES = {"exdyna-mc": lambda args: {"momentum_correction": args.momentum},
+           "exdyna-mcq": lambda args: {"momentum_correction": args.momentum},
            "exdyna-dw": lambda args: {"density_warmup": (0.25, 0.0625, 0.015625),
                                       "density_warmup_steps": max(1, args.steps // 8)}}
 
@@ -463,7 +465,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.strip().split("\n")[0])
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="lm")
     ap.add_argument("--methods", default=",".join(DEFAULT_METHODS),
-                    help=f"comma-separated, of {', '.join(ALL_METHODS)} (default: DEFAULT_METHODS, not the last eight)")
+                    help=f"comma-separated, of {', '.join(ALL_METHODS)} (default: DEFAULT_METHODS, not the last nine)")
     ap.add_argument("--ranks", type=int, help="checked against the MPI world's size")
     ap.add_argument("--rate", type=float, help="link rate for the records (default: EXDYNA_TESTBED_RATE_MBIT)")
     ap.add_argument("--steps", type=int, help="step budget of every method (lm 150, cnn 88: 8 epochs at P=4)")

@@ -18,7 +18,8 @@ from tests.launch import MPIEXEC, ROOT, child_env  # noqa: E402
 JOB = os.path.join(ROOT, "jobs", "e2e.py")
 TINY = ["--d-model", "32", "--layers", "1", "--heads", "2", "--context", "16", "--batch", "4"]
 ALL = ["ddp", "ddp-powersgd", "ddp-bf16", "dense", "exdyna", "topk", "oktopk", "micro", "exdyna-q",
-       "exdyna-deadline", "wagma", "exdyna-bf16", "dense-bf16", "exdyna-mc", "exdyna-q02", "exdyna-dw"]
+       "exdyna-deadline", "wagma", "exdyna-bf16", "dense-bf16", "exdyna-mc", "exdyna-q02", "exdyna-dw",
+       "exdyna-mcq"]
 REQUIRED = {"method", "ranks", "rate_mbit", "params", "steps", "step_s", "comm_share", "bytes_per_step",
             "final_loss", "time_to_target_s"}
 
@@ -81,7 +82,8 @@ def test_averages_agree_with_ddp(every_method):
     for a, b in zip(runs["ddp"]["evals"], runs["dense-bf16"]["evals"]):   # 16-bit values, error feedback
         assert abs(a[2] - b[2]) < 2e-2, (a, b)
     # fewer bytes than the dense average for every sparse method (model counts off the testbed)
-    for m in ("exdyna", "topk", "oktopk", "micro", "exdyna-q", "exdyna-bf16", "exdyna-mc", "exdyna-q02"):
+    for m in ("exdyna", "topk", "oktopk", "micro", "exdyna-q", "exdyna-bf16", "exdyna-mc", "exdyna-q02",
+              "exdyna-mcq"):
         assert runs[m]["bytes_per_step"] < runs["dense"]["bytes_per_step"], m
         assert runs[m]["density"] == 0.01 and runs[m]["phase_s"]["total"] > 0
 
