@@ -46,11 +46,6 @@ class WireFormat:
     def of(cls, name: str) -> "WireFormat":
         return cls(name, _MODES[name], _table())
 
-    def widen_into(self, bits: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """``out`` (float32) = the values of the 16-bit patterns ``bits``."""
-        _kh.widen(bits, self.mode, self.table, out.view(np.uint32))
-        return out
-
 
 def scatter_wire(out, residual, idx, means, err, fmt):
     """``out[idx]`` = the values of 16-bit ``means``, ``residual[idx] = err`` (one pass)."""
@@ -62,21 +57,14 @@ def _bits16(a):
 
 
 def bf16_bits_to_f32(bits, out=None):
-    """float32 values of the bfloat16 ``bits`` (uint16): the bits shifted into the high half."""
-    if out is None:
-        out = np.empty(bits.shape, dtype=np.float32)
-    _kh.widen(_bits16(bits), _kh.MODE_BF16, _table(), out.view(np.uint32))
-    return out
+    """float32 values of the bfloat16 ``bits`` (uint16): ``widen`` with a new array by default."""
+    return widen(bits, "bfloat16", np.empty(bits.shape, dtype=np.float32) if out is None else out)
 
 
 def f32_to_bf16_bits(x, out=None):
-    """bfloat16 bits (uint16) of float32 ``x``, round-to-nearest-even; a NaN keeps its sign and
-    becomes a quiet NaN, infinities stay infinities."""
-    b = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    if out is None:
-        out = np.empty(b.shape, dtype=np.uint16)
-    _kh.narrow(b, _kh.MODE_BF16, _bits16(out))
-    return out
+    """bfloat16 bits (uint16) of float32 ``x``, round-to-nearest-even (``narrow``); a NaN keeps its
+    sign and becomes a quiet NaN, infinities stay infinities."""
+    return narrow(x, "bfloat16", out)
 
 
 def widen(a, name, out):

@@ -316,11 +316,8 @@ class DeviceExchange:
         # The host Exchange's Reduce_scatter + Allgatherv, with the partial sums on the device.
         from mpi4py import MPI
 
-        n, p = vals.shape[0], self.size
-        counts = np.full(p, n // p, dtype=np.int64)
-        counts[: n % p] += 1
-        displs = np.zeros(p, dtype=np.int64)
-        np.cumsum(counts[:-1], out=displs[1:])
+        n = vals.shape[0]
+        counts, displs = self.host._shares(n, self.size)
         mine = CudaOps.empty(int(counts[self.rank]), vals.dtype)
         self.comm.Reduce_scatter(vals, mine, counts, op=MPI.SUM)
         self.comm.Allgatherv(mine, [vals, (counts, displs)])
@@ -351,15 +348,8 @@ class DeviceExchange:
         sent = ops.empty(n, np.uint16)
         _k.wire_round(vals, fmt.mode, sent, d, d + c, stream)
         recv = ops.empty(p * c, np.uint16)
-        scounts = counts.copy()
-        scounts[me] = 0
-        rcounts = np.full(p, c, dtype=np.int64)
-        rcounts[me] = 0
-        rdispls = np.arange(p, dtype=np.int64) * c
         ops.synchronize()
-        self.comm.Alltoallv([sent, (scounts, displs)], [recv, (rcounts, rdispls)])
-        self.host.bytes_sent += int(scounts.sum()) * 2
-        self.host.bytes_received += int(rcounts.sum()) * 2
+        self.host._to_owners(sent, counts, displs, recv)
         mine = ops.empty(c, np.uint16)
         _k.owner_mean(recv.reshape(p, c), vals[d: d + c], me, p, fmt.mode, mine, stream)
         ops.synchronize()

@@ -143,10 +143,7 @@ class Exchange:
         p = self.size
         if p == 1 or n == 0:
             return vals
-        counts = np.full(p, n // p, dtype=np.int64)
-        counts[: n % p] += 1
-        displs = np.zeros(p, dtype=np.int64)
-        np.cumsum(counts[:-1], out=displs[1:])
+        counts, displs = self._shares(n, p)
         mine = np.empty(int(counts[self.rank]), dtype=vals.dtype)
         self.comm.Reduce_scatter(vals, mine, counts, op=MPI.SUM)
         self.comm.Allgatherv(mine, [vals, (counts, displs)])
@@ -161,6 +158,20 @@ class Exchange:
         displs = np.zeros(p, dtype=np.int64)
         np.cumsum(counts[:-1], out=displs[1:])
         return counts, displs
+
+    def _to_owners(self, sent, counts, displs, recv):
+        """``Alltoallv`` of equal shares (``_shares``): share j of ``sent`` to rank j, except this
+        rank's own; ``recv`` (P x its share, flat or 2-D) gets rank s's values in row s (its own row
+        untouched). Host or device buffers (a CUDA-aware MPI reads the latter)."""
+        p, me = self.size, self.rank
+        c = int(counts[me])
+        scounts = counts.copy()
+        scounts[me] = 0
+        rcounts = np.full(p, c, dtype=np.int64)
+        rcounts[me] = 0
+        self.comm.Alltoallv([sent, (scounts, displs)], [recv, (rcounts, np.arange(p, dtype=np.int64) * c)])
+        self.bytes_sent += int(scounts.sum()) * sent.itemsize
+        self.bytes_received += int(rcounts.sum()) * sent.itemsize
 
     def allgather_indices(self, idx, counts, spans, out=None):
         """Every rank's selection in rank order, as ``allgatherv(idx, counts)`` gives it, sent in
@@ -212,15 +223,7 @@ class Exchange:
         sent = np.empty(n, dtype=np.uint16)
         _kh.wire_round(vals, fmt.mode, fmt.table, sent, d, d + c)
         recv = np.empty((p, c), dtype=np.uint16)
-        scounts = counts.copy()
-        scounts[me] = 0
-        rcounts = np.full(p, c, dtype=np.int64)
-        rcounts[me] = 0
-        rdispls = np.arange(p, dtype=np.int64) * c
-        self.comm.Alltoallv([sent, (scounts, displs)], [recv, (rcounts, rdispls)])
-        b = int(scounts.sum()) * 2
-        self.bytes_sent += b
-        self.bytes_received += int(rcounts.sum()) * 2
+        self._to_owners(sent, counts, displs, recv)
         mine = np.empty(c, dtype=np.uint16)
         own = vals[d: d + c]
         _kh.owner_mean(recv, own, me, p, fmt.mode, fmt.table, mine, own)

@@ -64,7 +64,7 @@ def test_wire_round_saturates_and_keeps_what_rounding_lost(name):
     orig = vals.copy()
     sent = np.zeros(vals.shape, np.uint16)
     kh.wire_round(vals, fmt.mode, fmt.table, sent, 6, 7)       # element 6 is this rank's own share
-    back = fmt.widen_into(sent, np.empty(vals.shape, np.float32))
+    back = widen(sent, name, np.empty(vals.shape, np.float32))
     assert np.isfinite(back).all()                              # saturated, not inf
     top = float(np.finfo(np.float16).max) if name == "float16" else float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)
     assert back[3] == top and back[4] == -top
@@ -90,7 +90,7 @@ def test_owner_mean_sums_in_float32_in_rank_order(name, p, me):
         s += own if r == me else rows[r]
     mean = s / np.float32(p)
     assert np.array_equal(means, _reference(mean, name))
-    m = fmt.widen_into(means, np.empty(c, np.float32))
+    m = widen(means, name, np.empty(c, np.float32))
     assert np.array_equal(err, s - np.float32(p) * m)
 
 
