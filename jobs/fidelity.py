@@ -331,6 +331,7 @@ def train_one(wl, label, name, density, recipe, args, comm, steps, evals, log):
     dense_bytes = 2 * (P - 1) * numel * opt.flat_grad.element_size() / P
     points = wl.schedule(steps, evals)
     losses, sent, dens, lrs = np.zeros(steps), np.zeros(steps), np.zeros(steps), np.zeros(steps)
+    imb = np.full(steps, np.nan)
     evals_out = []
     t0 = time.perf_counter()
 
@@ -356,6 +357,7 @@ def train_one(wl, label, name, density, recipe, args, comm, steps, evals, log):
             sched.step()
         st = opt.stats
         losses[step], sent[step], dens[step] = loss.item(), st.bytes_sent, st.density
+        imb[step] = st.imbalance if st.imbalance is not None else np.nan
         if step + 1 in points:
             # bytes so far: the mean over ranks needs every rank's numbers (one small Allreduce)
             tot = np.empty(step + 1)
@@ -375,7 +377,7 @@ def train_one(wl, label, name, density, recipe, args, comm, steps, evals, log):
     hashes = comm.allgather(h.hexdigest())
     for s in range(steps):
         log({"kind": "step", "workload": wl.name, "run": label, "step": s, "loss": mean[0, s],
-             "bytes_sent": mean[1, s], "density": dens[s], "lr": lrs[s]})
+             "bytes_sent": mean[1, s], "density": dens[s], "lr": lrs[s], "imbalance": imb[s]})
     for e in evals_out:
         log(e)
     last = evals_out[-1]
@@ -390,6 +392,7 @@ def train_one(wl, label, name, density, recipe, args, comm, steps, evals, log):
                **{k: v for k, v in last.items() if k not in ("kind", "workload", "run", "step", "bytes_total")},
                "quality_key": wl.quality, "higher_is_better": wl.higher_is_better,
                "density": float(dens.mean()),
+               "imbalance_median": float(np.nanmedian(imb)) if np.isfinite(imb).any() else None,
                "density_sparse_phase": float(dens[warm:].mean()) if warm < steps else None,
                "bytes_total": float(mean[1].sum()), "bytes_per_step": float(mean[1].mean()),
                "dense_bytes_per_step": dense_bytes, "final_train_loss": float(mean[0, -max(1, steps // 10):].mean()),

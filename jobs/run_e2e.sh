@@ -7,6 +7,7 @@
 #   bash jobs/run_e2e.sh --rate 100,1000,10000 --methods ddp,ddp-powersgd,exdyna
 #   bash jobs/run_e2e.sh --workload cnn --rate 1000 --rate-of 3=100 --out out/e2e_slow
 #   bash jobs/run_e2e.sh --no-testbed --steps 20                  # plain mpiexec, no shaping (any machine)
+#   bash jobs/run_e2e.sh --job jobs/bench_imbalance.py --rate 100,1000 --out out/imbalance
 #
 # Flags read here (the rest go to jobs/e2e.py; see `python jobs/e2e.py --help`):
 #   --ranks P          ranks, one namespace each (default 4; NP also works)
@@ -14,6 +15,7 @@
 #   --rate-of RANK=R   another rate for one rank (repeatable)
 #   --out DIR          output folder (default out/e2e): DIR/e2e.jsonl, e2e.md, e2e_loss.png, e2e_ttt.png
 #   --no-testbed       run under plain mpiexec on this machine (no root needed, no shaping)
+#   --job SCRIPT       another MPI job on the same links (default jobs/e2e.py; no e2e report then)
 # Environment: E2E_TIMEOUT (seconds per rate, default 7200), EXDYNA_TESTBED_PREFIX (default xdyna).
 # On a cluster, skip this script: `srun python -m mpi4py jobs/e2e.py ...` runs over the real network.
 set -euo pipefail
@@ -21,7 +23,7 @@ cd "$(dirname "$0")/.."
 # shellcheck disable=SC1091
 source jobs/env.sh
 
-ranks="${NP:-4}" rates=1000 out=out/e2e testbed=1
+ranks="${NP:-4}" rates=1000 out=out/e2e testbed=1 job=jobs/e2e.py
 rate_of=() pass=()
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -30,6 +32,7 @@ while [ $# -gt 0 ]; do
         --rate-of) rate_of+=(--rate-of "$2"); shift 2 ;;
         --out) out=$2; shift 2 ;;
         --no-testbed) testbed=0; shift ;;
+        --job) job=$2; shift 2 ;;
         *) pass+=("$1"); shift ;;
     esac
 done
@@ -39,7 +42,7 @@ prefix="${EXDYNA_TESTBED_PREFIX:-xdyna}"
 tb() { python jobs/testbed.py --prefix "$prefix" "$@"; }
 
 if [ "$testbed" = 0 ]; then
-    exec timeout -k 30 "${E2E_TIMEOUT:-7200}" mpiexec -n "$ranks" python -m mpi4py jobs/e2e.py \
+    exec timeout -k 30 "${E2E_TIMEOUT:-7200}" mpiexec -n "$ranks" python -m mpi4py "$job" \
         --out "$out" "${pass[@]}"
 fi
 
@@ -54,7 +57,9 @@ for rate in "${rate_list[@]}"; do
     tb up --ranks "$ranks" --rate "$rate" "${rate_of[@]}" >"$out/testbed.json"
     tb check --record | tee -a "$out/e2e.jsonl" >&2
     timeout -k 30 "${E2E_TIMEOUT:-7200}" python jobs/testbed.py --prefix "$prefix" mpiexec -- \
-        python -m mpi4py jobs/e2e.py --ranks "$ranks" --rate "$rate" --out "$out" "${pass[@]}"
+        python -m mpi4py "$job" --ranks "$ranks" --rate "$rate" --out "$out" "${pass[@]}"
     tb down >/dev/null
 done
-python jobs/e2e.py --report "$out/e2e.jsonl" --out "$out"
+if [ "$job" = jobs/e2e.py ]; then
+    python jobs/e2e.py --report "$out/e2e.jsonl" --out "$out"
+fi

@@ -151,7 +151,7 @@ class BlockLayout:
         """Whether ``rebalance_blocks`` moves anything (enough partitions and blocks)."""
         return self.nparts >= 2 and self.n_blocks >= self.MIN_BLOCKS_PER_PART * self.nparts
 
-    def rebalance_blocks(self, union, t, counts=None):
+    def rebalance_blocks(self, union, t, counts=None, scale=None):
         """Boundaries for step ``t`` from the exact per-block counts of step ``t - 1``.
 
         ``union``: the indices every rank selected at step ``t - 1`` (gathered anyway, identical on
@@ -160,12 +160,21 @@ class BlockLayout:
         from one step to the next (real gradients: layers) one cut equalises it; a short moving
         average (``BLOCKS_EMA_SHIFT``) damps the count noise of a stationary stream. Same cut and
         limits as ``rebalance_adaptive``.
+
+        ``scale`` (optional, per partition of step ``t - 1``): ``(num, den)`` integer arrays; partition
+        ``p``'s block counts weigh ``num[p] / den[p]`` (``den[p] > 0``). Per-rank quotas make every
+        partition's count the same by construction; scaling each back to the count its owner had at
+        the threshold keeps the boundaries following where the load is, not where the quotas put it.
         """
         if not self.moves_blocks():
             return   # a few blocks per partition: a cut moves whole shares of the load; keep the layout
         if counts is None:
             counts = self.block_counts(np.asarray(union))
-        self._cut(np.asarray(counts, dtype=np.int64) << self.FIX, self.BLOCKS_EMA_SHIFT)
+        obs = np.asarray(counts, dtype=np.int64) << self.FIX
+        if scale is not None:
+            num, den = (np.repeat(np.asarray(x, dtype=np.int64), self.blk_part) for x in scale)
+            obs = (obs // den) * num + ((obs % den) * num) // den   # exact, no int64 overflow below 2**63 / N
+        self._cut(obs, self.BLOCKS_EMA_SHIFT)
 
     def _cut(self, obs, ema_shift):
         """Fold ``obs`` (fixed-point load per block) into the moving estimate and cut it into P

@@ -277,7 +277,12 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
         if bal == "blocks" and self.layout.moves_blocks():   # exact per-block counts of this step, from
             t0 = time.perf_counter()                          # the union, where it lives (KBs move, not k)
             counts_blk = self.ops.to_host(self.layout.block_counts(union, self.ops.xp))
-            self.layout.rebalance_blocks(None, t + 1, counts=counts_blk)
+            scale = None
+            if moved:   # the load at the threshold, not the quotas' equal shares (docs/controller.md)
+                num, den = np.zeros(self.nranks, np.int64), np.ones(self.nranks, np.int64)
+                num[own], den[own] = at_threshold, np.maximum(counts, 1)
+                scale = (num, den)
+            self.layout.rebalance_blocks(None, t + 1, counts=counts_blk, scale=scale)
             step.sec["balance"] = time.perf_counter() - t0
         res = self.average_at(st.acc, union, step.out, step.sec, done=st.done)
         selected = int(counts.sum())

@@ -10,6 +10,7 @@ import pytest
 
 import exdyna_mpi
 from tests.conftest import allgather_array, mpi_assert
+from exdyna_mpi.algorithm.layout import BlockLayout
 from tests.unit.test_quota import _reference as reference_quotas
 
 N, DENSITY, STEPS = 1 << 14, 0.02, 10
@@ -30,6 +31,7 @@ def test_quotas_against_gathered_reference(wcomm, bound, dtype):
     rng = np.random.default_rng([21, rank])
     shared = np.random.default_rng(22)
     moved = 0
+    layout = BlockLayout(N, p, 1024, 32)   # the boundaries must follow the load at the threshold
     for t in range(STEPS):
         g = ((shared.standard_normal(N) + rng.standard_normal(N)) * (1 + rank)).astype(dtype)
         acc = sp.residual + g
@@ -45,12 +47,17 @@ def test_quotas_against_gathered_reference(wcomm, bound, dtype):
             at_thr.append(int(np.count_nonzero(np.abs(accs[r, lo:hi]) >= thr)))
             cap.append(hi - lo)
         want = reference_quotas(at_thr, cap, bound)
+        mpi_assert(np.array_equal(s.bounds, layout.bounds()), f"step {t}: bounds {list(s.bounds)} != "
+                   f"the reference layout's {list(layout.bounds())}", wcomm)
         mpi_assert(list(s.counts) == want, f"step {t}: counts {list(s.counts)} != reference quotas {want} "
                    f"(at the threshold {at_thr})", wcomm)
         mpi_assert(s.selected == sum(at_thr) == sp.controller.expected, f"step {t}: total changed", wcomm)
         mpi_assert(s.imbalance <= bound + 1e-12 or max(want) == -(-sum(want) // p),
                    f"step {t}: imbalance {s.imbalance}", wcomm)
         union = np.concatenate([lo + _largest(accs[r, lo:hi], want[r]) for r, (lo, hi) in enumerate(ranges)])
+        num, den = np.zeros(p, np.int64), np.ones(p, np.int64)   # per partition: at the threshold / quota
+        num[s.owned], den[s.owned] = at_thr, np.maximum(want, 1)
+        layout.rebalance_blocks(union, t + 1, scale=(num, den))
         ref = np.zeros(N, dtype)
         ref[union] = accs[:, union].astype(np.float64).sum(axis=0) / p
         tol = 1e-6 if dtype == np.float32 else 1e-13

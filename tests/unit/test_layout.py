@@ -107,3 +107,30 @@ def test_equal_layout_is_micro():
     assert lay.bounds().tolist() == [0, 3, 6, 8, 10]
     lay.rebalance_faithful([100, 0, 0, 0], 1)
     assert lay.bounds().tolist() == [0, 3, 6, 8, 10]
+
+
+def test_rebalance_blocks_scale_weighs_each_partition_exactly():
+    """``scale=(num, den)`` weighs partition p's block counts by num[p] / den[p], in exact integer
+    arithmetic (Python integers here), also where ``counts << FIX`` times ``num`` passes 2**63."""
+    lay = BlockLayout(1 << 20, 4, 64, 32)
+    part = list(lay.blk_part)
+    rng = np.random.default_rng(5)
+    counts = rng.integers(0, lay.sz_blk + 1, size=lay.n_blocks)
+    counts[part[0] + part[1]] = lay.sz_blk   # a full block of partition 2: (sz_blk << FIX) * num > 2**63
+    num, den = np.array([3, 0, 1 << 31, 7]), np.array([2, 5, (1 << 31) - 1, 7])
+    lay.rebalance_blocks(None, 1, counts=counts, scale=(num, den))
+    owner = np.repeat(np.arange(4), part)
+    want = [(int(c) << lay.FIX) * int(num[o]) // int(den[o]) for c, o in zip(counts, owner)]
+    assert [int(x) for x in lay._blk_load] == want
+    assert (lay.sz_blk << lay.FIX) * (1 << 31) > 2**63 and sum(lay.blk_part) == lay.n_blocks
+
+
+def test_rebalance_blocks_equal_scale_is_no_scale():
+    a, b = BlockLayout(1 << 18, 4, 256, 32), BlockLayout(1 << 18, 4, 256, 32)
+    rng = np.random.default_rng(6)
+    for t in range(1, 6):
+        counts = rng.integers(0, 50, size=a.n_blocks)
+        q = rng.integers(1, 1000, size=4)
+        a.rebalance_blocks(None, t, counts=counts)
+        b.rebalance_blocks(None, t, counts=counts, scale=(q, q))
+        assert a.blk_part == b.blk_part and np.array_equal(a._blk_load, b._blk_load)
