@@ -101,7 +101,8 @@ def main(argv=None):
     with open(os.path.join(args.out, "imbalance.jsonl"), "a") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
-    lines = [f"\n### P = {p}, {rate or 'unshaped'} Mbit/s ({time.strftime('%Y-%m-%d')}; medians of {rows[0]['reps']} steps)\n",
+    when = time.strftime("%Y-%m-%d")
+    lines = [f"\n### P = {p}, {rate or 'unshaped'} Mbit/s ({when}; medians of {rows[0]['reps']} steps)\n",
              "| K (total selected) | imbalance | largest rank | index gather ms | vs balanced | value sum ms |",
              "|---|---|---|---|---|---|"]
     for r in rows:
