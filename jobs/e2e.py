@@ -26,12 +26,15 @@ Methods (``--methods``, run one after another in one launch, ``ddp`` first):
 - ``ddp-bf16``: DDP with torch's ``bf16_compress_hook`` (values cast to bfloat16 for the allreduce).
 - ``dense``, ``exdyna``, ``topk``, ``oktopk``, ``micro``: ``exdyna_mpi.adapters.torch.
   DistributedOptimizer`` with that sparsifier at ``--density`` (library defaults), the exchange after
-  backward; ``exdyna-q``: ExDyna with ``max_imbalance=0.05``; ``exdyna-bf16`` and ``dense-bf16``:
-  float32 gradients, values sent in bfloat16 (``wire_dtype="bfloat16"``, error feedback keeps the
-  rounding), the counterparts of ``ddp-bf16``; the training recipe's parts, one at a time:
+  backward; ``exdyna-q``: ExDyna with ``max_imbalance=0.05`` (no momentum correction);
+  ``exdyna-bf16`` and ``dense-bf16``: float32 gradients, values sent in bfloat16
+  (``wire_dtype="bfloat16"``, error feedback keeps the rounding), the counterparts of ``ddp-bf16``;
+  the training recipe's parts, one at a time (each with ``momentum_correction=0`` but ``exdyna-mc``):
   ``exdyna-mc`` (momentum correction with the run's momentum, DGC's masking), ``exdyna-q02``
   (``max_imbalance=0.2``), ``exdyna-dw`` (density warm-up 25 %, 6.25 %, 1.5625 %, each stage an eighth
-  of ``--steps``); ``exdyna-mcq``: momentum correction and ``max_imbalance=0.05`` together.
+  of ``--steps``); ``exdyna-mcq``: momentum correction and ``max_imbalance=0.05`` together;
+  ``exdyna-plain``: no momentum correction (SGD keeps its momentum) and no quotas, whatever the
+  library's defaults.
 - ``ddp-exdyna``: DDP (default buckets) with the library's hook, ``exdyna_hook`` and
   ``ExDynaHookState("exdyna", density)``: one sparsifier over the whole model, exchanged on the hook's
   worker thread once the last bucket is ready; ``ddp-exdyna-bucket``: ``scope="bucket"``, a
@@ -73,15 +76,18 @@ DEFAULT_METHODS = ("ddp", "ddp-powersgd", "ddp-bf16", "dense", "exdyna", "ddp-ex
 # For a slow link: ExDyna's deadline exchange (DLCP analogue) and WAGMA-SGD's group averaging; the
 # per-bucket hook.
 ALL_METHODS = DEFAULT_METHODS + ("exdyna-deadline", "wagma", "ddp-exdyna-bucket", "exdyna-bf16", "dense-bf16",
-                                 "exdyna-mc", "exdyna-q02", "exdyna-dw", "exdyna-mcq")
+                                 "exdyna-mc", "exdyna-q02", "exdyna-dw", "exdyna-mcq", "exdyna-plain")
 DDP_METHODS = ("ddp", "ddp-powersgd", "ddp-bf16")
 HOOK_METHODS = {"ddp-exdyna": "model", "ddp-exdyna-bucket": "bucket"}   # DDP + exdyna_hook, by scope
 LIBRARY = {"dense": ("dense", {}), "exdyna": ("exdyna", {}), "topk": ("topk", {}), "oktopk": ("oktopk", {}),
-           "micro": ("micro", {}), "exdyna-q": ("exdyna", {"max_imbalance": 0.05}),
+           "micro": ("micro", {}), "exdyna-q": ("exdyna", {"max_imbalance": 0.05, "momentum_correction": 0.0}),
            "exdyna-deadline": ("exdyna", {"deadline_ms": "auto", "max_loss": 0.01}),
            "exdyna-bf16": ("exdyna", {"wire_dtype": "bfloat16"}), "dense-bf16": ("dense", {"wire_dtype": "bfloat16"}),
-           "exdyna-mc": ("exdyna", {}), "exdyna-q02": ("exdyna", {"max_imbalance": 0.2}), "exdyna-dw": ("exdyna", {}),
-           "exdyna-mcq": ("exdyna", {"max_imbalance": 0.05})}
+           "exdyna-mc": ("exdyna", {"max_imbalance": None}),
+           "exdyna-q02": ("exdyna", {"max_imbalance": 0.2, "momentum_correction": 0.0}),
+           "exdyna-dw": ("exdyna", {"momentum_correction": 0.0}),
+           "exdyna-mcq": ("exdyna", {"max_imbalance": 0.05}),
+           "exdyna-plain": ("exdyna", {"momentum_correction": 0.0, "max_imbalance": None})}
 #: the training recipe's options, set from the run's arguments in _build: momentum correction with the
 #: run's momentum (the wrapped SGD then runs without it); DGC's density warm-up, 25 %, 6.25 %, 1.5625 %,
 #: each stage an eighth of the step budget (an epoch of the CNN's)
@@ -254,7 +260,7 @@ def _build(method, wl, args, comm, numel):
     name, options = LIBRARY[method]
     if method in RECIPES:
         options = dict(options, **RECIPES[method](args))
-        if "momentum_correction" in options:
+        if options.get("momentum_correction"):
             sgd["momentum"] = 0.0
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), **sgd), model, sparsifier=name,
                                density=1.0 if name == "dense" else args.density, comm=comm, **options)

@@ -30,7 +30,7 @@ import exdyna_mpi
 
 from ._torch_common import _broadcast_model, _flat_layout, _torch, _wrap, _wrapped_params, broadcast_parameters
 from ._torch_hook import ExDynaHookState, exdyna_hook
-from ._torch_options import OPTIONS_KEY, TrainingOptions
+from ._torch_options import OPTIONS_KEY, TrainingOptions, auto_momentum, auto_options, move_momentum
 from .torch_wagma import FlatParams, GroupAveragingOptimizer
 
 if TYPE_CHECKING:
@@ -181,6 +181,8 @@ class _DistributedMixin:
         before = copy.deepcopy(super().state_dict())
         try:
             super().load_state_dict(state_dict)
+            if self._exdyna_moved_momentum:   # a dict saved before the momentum moved must not bring it back
+                move_momentum(self)
         except (KeyError, ValueError, TypeError, RuntimeError) as e:
             # a local refusal must still reach the collective check, so every rank raises together
             sp_state = dict(sp_state, name=f"<optimizer state refused on this rank: {e}>")
@@ -205,7 +207,7 @@ class _DistributedMixin:
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None, *,
                          sparsifier: str = "exdyna", density: float = 0.01, comm: MPI.Comm | None = None,
                          broadcast: bool = True, clip_norm: float | None = None, warmup_steps: int = 0,
-                         momentum_correction: float = 0.0, momentum_masking: bool = True,
+                         momentum_correction: float | str = "auto", momentum_masking: bool = True,
                          density_warmup: Sequence[float] | None = None, density_warmup_steps: int | None = None,
                          **options: Any) -> torch.optim.Optimizer:
     """Wrap a torch optimizer so ``step()`` exchanges a sparse gradient first. Collective.
@@ -217,14 +219,18 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
     its state; use it in place of the original. ``opt.sparsifier`` and ``opt.stats`` give the
     sparsifier and its last stats.
 
-    Training-recipe options (all off by default; off, the step is bit-identical to having none; see
-    ``_torch_options.py``): ``clip_norm`` (clip this rank's gradient before accumulation),
-    ``warmup_steps`` (dense exchange for the first steps), ``momentum_correction=m`` with
-    ``momentum_masking`` (DGC's momentum correction and momentum-factor masking; wrap an optimizer
-    with ``momentum=0``), ``density_warmup=(d1, d2, ...)`` with ``density_warmup_steps=n`` (DGC's
-    decaying-density warm-up: after any dense warm-up, ``n`` steps at each density ``d_i`` > ``density``
-    with a fresh sparsifier of the same kind and options, the error-feedback residual carried from
-    stage to stage and into the configured sparsifier; ``opt.stats`` shows the live stage's stats).
+    Training-recipe options (see ``_torch_options.py``; off, the step is bit-identical to having
+    none): ``momentum_correction="auto"`` (the default) with ``momentum_masking``: for ExDyna with an
+    SGD of momentum ``m``, DGC's momentum correction and momentum-factor masking, the momentum moved
+    before the exchange, ``m`` from d = 0.01 and ``min(m, 0.8)`` below (the optimizer's own momentum
+    becomes 0), and with it ExDyna's ``max_imbalance=0.05`` unless given; off for other sparsifiers
+    and optimizers; a number ``m`` sets it (wrap an optimizer
+    with ``momentum=0``), ``0`` turns it off. Off by default: ``clip_norm`` (clip this rank's
+    gradient before accumulation), ``warmup_steps`` (dense exchange for the first steps),
+    ``density_warmup=(d1, d2, ...)`` with ``density_warmup_steps=n`` (DGC's decaying-density warm-up:
+    after any dense warm-up, ``n`` steps at each density ``d_i`` > ``density`` with a fresh sparsifier
+    of the same kind and options, the error-feedback residual carried from stage to stage and into
+    the configured sparsifier; ``opt.stats`` shows the live stage's stats).
 
     Example::
 
@@ -238,14 +244,22 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
     """
     comm, params = _wrapped_params(optimizer, model, comm, "DistributedOptimizer")
     grads = FlatGrad(params)
+    auto = isinstance(momentum_correction, str) and momentum_correction == "auto"
+    momentum_correction = auto_momentum(momentum_correction, optimizer, sparsifier, density)
+    if auto and momentum_correction > 0:
+        options = auto_options(sparsifier, options)
     recipe = TrainingOptions(grads.params, grads.numel, comm, clip_norm=clip_norm, warmup_steps=warmup_steps,
                              momentum_correction=momentum_correction, momentum_masking=momentum_masking,
                              density_warmup=density_warmup, density_warmup_steps=density_warmup_steps,
                              sparsifier=sparsifier, density=density, sparsifier_options=options)
-    recipe.check_optimizer(optimizer)
+    if not auto:
+        recipe.check_optimizer(optimizer)
     if broadcast:
         _broadcast_model(model, grads.params, comm)
     sp = exdyna_mpi.make(sparsifier, grads.numel, density, comm, **options)
+    moved = recipe.momentum > 0 and auto
+    if moved:   # the optimizer's momentum moved before the exchange
+        move_momentum(optimizer)
     return _wrap(optimizer, _DistributedMixin, "Distributed", _exdyna_grads=grads, sparsifier=sp,
-                 _exdyna_options=recipe)
+                 _exdyna_options=recipe, _exdyna_moved_momentum=moved)
 

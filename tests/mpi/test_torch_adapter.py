@@ -113,13 +113,16 @@ def test_optimizer_is_still_the_optimizer_class(wcomm):
     mpi_assert(isinstance(opt.sparsifier, exdyna_mpi.MiCRO) and opt.stats.iteration == 0, "stats", wcomm)
 
 
-def test_training_digits_lowers_loss_and_ends_identical(wcomm):
+@pytest.mark.parametrize("mc", ["auto", 0])
+def test_training_digits_lowers_loss_and_ends_identical(mc, wcomm):
+    """The default (momentum moved before the exchange, masked where sent) starts slower than the
+    SGD's own momentum on this small CNN (2.31 -> 2.26 after 30 steps, against 1.67): 50 steps."""
     import models   # jobs/models.py: pytest.ini puts jobs/ on the path
 
     rank, P = wcomm.Get_rank(), wcomm.Get_size()
     model, data = models.build("cnn", 8, seed=3, rank=rank, nranks=P)
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model,
-                               sparsifier="exdyna", density=0.05, comm=wcomm)
+                               sparsifier="exdyna", density=0.05, comm=wcomm, momentum_correction=mc)
 
     def global_loss():
         with torch.no_grad():
@@ -127,7 +130,7 @@ def test_training_digits_lowers_loss_and_ends_identical(wcomm):
         return wcomm.allreduce(local) / P
 
     start = global_loss()
-    for epoch in range(3):
+    for epoch in range(5):
         for x, y in data.batches(epoch, 32, 10, seed=3, rank=rank):
             opt.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()

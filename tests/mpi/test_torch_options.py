@@ -352,3 +352,77 @@ def test_density_warmup_bad_values_raise_on_every_rank(bad, wcomm):
         DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, sparsifier="exdyna",
                              density=0.05, comm=wcomm, **bad)
     wcomm.Barrier()   # every rank got here: nobody was left in a collective
+
+
+@pytest.mark.parametrize("density, moved", [(0.05, 0.9), (0.01, 0.9), (0.005, 0.8)])
+def test_auto_momentum_correction_moves_the_sgd_momentum_by_the_density_rule(density, moved, wcomm):
+    """``"auto"`` (the default) on SGD(momentum=0.9) steps bit-identically to ``momentum_correction=
+    moved, max_imbalance=0.05`` on SGD(momentum=0): 0.9 from d = 0.01, min(0.9, 0.8) below, with
+    ExDyna's quotas; the optimizer's momentum becomes 0."""
+    rank = wcomm.Get_rank()
+    runs = []
+    for kw, sgd_m in (({}, 0.9), ({"momentum_correction": moved, "max_imbalance": 0.05}, 0.0)):
+        model = _model()
+        base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=sgd_m)
+        opt = DistributedOptimizer(base, model, sparsifier="exdyna", density=density, comm=wcomm, **kw)
+        mpi_assert(opt._exdyna_options.momentum == moved and all(g["momentum"] == 0 for g in base.param_groups)
+                   and opt.sparsifier.options["max_imbalance"] == 0.05,
+                   f"{kw}: momentum {opt._exdyna_options.momentum}, groups {base.param_groups[0]['momentum']}, "
+                   f"max_imbalance {opt.sparsifier.options['max_imbalance']}", wcomm)
+        for s in range(4):
+            _step(model, opt, *_batch(rank, s))
+        runs.append(_flat(model.parameters()))
+    mpi_assert(runs[0].tobytes() == runs[1].tobytes(), "'auto' differs from the explicit rule", wcomm)
+
+
+@pytest.mark.parametrize("kw, quota", [({"max_imbalance": None}, None), ({"max_imbalance": 0.2}, 0.2),
+                                       ({"controller": "faithful"}, None), ({"momentum_correction": 0.9}, None),
+                                       ({"momentum_correction": 0}, None)])
+def test_auto_quotas_come_only_with_auto_momentum_and_yield_to_given_options(kw, quota, wcomm):
+    model = _model()
+    sgd_m = 0.0 if kw.get("momentum_correction") else 0.9
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=sgd_m), model,
+                               sparsifier="exdyna", density=0.01, comm=wcomm, **kw)
+    got = opt.sparsifier.options.get("max_imbalance")
+    mpi_assert(got == quota, f"{kw}: max_imbalance {got}, expected {quota}", wcomm)
+
+
+@pytest.mark.parametrize("case", ["dense", "topk", "adam", "no-momentum", "nesterov", "two-momenta"])
+def test_auto_momentum_correction_is_off_where_nothing_moves(case, wcomm):
+    model = _model()
+    params = list(model.parameters())
+    if case == "adam":
+        base = torch.optim.Adam(params, lr=1e-3)
+    elif case == "two-momenta":
+        base = torch.optim.SGD([{"params": params[:2], "momentum": 0.9}, {"params": params[2:], "momentum": 0.5}],
+                               lr=0.1)
+    else:
+        base = torch.optim.SGD(params, lr=0.1, momentum={"no-momentum": 0.0}.get(case, 0.9),
+                               nesterov=case == "nesterov")
+    before = [dict((k, v) for k, v in g.items() if k != "params") for g in base.param_groups]
+    opt = DistributedOptimizer(base, model, sparsifier=case if case in ("dense", "topk") else "exdyna",
+                               density=0.01, comm=wcomm)   # "auto" is the default
+    after = [dict((k, v) for k, v in g.items() if k != "params") for g in base.param_groups]
+    mpi_assert(opt._exdyna_options.momentum == 0.0 and not opt._exdyna_options.active and before == after,
+               f"{case}: momentum {opt._exdyna_options.momentum}, groups changed {before != after}", wcomm)
+
+
+def test_momentum_correction_refuses_a_bad_string_on_every_rank(wcomm):
+    model = _model()
+    with pytest.raises(ValueError, match="'auto'"):
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, sparsifier="exdyna",
+                             density=0.05, comm=wcomm, momentum_correction="on")
+
+
+def test_auto_momentum_stays_moved_after_loading_a_dict_with_momentum(wcomm):
+    """A state dict whose param groups still carry the SGD momentum (saved before it moved) does not
+    bring it back: it would count twice."""
+    model = _model()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model,
+                               sparsifier="exdyna", density=0.05, comm=wcomm)
+    _step(model, opt, *_batch(wcomm.Get_rank(), 0))
+    sd = opt.state_dict()
+    sd["param_groups"][0]["momentum"] = 0.9
+    opt.load_state_dict(sd)
+    mpi_assert(opt.param_groups[0]["momentum"] == 0.0 and opt._exdyna_options.momentum == 0.9,
+               f"momentum {opt.param_groups[0]['momentum']} after loading", wcomm)
