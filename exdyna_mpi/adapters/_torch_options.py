@@ -19,14 +19,17 @@ before, bit for bit.
   is exactly momentum SGD on the averaged gradient.
   ``momentum_correction="auto"`` (the default) applies the density rule the digits CNN's fidelity
   sweep chose, for ExDyna: the wrapped ``torch.optim.SGD``'s own momentum ``m`` moves before the
-  exchange (the optimizer's ``momentum`` is set to 0 in its param groups), as ``m`` from
-  ``density >= 0.01`` and ``min(m, 0.8)`` below (0.9 diverged on 4 of 12 seeds at d = 0.0034), and
+  exchange (the optimizer's ``momentum`` is set to 0 in its param groups), as ``m`` for
+  ``0.01 <= density < 0.02`` and ``min(m, 0.8)`` below (0.9 diverged on 4 of 12 seeds at d = 0.0034), and
   with it ExDyna's per-rank quotas ``max_imbalance=0.05`` unless ``max_imbalance`` is given (the
   combination that reached the network testbed's targets soonest on the LM and the CNN).
-  It is off (as 0) for every other sparsifier (the baselines stay as their papers run them), for
-  another optimizer, SGD without momentum, with Nesterov or dampening, and param groups of
-  different momenta. ``momentum_correction=0`` keeps the optimizer's own momentum after the
-  exchange (the byte-level LSTM of jobs/fidelity.py trains better that way: docs/controller.md).
+  From ``density >= 0.02`` it is off: there the SGD's own momentum trained the digits CNN better
+  (masking resets the velocity of every coordinate sent, and at high density most useful ones are
+  sent every step, so they would step without momentum). It is also off (as 0) for every other
+  sparsifier (the baselines stay as their papers run them), for another optimizer, SGD without
+  momentum, with Nesterov or dampening, and param groups of different momenta.
+  ``momentum_correction=0`` keeps the optimizer's own momentum after the exchange (the byte-level
+  LSTM of jobs/fidelity.py trains better that way: docs/controller.md).
 - ``density_warmup=(d1, d2, ...)`` with ``density_warmup_steps=n``: DGC's decaying-density warm-up
   (25 %, 6.25 %, 1.5625 %, 0.4 % over the first epochs, then the target). After any dense warm-up,
   stage ``i`` runs ``n`` steps with a sparsifier of the configured kind and options at density
@@ -54,8 +57,8 @@ from ._torch_common import _torch
 
 OPTIONS_KEY = "exdyna_options"
 #: ``momentum_correction="auto"``: below ``AUTO_DENSITY`` the moved momentum is at most ``AUTO_LOW``;
-#: with it, ExDyna's per-rank quotas (``max_imbalance``) default to ``AUTO_MAX_IMBALANCE``
-AUTO_DENSITY, AUTO_LOW, AUTO_MAX_IMBALANCE = 0.01, 0.8, 0.05
+#: from ``AUTO_OFF`` on nothing moves; with it, ExDyna's quotas default to ``AUTO_MAX_IMBALANCE``
+AUTO_DENSITY, AUTO_LOW, AUTO_OFF, AUTO_MAX_IMBALANCE = 0.01, 0.8, 0.02, 0.05
 
 
 def auto_momentum(value, optimizer, sparsifier, density):
@@ -67,7 +70,8 @@ def auto_momentum(value, optimizer, sparsifier, density):
     groups = optimizer.param_groups
     momenta = {float(g.get("momentum", 0.0) or 0.0) for g in groups}
     if (sparsifier != "exdyna" or not isinstance(optimizer, _torch().optim.SGD) or len(momenta) != 1
-            or any(g.get("nesterov") or g.get("dampening", 0) for g in groups) or not isinstance(density, Real)):
+            or any(g.get("nesterov") or g.get("dampening", 0) for g in groups) or not isinstance(density, Real)
+            or density >= AUTO_OFF):
         return 0.0
     m = momenta.pop()
     return m if density >= AUTO_DENSITY else min(m, AUTO_LOW)

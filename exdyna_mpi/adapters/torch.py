@@ -222,9 +222,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
     Training-recipe options (see ``_torch_options.py``; off, the step is bit-identical to having
     none): ``momentum_correction="auto"`` (the default) with ``momentum_masking``: for ExDyna with an
     SGD of momentum ``m``, DGC's momentum correction and momentum-factor masking, the momentum moved
-    before the exchange, ``m`` from d = 0.01 and ``min(m, 0.8)`` below (the optimizer's own momentum
-    becomes 0), and with it ExDyna's ``max_imbalance=0.05`` unless given; off for other sparsifiers
-    and optimizers; a number ``m`` sets it (wrap an optimizer
+    before the exchange, ``m`` for 0.01 <= d < 0.02 and ``min(m, 0.8)`` below (the optimizer's own
+    momentum becomes 0), and with it ExDyna's ``max_imbalance=0.05`` unless given; off from d = 0.02
+    and for other sparsifiers and optimizers; a number ``m`` sets it (wrap an optimizer
     with ``momentum=0``), ``0`` turns it off. Off by default: ``clip_norm`` (clip this rank's
     gradient before accumulation), ``warmup_steps`` (dense exchange for the first steps),
     ``density_warmup=(d1, d2, ...)`` with ``density_warmup_steps=n`` (DGC's decaying-density warm-up:

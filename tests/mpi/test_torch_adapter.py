@@ -115,14 +115,14 @@ def test_optimizer_is_still_the_optimizer_class(wcomm):
 
 @pytest.mark.parametrize("mc", ["auto", 0])
 def test_training_digits_lowers_loss_and_ends_identical(mc, wcomm):
-    """The default (momentum moved before the exchange, masked where sent) starts slower than the
-    SGD's own momentum on this small CNN (2.31 -> 2.26 after 30 steps, against 1.67): 50 steps."""
+    """The default (at d = 0.01: momentum moved before the exchange, masked where sent, quotas)
+    starts slower than the SGD's own momentum on this small CNN: 50 steps for both."""
     import models   # jobs/models.py: pytest.ini puts jobs/ on the path
 
     rank, P = wcomm.Get_rank(), wcomm.Get_size()
     model, data = models.build("cnn", 8, seed=3, rank=rank, nranks=P)
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model,
-                               sparsifier="exdyna", density=0.05, comm=wcomm, momentum_correction=mc)
+                               sparsifier="exdyna", density=0.01, comm=wcomm, momentum_correction=mc)
 
     def global_loss():
         with torch.no_grad():
