@@ -32,7 +32,8 @@ Methods (``--methods``, run one after another in one launch, ``ddp`` first):
   the training recipe's parts, one at a time (each with ``momentum_correction=0`` but ``exdyna-mc``):
   ``exdyna-mc`` (momentum correction with the run's momentum, DGC's masking), ``exdyna-q02``
   (``max_imbalance=0.2``), ``exdyna-dw`` (density warm-up 25 %, 6.25 %, 1.5625 %, each stage an eighth
-  of ``--steps``); ``exdyna-mcq``: momentum correction and ``max_imbalance=0.05`` together;
+  of ``--steps``); ``exdyna-mcq``: momentum correction and ``max_imbalance=0.05`` together
+  (``exdyna-mcq02``: with ``max_imbalance=0.2``);
   ``exdyna-plain``: no momentum correction (SGD keeps its momentum) and no quotas, whatever the
   library's defaults.
 - ``ddp-exdyna``: DDP (default buckets) with the library's hook, ``exdyna_hook`` and
@@ -76,7 +77,8 @@ DEFAULT_METHODS = ("ddp", "ddp-powersgd", "ddp-bf16", "dense", "exdyna", "ddp-ex
 # For a slow link: ExDyna's deadline exchange (DLCP analogue) and WAGMA-SGD's group averaging; the
 # per-bucket hook.
 ALL_METHODS = DEFAULT_METHODS + ("exdyna-deadline", "wagma", "ddp-exdyna-bucket", "exdyna-bf16", "dense-bf16",
-                                 "exdyna-mc", "exdyna-q02", "exdyna-dw", "exdyna-mcq", "exdyna-plain")
+                                 "exdyna-mc", "exdyna-q02", "exdyna-dw", "exdyna-mcq", "exdyna-plain",
+                                 "exdyna-mcq02")
 DDP_METHODS = ("ddp", "ddp-powersgd", "ddp-bf16")
 HOOK_METHODS = {"ddp-exdyna": "model", "ddp-exdyna-bucket": "bucket"}   # DDP + exdyna_hook, by scope
 LIBRARY = {"dense": ("dense", {}), "exdyna": ("exdyna", {}), "topk": ("topk", {}), "oktopk": ("oktopk", {}),
@@ -86,13 +88,14 @@ LIBRARY = {"dense": ("dense", {}), "exdyna": ("exdyna", {}), "topk": ("topk", {}
            "exdyna-mc": ("exdyna", {"max_imbalance": None}),
            "exdyna-q02": ("exdyna", {"max_imbalance": 0.2, "momentum_correction": 0.0}),
            "exdyna-dw": ("exdyna", {"momentum_correction": 0.0}),
-           "exdyna-mcq": ("exdyna", {"max_imbalance": 0.05}),
+           "exdyna-mcq": ("exdyna", {"max_imbalance": 0.05}), "exdyna-mcq02": ("exdyna", {"max_imbalance": 0.2}),
            "exdyna-plain": ("exdyna", {"momentum_correction": 0.0, "max_imbalance": None})}
 #: the training recipe's options, set from the run's arguments in _build: momentum correction with the
 #: run's momentum (the wrapped SGD then runs without it); DGC's density warm-up, 25 %, 6.25 %, 1.5625 %,
 #: each stage an eighth of the step budget (an epoch of the CNN's)
 RECIPES = {"exdyna-mc": lambda args: {"momentum_correction": args.momentum},
            "exdyna-mcq": lambda args: {"momentum_correction": args.momentum},
+           "exdyna-mcq02": lambda args: {"momentum_correction": args.momentum},
            "exdyna-dw": lambda args: {"density_warmup": (0.25, 0.0625, 0.015625),
                                       "density_warmup_steps": max(1, args.steps // 8)}}
 

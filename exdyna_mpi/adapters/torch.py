@@ -223,7 +223,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
     none): ``momentum_correction="auto"`` (the default) with ``momentum_masking``: for ExDyna with an
     SGD of momentum ``m``, DGC's momentum correction and momentum-factor masking, the momentum moved
     before the exchange, ``m`` for 0.01 <= d < 0.02 and ``min(m, 0.8)`` below (the optimizer's own
-    momentum becomes 0), and with it ExDyna's ``max_imbalance=0.05`` unless given; off from d = 0.02
+    momentum becomes 0), and with it ExDyna's ``max_imbalance=0.2`` unless given; off from d = 0.02
     and for other sparsifiers and optimizers; a number ``m`` sets it (wrap an optimizer
     with ``momentum=0``), ``0`` turns it off. Off by default: ``clip_norm`` (clip this rank's
     gradient before accumulation), ``warmup_steps`` (dense exchange for the first steps),
