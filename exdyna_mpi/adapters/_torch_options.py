@@ -62,12 +62,10 @@ OPTIONS_KEY = "exdyna_options"
 AUTO_DENSITY, AUTO_LOW, AUTO_OFF, AUTO_MAX_IMBALANCE = 0.01, 0.8, 0.02, 0.2
 
 
-def auto_momentum(value, optimizer, sparsifier, density):
-    """``momentum_correction`` resolved: ``value`` itself unless it is ``"auto"``, then the density
-    rule on the wrapped SGD's momentum (module docstring), 0.0 where nothing moves. Changes nothing:
+def auto_momentum(optimizer, sparsifier, density):
+    """The momentum ``momentum_correction="auto"`` moves before the exchange: the density rule on the
+    wrapped SGD's momentum (module docstring), 0.0 where nothing moves. Changes nothing:
     ``move_momentum`` zeroes the optimizer's momentum once the wrapper is built."""
-    if not (isinstance(value, str) and value == "auto"):
-        return value
     groups = optimizer.param_groups
     momenta = {float(g.get("momentum", 0.0) or 0.0) for g in groups}
     if (sparsifier != "exdyna" or not isinstance(optimizer, _torch().optim.SGD) or len(momenta) != 1
@@ -78,12 +76,12 @@ def auto_momentum(value, optimizer, sparsifier, density):
     return m if density >= AUTO_DENSITY else min(m, AUTO_LOW)
 
 
-def auto_options(sparsifier, options):
-    """The sparsifier options ``momentum_correction="auto"`` adds when it moved the momentum: ExDyna's
-    quotas (``max_imbalance=0.2``) unless ``max_imbalance`` is given or the controller is not the
-    measured one (quotas need it). Together they reached the testbed's targets soonest; quotas alone
-    cost the LM steps (docs/controller.md, "The defaults")."""
-    if sparsifier != "exdyna" or "max_imbalance" in options or options.get("controller", "measured") != "measured":
+def auto_options(options):
+    """ExDyna's options once ``momentum_correction="auto"`` moved the momentum: its quotas
+    (``max_imbalance=0.2``) unless ``max_imbalance`` is given or the controller is not the measured
+    one (quotas need it). Together they reached the testbed's targets soonest; quotas alone cost the
+    LM steps (docs/controller.md, "The defaults")."""
+    if "max_imbalance" in options or options.get("controller", "measured") != "measured":
         return options
     return dict(options, max_imbalance=AUTO_MAX_IMBALANCE)
 

@@ -245,9 +245,12 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
     comm, params = _wrapped_params(optimizer, model, comm, "DistributedOptimizer")
     grads = FlatGrad(params)
     auto = isinstance(momentum_correction, str) and momentum_correction == "auto"
-    momentum_correction = auto_momentum(momentum_correction, optimizer, sparsifier, density)
-    if auto and momentum_correction > 0:
-        options = auto_options(sparsifier, options)
+    moved = False   # whether "auto" moves the optimizer's momentum before the exchange
+    if auto:   # the rule decides; where it moves the momentum, ExDyna's quotas come with it
+        momentum_correction = auto_momentum(optimizer, sparsifier, density)
+        moved = momentum_correction > 0
+        if moved:
+            options = auto_options(options)
     recipe = TrainingOptions(grads.params, grads.numel, comm, clip_norm=clip_norm, warmup_steps=warmup_steps,
                              momentum_correction=momentum_correction, momentum_masking=momentum_masking,
                              density_warmup=density_warmup, density_warmup_steps=density_warmup_steps,
@@ -257,8 +260,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
     if broadcast:
         _broadcast_model(model, grads.params, comm)
     sp = exdyna_mpi.make(sparsifier, grads.numel, density, comm, **options)
-    moved = recipe.momentum > 0 and auto
-    if moved:   # the optimizer's momentum moved before the exchange
+    if moved:   # only now, once nothing above can refuse: a refusal leaves the optimizer as it was
         move_momentum(optimizer)
     return _wrap(optimizer, _DistributedMixin, "Distributed", _exdyna_grads=grads, sparsifier=sp,
                  _exdyna_options=recipe, _exdyna_moved_momentum=moved)
