@@ -19,3 +19,13 @@ def simulated(cls, *args, cuda_aware=False, **kw):
             del os.environ["EXDYNA_CUDA_AWARE"]
         else:
             os.environ["EXDYNA_CUDA_AWARE"] = old
+
+
+def step_both(ref, dev, g, step):
+    """One step of the host reference ``ref`` and the simulated device sparsifier ``dev`` on copies
+    of ``g``: outputs and residuals must be the same bytes. Returns ``(want, got)`` for more checks."""
+    want = ref.step(g.copy())
+    got = dev.step(g.copy())
+    assert got.tobytes() == want.tobytes(), f"step {step}: output"
+    assert dev.residual.tobytes() == ref.residual.tobytes(), f"step {step}: residual"
+    return want, got
