@@ -56,9 +56,9 @@ GRID_DENSITIES = "0.01,0.003,0.001"
 # every momentum), 0.9 from d=0.01 and 0.8 below: 0.9 collapsed on 4 of 12 seeds at d=0.00338, 0.8
 # trailed 0.9 at d=0.01 (chosen on seeds 0-5, held on seeds 6-11). It hurts the LSTM. The library's
 # default since 2026-11-25 (DistributedOptimizer's momentum_correction="auto" applies this rule to
-# the workload's SGD momentum of 0.9, below d=0.02, with max_imbalance=0.05), so the plain "exdyna"
-# rows of a CNN or LSTM grid below d=0.02 run it too;
-# --opt does not reach it (an adapter option): "--recipe momentum_correction=0" gives the plain rows.
+# the workload's SGD momentum of 0.9, below d=0.02, with max_imbalance=0.2), so the plain "exdyna"
+# rows of a CNN or LSTM grid below d=0.02 run it too; "--opt momentum_correction=0" gives the plain
+# rows (and "--recipe momentum_correction=0" plain "exdyna+" rows beside the default's).
 DEFAULT_RECIPE = "momentum_correction=0.8|d>=0.01:momentum_correction=0.9"
 SCHEDULES = ("constant", "cosine")
 
