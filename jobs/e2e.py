@@ -60,8 +60,11 @@ Rank 0 writes ``DIR/e2e.jsonl`` (a ``setup`` record, then a ``run`` record per m
 jobs/e2e_report.py reads them back and makes table and plots.
 """
 import argparse
+import contextlib
 import datetime
 import hashlib
+import json
+import math
 import os
 import platform
 import socket
@@ -72,14 +75,19 @@ import numpy as np
 
 from e2e_report import powersgd_start, report, table
 
-DEFAULT_METHODS = ("ddp", "ddp-powersgd", "ddp-bf16", "dense", "exdyna", "ddp-exdyna", "topk", "oktopk", "micro",
-                   "exdyna-q")
-# For a slow link: ExDyna's deadline exchange (DLCP analogue) and WAGMA-SGD's group averaging; the
-# per-bucket hook.
-ALL_METHODS = DEFAULT_METHODS + ("exdyna-deadline", "wagma", "ddp-exdyna-bucket", "exdyna-bf16", "dense-bf16",
-                                 "exdyna-mc", "exdyna-q02", "exdyna-dw", "exdyna-mcq", "exdyna-plain",
-                                 "exdyna-mcq02")
-DDP_METHODS = ("ddp", "ddp-powersgd", "ddp-bf16")
+#: the protocol's methods: the library's default against what users would run instead
+DEFAULT_METHODS = ("ddp", "ddp-bv", "ddp-accum", "ddp-bf16", "ddp-powersgd", "diloco-h16", "diloco-h64", "exdyna")
+# The library's other sparsifiers and recipe parts; for a slow link ExDyna's deadline exchange (DLCP
+# analogue) and WAGMA-SGD's group averaging; the DDP hook.
+ALL_METHODS = DEFAULT_METHODS + ("dense", "ddp-exdyna", "topk", "oktopk", "micro", "exdyna-q", "exdyna-deadline",
+                                 "wagma", "ddp-exdyna-bucket", "exdyna-bf16", "dense-bf16", "exdyna-mc",
+                                 "exdyna-q02", "exdyna-dw", "exdyna-mcq", "exdyna-plain", "exdyna-mcq02")
+DDP_METHODS = ("ddp", "ddp-bv", "ddp-accum", "ddp-powersgd", "ddp-bf16")
+#: DiLoCo (Douillard et al. 2023; torchft): H local steps of the inner optimiser, then the averaged
+#: parameter delta applied by an outer Nesterov SGD (lr 0.7, momentum 0.9, the paper's values)
+DILOCO = {"diloco-h16": 16, "diloco-h64": 64}
+#: methods that only exist for momentum SGD (they move SGD's momentum in front of the exchange)
+SGD_ONLY = ("exdyna-mc", "exdyna-mcq", "exdyna-mcq02")
 HOOK_METHODS = {"ddp-exdyna": "model", "ddp-exdyna-bucket": "bucket"}   # DDP + exdyna_hook, by scope
 LIBRARY = {"dense": ("dense", {}), "exdyna": ("exdyna", {}), "topk": ("topk", {}), "oktopk": ("oktopk", {}),
            "micro": ("micro", {}), "exdyna-q": ("exdyna", {"max_imbalance": 0.05, "momentum_correction": 0.0}),
@@ -104,7 +112,8 @@ RECIPES = {"exdyna-mc": lambda args: {"momentum_correction": args.momentum},
 
 class LMWork:
     name = "lm"
-    defaults = {"batch": 8, "lr": 0.05, "steps": 150, "momentum": 0.9, "weight_decay": 0.0, "lr_warmup": 20}
+    defaults = {"batch": 8, "optimizer": "adamw", "lr": 1e-3, "clip": 1.0, "schedule": "cosine", "steps": 600,
+                "momentum": 0.9, "weight_decay": 0.1, "lr_warmup": 30}
 
     def __init__(self, args, rank, nranks):
         import models
@@ -112,10 +121,17 @@ class LMWork:
         self.seed, self.rank = args.seed, rank
         self.dims = dict(d_model=args.d_model, layers=args.layers, heads=args.heads, context=args.context)
         train, val = models.stdlib_corpus()
-        self.data = models.TextData(train, val, seq=args.context, val_windows=64, val_seq=args.context)
+        self.data = models.TextData(train, val, seq=args.context, val_windows=args.val_windows, val_seq=args.context)
         self.batch = args.batch
         self.info = {"model": "GPT " + ", ".join(f"{k} {v}" for k, v in self.dims.items()),
-                     "data": "stdlib *.py, split by file", "corpus": models.corpus_id(train, val)}
+                     "data": "stdlib *.py, split by file", "corpus": models.corpus_id(train, val),
+                     "val_predictions": int(self.data.val_y.numel())}
+        # the floor a target must be below (count models of the same split, on the same predictions)
+        import ngram
+        from mpi4py import MPI
+
+        base = ngram.baselines(train, self.data.val_x.numpy(), self.data.val_y.numpy()) if rank == 0 else None
+        self.info["ngram"] = MPI.COMM_WORLD.bcast(base)
 
     def model(self):
         import models
@@ -138,7 +154,8 @@ class LMWork:
 
 class CNNWork:
     name = "cnn"
-    defaults = {"batch": 32, "lr": 0.1, "steps": 88, "momentum": 0.9, "weight_decay": 1e-4, "lr_warmup": 0}
+    defaults = {"batch": 32, "optimizer": "sgd", "lr": 0.1, "clip": 0.0, "schedule": "constant", "steps": 88,
+                "momentum": 0.9, "weight_decay": 1e-4, "lr_warmup": 0}
 
     def __init__(self, args, rank, nranks):
         import models
@@ -184,16 +201,200 @@ WORKLOADS = {"lm": LMWork, "cnn": CNNWork}
 
 # --- methods -------------------------------------------------------------------------------------------
 
+class Method:
+    """One method's training state and how it takes a step.
+
+    ``runner`` runs forward and backward (the model, or DDP around it); ``opt`` is what the loop steps;
+    ``stride``: batches per optimiser step (gradient accumulation takes several, with DDP's ``no_sync``
+    on all but the last); ``outer``: DiLoCo's outer step (None otherwise); ``stats()``: the library's
+    last ``Stats`` (None for torch's own methods); ``collectives``: collective calls per step, for the
+    latency term of the performance model (an estimate, see ``collectives``).
+    """
+
+    def __init__(self, runner, model, opt, *, stats=None, stride=1, outer=None, collectives=1.0):
+        self.runner, self.model, self.opt = runner, model, opt
+        self.stats = stats or (lambda: None)
+        self.stride, self.outer, self.collectives = stride, outer, collectives
+
+    def step(self, wl, step, clip):
+        """One optimiser step on batches ``step`` .. ``step + stride - 1``; ``clip``: the norm that
+        ``clip_grad_norm_`` holds the model's gradient to before the optimiser step (None: off), for
+        every method alike, as a user's training loop does it (DDP: the averaged gradient; the
+        library's optimizer: this rank's gradient, before the exchange; DiLoCo: the local one)."""
+        import torch
+
+        self.opt.zero_grad()
+        for i in range(self.stride):
+            x, y = wl.batch_at(step + i)
+            last = i == self.stride - 1
+            with contextlib.nullcontext() if last else self.runner.no_sync():
+                loss = wl.loss(self.runner, x, y)
+                (loss if self.stride == 1 else loss / self.stride).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        self.opt.step()
+        if self.outer is not None:
+            self.outer.after_inner_step()
+
+    def evaluated(self):
+        """A context in which ``model`` holds the parameters to evaluate (DiLoCo: the global ones)."""
+        return self.outer.global_model() if self.outer is not None else contextlib.nullcontext()
+
+    def param_hash(self):
+        with self.evaluated():
+            return param_hash(self.model)
+
+    def close(self):
+        """Stop what the method started (the hook's worker, a deadline exchange's pending messages)."""
+        hook = getattr(self.runner, "_exdyna_hook_state", None)
+        if hook is not None:
+            hook.close()
+        getattr(getattr(self.opt, "sparsifier", self.opt), "close", lambda: None)()
+
+
+class DiLoCoOuter:
+    """DiLoCo's outer step, as torchft's ``DiLoCo`` takes it: every ``h`` inner steps the pseudo-gradient
+    ``global - local`` is averaged over the ranks (one dense float32 allreduce), set as the gradient of
+    the global parameters and applied by the outer optimiser (Nesterov SGD); the local model then
+    restarts from the new global parameters, the inner optimiser keeping its own state.
+    """
+
+    def __init__(self, model, h, lr=0.7, momentum=0.9):
+        import torch
+        import torch.distributed as dist
+
+        self.h, self.count, self.ranks = h, 0, dist.get_world_size()
+        self.params = list(model.parameters())
+        self.glob = [torch.nn.Parameter(p.detach().clone()) for p in self.params]
+        self.outer = torch.optim.SGD(self.glob, lr=lr, momentum=momentum, nesterov=True)
+
+    def after_inner_step(self):
+        self.count += 1
+        if self.count % self.h == 0:
+            self.sync()
+
+    def sync(self):
+        import torch
+        import torch.distributed as dist
+
+        with torch.no_grad():
+            delta = torch.cat([(g - p).reshape(-1) for g, p in zip(self.glob, self.params)])
+            dist.all_reduce(delta)
+            delta /= self.ranks
+            off = 0
+            for g in self.glob:
+                g.grad = delta[off:off + g.numel()].view_as(g)
+                off += g.numel()
+        self.outer.step()
+        with torch.no_grad():
+            for g, p in zip(self.glob, self.params):
+                p.copy_(g)
+
+    @contextlib.contextmanager
+    def global_model(self):
+        import torch
+
+        with torch.no_grad():
+            local = [p.detach().clone() for p in self.params]
+            for g, p in zip(self.glob, self.params):
+                p.copy_(g)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, x in zip(self.params, local):
+                    p.copy_(x)
+
+
+def make_optimizer(params, args, lr, momentum=None):
+    """The run's optimiser: AdamW with betas (0.9, 0.95) (GPT practice) or SGD with momentum."""
+    import torch
+
+    if args.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    return torch.optim.SGD(params, lr=lr, momentum=args.momentum if momentum is None else momentum,
+                           weight_decay=args.weight_decay)
+
+
+def lr_factor(step, args):
+    """The learning-rate multiplier before optimiser step at batch ``step``: a linear warm-up over
+    ``--lr-warmup`` batches, then constant or a cosine to a tenth at ``--steps`` (held after it)."""
+    warm = min(1.0, (step + 1) / args.lr_warmup) if args.lr_warmup > 0 else 1.0
+    if args.schedule == "cosine":
+        return warm * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, step / args.steps))))
+    return warm
+
+
+def collectives(method, numel, stride=1):
+    """Collective calls per step (an estimate for the model's latency term): DDP one per bucket (the
+    first 1 MB, then 25 MB), PowerSGD three (P, Q, the uncompressed tensors), a library sparsifier
+    five (counts, controller, indices, the two halves of the value sum), DiLoCo one per ``h`` steps."""
+    if method in DILOCO:
+        return 1.0 / DILOCO[method]
+    if method == "ddp-powersgd":
+        return 3.0
+    if method in DDP_METHODS or method in HOOK_METHODS:
+        return (1 + math.ceil(max(0, 4 * numel - 2**20) / (25 * 2**20))) / stride
+    return 2.0 if method.startswith("dense") else 5.0
+
+
 def build(method, wl, args, comm, numel):
-    """``(runner, model, optimizer, stats)`` for ``method``, the model initialised from ``args.seed`` on
-    every rank; ``stats()`` gives the library's last ``Stats`` (None for torch's own methods)."""
-    runner, model, opt = _build(method, wl, args, comm, numel)
-    hook = getattr(runner, "_exdyna_hook_state", None)
-    if hook is not None:
-        return runner, model, opt, lambda: merged_stats(hook.stats)
-    if method in LIBRARY:
-        return runner, model, opt, lambda: opt.stats
-    return runner, model, opt, lambda: None
+    """``Method`` for ``method``, the model initialised from ``args.seed`` on every rank, at the
+    method's learning rate (``args.lr_of``, else ``--lr``)."""
+    import torch
+
+    torch.manual_seed(args.seed)
+    model = wl.model()
+    lr = args.lr_of.get(method, args.lr)
+    n = collectives(method, numel, args.accum if method == "ddp-accum" else 1)
+    if method in HOOK_METHODS:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        from exdyna_mpi.adapters.torch import ExDynaHookState, exdyna_hook
+
+        ddp = DDP(model)
+        state = ExDynaHookState("exdyna", density=args.density, comm=comm, scope=HOOK_METHODS[method])
+        ddp.register_comm_hook(state, exdyna_hook)
+        ddp._exdyna_hook_state = state
+        return Method(ddp, model, make_optimizer(ddp.parameters(), args, lr),
+                      stats=lambda: merged_stats(state.stats), collectives=n)
+    if method in DDP_METHODS:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        if method == "ddp-powersgd":
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+            # One bucket: see the module docstring (gloo and the hook's chained allreduce).
+            ddp = DDP(model, bucket_cap_mb=4 * numel / 2**20 + 1)
+            state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=4,
+                                       start_powerSGD_iter=powersgd_start(args.steps))
+            ddp.register_comm_hook(state, psgd.powerSGD_hook)
+        else:
+            ddp = DDP(model, gradient_as_bucket_view=method == "ddp-bv")
+            if method == "ddp-bf16":
+                ddp.register_comm_hook(None, bf16_compress_hook_gloo)
+        return Method(ddp, model, make_optimizer(ddp.parameters(), args, lr),
+                      stride=args.accum if method == "ddp-accum" else 1, collectives=n)
+    from exdyna_mpi.adapters.torch import DistributedOptimizer, GroupAveragingOptimizer
+
+    if method in DILOCO:
+        return Method(model, model, make_optimizer(model.parameters(), args, lr),
+                      outer=DiLoCoOuter(model, DILOCO[method]), collectives=n)
+    if method == "wagma":
+        # WAGMA-SGD as its authors run it: a local step, then the model averaged within rotating
+        # groups of 2, wait-avoiding, a global average every 10 steps.
+        opt = GroupAveragingOptimizer(make_optimizer(model.parameters(), args, lr), model, group_size=2,
+                                      sync_every=10, mode="wait_avoiding", comm=comm)
+        return Method(model, model, opt, collectives=n)
+    name, options = LIBRARY[method]
+    momentum = None
+    if method in RECIPES:
+        options = dict(options, **RECIPES[method](args))
+        if options.get("momentum_correction"):
+            momentum = 0.0
+    opt = DistributedOptimizer(make_optimizer(model.parameters(), args, lr, momentum), model, sparsifier=name,
+                               density=1.0 if name == "dense" else args.density, comm=comm, **options)
+    return Method(model, model, opt, stats=lambda: opt.stats, collectives=n)
 
 
 def merged_stats(stats):
@@ -212,64 +413,6 @@ def merged_stats(stats):
                            seconds=seconds)
 
 
-def close(runner, opt):
-    """Stop what the method started (the hook's worker, a deadline exchange's pending messages)."""
-    hook = getattr(runner, "_exdyna_hook_state", None)
-    if hook is not None:
-        hook.close()
-    getattr(getattr(opt, "sparsifier", opt), "close", lambda: None)()
-
-
-def _build(method, wl, args, comm, numel):
-    import torch
-
-    torch.manual_seed(args.seed)
-    model = wl.model()
-    sgd = dict(lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
-    if method in HOOK_METHODS:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        from exdyna_mpi.adapters.torch import ExDynaHookState, exdyna_hook
-
-        ddp = DDP(model)
-        state = ExDynaHookState("exdyna", density=args.density, comm=comm, scope=HOOK_METHODS[method])
-        ddp.register_comm_hook(state, exdyna_hook)
-        ddp._exdyna_hook_state = state
-        return ddp, model, torch.optim.SGD(ddp.parameters(), **sgd)
-    if method in DDP_METHODS:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        if method == "ddp-powersgd":
-            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
-
-            # One bucket: see the module docstring (gloo and the hook's chained allreduce).
-            ddp = DDP(model, bucket_cap_mb=4 * numel / 2**20 + 1)
-            state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=4,
-                                       start_powerSGD_iter=powersgd_start(args.steps))
-            ddp.register_comm_hook(state, psgd.powerSGD_hook)
-        else:
-            ddp = DDP(model)
-            if method == "ddp-bf16":
-                ddp.register_comm_hook(None, bf16_compress_hook_gloo)
-        return ddp, model, torch.optim.SGD(ddp.parameters(), **sgd)
-    from exdyna_mpi.adapters.torch import DistributedOptimizer, GroupAveragingOptimizer
-
-    if method == "wagma":
-        # WAGMA-SGD as its authors run it: a local step, then the model averaged within rotating
-        # groups of 2, wait-avoiding, a global average every 10 steps.
-        opt = GroupAveragingOptimizer(torch.optim.SGD(model.parameters(), **sgd), model, group_size=2,
-                                      sync_every=10, mode="wait_avoiding", comm=comm)
-        return model, model, opt
-    name, options = LIBRARY[method]
-    if method in RECIPES:
-        options = dict(options, **RECIPES[method](args))
-        if options.get("momentum_correction"):
-            sgd["momentum"] = 0.0
-    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), **sgd), model, sparsifier=name,
-                               density=1.0 if name == "dense" else args.density, comm=comm, **options)
-    return model, model, opt
-
-
 def bf16_compress_hook_gloo(state, bucket):
     """torch's ``bf16_compress_hook``, unchanged, under another name: DDP refuses to register the hook
     by that name unless the backend is NCCL ("required CUDA 11+ and NCCL 2.10+"), yet gloo reduces
@@ -283,18 +426,9 @@ def prime_library(method, wl, args, comm, numel):
     """One untimed step of ``method`` on a throwaway model: Numba compiles the sparsifier's kernels on
     first use (seconds), a cost paid once per process, not per training step."""
     if method in LIBRARY or method in HOOK_METHODS:
-        runner, _, opt, _ = build(method, wl, args, comm, numel)
-        x, y = wl.batch_at(0)
-        wl.loss(runner, x, y).backward()
-        opt.step()
-        close(runner, opt)
-
-
-def lr_warmup(opt, steps):
-    """The learning rate rises linearly over the first ``steps`` steps (GPT-style training does this)."""
-    import torch
-
-    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / steps) if steps > 0 else 1.0)
+        m = build(method, wl, args, comm, numel)
+        m.step(wl, 0, args.clip)
+        m.close()
 
 
 def max_over_ranks(comm, values):
@@ -332,13 +466,18 @@ class WireCounter:
 
 
 def train(method, wl, args, comm, numel, target, log):
-    """One method's run: the ``run`` record (the same on every rank)."""
+    """One method's run: the ``run`` record (the same on every rank).
+
+    The loop counts batches per rank (``step``); an optimiser step takes ``Method.stride`` of them, so
+    gradient accumulation sees the same data per step budget as the others. Every method trains
+    ``--steps`` batches; one that has not reached ``target`` by then goes on to ``--max-steps``.
+    """
     from mpi4py import MPI
 
     P = comm.Get_size()
     prime_library(method, wl, args, comm, numel)
-    runner, model, opt, lib_stats = build(method, wl, args, comm, numel)
-    sched = lr_warmup(opt, args.lr_warmup)
+    m = build(method, wl, args, comm, numel)
+    base_lr = [g["lr"] for g in m.opt.param_groups]
     wire = WireCounter()
     step_times, wire_bytes, lib_bytes, imbalance, phases = [], [], [], [], {}
     evals = []
@@ -346,10 +485,11 @@ def train(method, wl, args, comm, numel, target, log):
 
     def evaluate(step):
         if method == "wagma":
-            opt.synchronize_model()    # the ranks' models differ between global averages
-        runner.eval()
-        res = wl.evaluate(model, comm)
-        runner.train()
+            m.opt.synchronize_model()    # the ranks' models differ between global averages
+        m.runner.eval()
+        with m.evaluated():
+            res = wl.evaluate(m.model, comm)
+        m.runner.train()
         t = comm.allreduce(elapsed, op=MPI.MAX)
         evals.append([step, round(t, 4), res["val_loss"]] + ([res["val_acc"]] if "val_acc" in res else []))
         log(f"{method}: step {step} val_loss {res['val_loss']:.4f} at {t:.1f} s")
@@ -361,19 +501,17 @@ def train(method, wl, args, comm, numel, target, log):
     reached = target is not None and loss <= target
     step = 0
     while step < args.max_steps:
-        x, y = wl.batch_at(step)
+        for g, lr in zip(m.opt.param_groups, base_lr):
+            g["lr"] = lr * lr_factor(step, args)
         b0 = wire.read()
         t0 = time.perf_counter()
-        opt.zero_grad()
-        wl.loss(runner, x, y).backward()
-        opt.step()
+        m.step(wl, step, args.clip)
         dt = time.perf_counter() - t0
-        sched.step()
         wire_bytes.append(wire.read() - b0)
         step_times.append(dt)
         elapsed += dt
-        step += 1
-        st = lib_stats()
+        prev, step = step, step + m.stride
+        st = m.stats()
         if st is not None:
             lib_bytes.append(st.bytes_sent)
             counts = np.asarray(st.counts, dtype=np.float64)
@@ -381,30 +519,37 @@ def train(method, wl, args, comm, numel, target, log):
                 imbalance.append(float(counts.max() / counts.mean() - 1.0))
             for k, v in st.seconds.items():
                 phases.setdefault(k, []).append(v)
-        if step % every == 0 or step == args.steps or step == args.max_steps:
+        crossed = step // every > prev // every
+        if crossed or prev < args.steps <= step or step >= args.max_steps:
             loss = evaluate(step)
             reached = reached or (target is not None and loss <= target)
             if step >= args.steps and (reached or target is None):
                 break
     times = max_over_ranks(comm, step_times)
-    loss_at_steps = next((e[2] for e in evals if e[0] == args.steps), None)
-    ttt = next((e[1] for e in evals if target is not None and e[2] <= target), None)
-    hashes = comm.allgather(param_hash(model))
+    budget = [e for e in evals if e[0] >= args.steps]
+    loss_at_steps = budget[0][2] if budget else None
+    hit = next((e for e in evals if target is not None and e[2] <= target), None)
+    hashes = comm.allgather(m.param_hash())
     w = np.mean(comm.allgather(float(np.mean(wire_bytes[args.warmup:] or wire_bytes))))
+    warm = max(0, min(args.warmup, len(times) - 1))
+    per_step = float(np.median(times[warm:]))
     rec = {"kind": "run", "method": method, "workload": wl.name, "ranks": P, "rate_mbit": args.rate,
-           "params": numel, "steps": args.steps, "steps_run": step,
-           "step_s": float(np.median(times[args.warmup:args.steps] if args.steps > args.warmup
-                                     else times[:args.steps])),
+           "seed": args.seed, "lr": args.lr_of.get(method, args.lr), "params": numel, "steps": args.steps,
+           "steps_run": step, "stride": m.stride, "step_s": per_step / m.stride,
            "final_loss": evals[-1][2], "loss_at_steps": loss_at_steps, "target": target,
-           "time_to_target_s": ttt, "evals": evals, "params_identical": len(set(hashes)) == 1,
-           "density": None if method in DDP_METHODS or method.startswith("dense") else args.density}
+           "time_to_target_s": None if hit is None else hit[1], "steps_to_target": None if hit is None else hit[0],
+           "evals": evals, "params_identical": len(set(hashes)) == 1, "collectives_per_step": m.collectives,
+           "density": None if method in DDP_METHODS or method in DILOCO or method.startswith("dense")
+           else args.density}
     if wire.path is not None:
-        rec["bytes_per_step"], rec["bytes_source"] = float(w), "wire"
+        rec["bytes_per_step"], rec["bytes_source"] = float(w) / m.stride, "wire"
     elif lib_bytes:
         rec["bytes_per_step"] = float(np.mean(comm.allgather(float(np.mean(lib_bytes)))))
         rec["bytes_source"] = "model"
     else:
-        per = {"ddp": 4, "ddp-bf16": 2}.get(method)
+        per = {"ddp": 4, "ddp-bv": 4, "ddp-accum": 4 / m.stride, "ddp-bf16": 2}.get(method)
+        if method in DILOCO:
+            per = 4 / DILOCO[method]
         rec["bytes_per_step"] = 2 * (P - 1) / P * per * numel if per else None
         rec["bytes_source"] = "model" if per else None
     if lib_bytes:
@@ -412,29 +557,39 @@ def train(method, wl, args, comm, numel, target, log):
         rec["phase_s"] = {k: float(np.median(max_over_ranks(comm, v)[sl] if len(v) > args.warmup else v))
                           for k, v in sorted(phases.items())}
         rec["imbalance_median"] = float(np.median(imbalance)) if imbalance else None
-    close(runner, opt)
+    m.close()
     return rec
 
 
-def measure_setup(wl, args, comm, numel):
-    """``compute_s`` (a step without communication, every rank at once) and ``allreduce_s`` (gloo's
-    allreduce of the model's float32 gradient), medians."""
+def measure_compute(wl, args, comm, steps=7):
+    """Seconds of a step without communication (forward, backward, the run's optimiser step), every
+    rank at once; the median of the slowest rank's steps after two."""
     import torch
-    import torch.distributed as dist
 
     torch.manual_seed(args.seed)
     model = wl.model()
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    opt = make_optimizer(model.parameters(), args, args.lr)
     ts = []
     comm.Barrier()
-    for s in range(7):
+    for s in range(steps):
         x, y = wl.batch_at(s)
         t0 = time.perf_counter()
         opt.zero_grad()
         wl.loss(model, x, y).backward()
+        if args.clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         opt.step()
         ts.append(time.perf_counter() - t0)
-    compute = float(np.median(max_over_ranks(comm, ts[2:])))
+    return float(np.median(max_over_ranks(comm, ts[2:])))
+
+
+def measure_setup(wl, args, comm, numel):
+    """``compute_s`` (``measure_compute``) and ``allreduce_s`` (gloo's allreduce of the model's float32
+    gradient), medians."""
+    import torch
+    import torch.distributed as dist
+
+    compute = measure_compute(wl, args, comm)
     buf = torch.ones(numel)
     dist.all_reduce(buf)
     ar = []
@@ -474,30 +629,43 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.strip().split("\n")[0])
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="lm")
     ap.add_argument("--methods", default=",".join(DEFAULT_METHODS),
-                    help=f"comma-separated, of {', '.join(ALL_METHODS)} (default: DEFAULT_METHODS, not the last nine)")
+                    help=f"comma-separated, of {', '.join(ALL_METHODS)} (default: {', '.join(DEFAULT_METHODS)})")
     ap.add_argument("--ranks", type=int, help="checked against the MPI world's size")
     ap.add_argument("--rate", type=float, help="link rate for the records (default: EXDYNA_TESTBED_RATE_MBIT)")
-    ap.add_argument("--steps", type=int, help="step budget of every method (lm 150, cnn 88: 8 epochs at P=4)")
-    ap.add_argument("--max-steps", type=int, help="steps a method may run to reach the target (default 2 x steps)")
+    ap.add_argument("--steps", type=int, help="budget in batches per rank (lm 600, cnn 88: 8 epochs at P=4)")
+    ap.add_argument("--max-steps", type=int, help="batches a method may run to reach the target (default 2 x steps)")
     ap.add_argument("--density", type=float, default=0.01)
     ap.add_argument("--target", type=float, help="validation loss to reach (default: ddp's at --steps)")
     ap.add_argument("--batch", type=int, help="per-rank batch (lm 8 sequences, cnn 32 images)")
-    ap.add_argument("--lr", type=float)
+    ap.add_argument("--optimizer", choices=("adamw", "sgd"),
+                    help="lm: adamw (betas 0.9, 0.95), cnn: sgd (with --momentum)")
+    ap.add_argument("--lr", type=float, help="learning rate of every method without a tuned one (lm 1e-3, cnn 0.1)")
+    ap.add_argument("--tuned", metavar="JSON", help="per-method learning rates chosen by --tune-lrs (tuned.json)")
+    ap.add_argument("--tune-lrs", metavar="LR,LR,...",
+                    help="tune instead: every method at each learning rate for --steps, no target; writes tune "
+                         "records and DIR/tuned.json (the lowest loss at the budget, mean over the file's seeds)")
+    ap.add_argument("--clip", type=float, help="clip_grad_norm_ before every optimiser step (lm 1.0, cnn off; 0: off)")
+    ap.add_argument("--schedule", choices=("constant", "cosine"), help="after the warm-up (lm cosine, cnn constant)")
     ap.add_argument("--momentum", type=float)
-    ap.add_argument("--lr-warmup", type=int, help="steps of linear learning-rate warm-up (lm 20, cnn 0)")
+    ap.add_argument("--lr-warmup", type=int, help="batches of linear learning-rate warm-up (lm 30, cnn 0)")
     ap.add_argument("--weight-decay", type=float)
+    ap.add_argument("--accum", type=int, default=4, help="ddp-accum: batches accumulated per optimiser step")
+    ap.add_argument("--no-ddp-last", dest="ddp_last", action="store_false",
+                    help="do not run ddp again after the other methods (drift check)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--eval-every", type=int, default=0, help="steps between evaluations (default steps/10)")
+    ap.add_argument("--eval-every", type=int, default=0, help="batches between evaluations (default steps/10)")
     ap.add_argument("--warmup", type=int, default=3, help="steps left out of step_s")
     ap.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cores / ranks on the node)")
-    ap.add_argument("--d-model", type=int, default=384)
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--heads", type=int, default=6)
+    ap.add_argument("--d-model", type=int, default=192)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=3)
     ap.add_argument("--context", type=int, default=64)
+    ap.add_argument("--val-windows", type=int, default=512, help="lm: held-out windows of --context predictions")
     ap.add_argument("--out", default="out/e2e")
     ap.add_argument("--report", nargs="+", metavar="JSONL_OR_DIR", help="rebuild table and plots, no MPI")
-    ap.add_argument("--curves-from", nargs="+", metavar="JSONL_OR_DIR",
-                    help="with --report: time to target = steps to target in these full runs x step_s here")
+    ap.add_argument("--docs", metavar="MD", help="with --report: also write this results page (and --readme's table)")
+    ap.add_argument("--readme", metavar="MD", help="with --docs: README whose e2e-results block is regenerated")
+    ap.add_argument("--curves-from", nargs="+", metavar="JSONL_OR_DIR", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     methods = [m for m in args.methods.split(",") if m]
     bad = [m for m in methods if m not in ALL_METHODS]
@@ -507,16 +675,42 @@ def parse_args(argv=None):
     for k, v in WORKLOADS[args.workload].defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    if args.optimizer == "adamw":
+        sgd_only = [m for m in args.methods if m in SGD_ONLY or m in RECIPES and m != "exdyna-dw"]
+        if sgd_only:
+            ap.error(f"{sgd_only} move SGD's momentum; they run with --optimizer sgd only")
+    args.clip = args.clip or None
+    if args.accum < 1:
+        ap.error("--accum must be >= 1")
     args.max_steps = max(args.steps, args.max_steps or 2 * args.steps)
     if args.rate is None and os.environ.get("EXDYNA_TESTBED_RATE_MBIT"):
         args.rate = float(os.environ["EXDYNA_TESTBED_RATE_MBIT"])
+    args.grid = [float(x) for x in args.tune_lrs.split(",")] if args.tune_lrs else None
+    args.lr_of = {}
+    if args.tuned:
+        with open(args.tuned) as f:
+            tuned = json.load(f)
+        if tuned.get("workload") != args.workload:
+            ap.error(f"--tuned {args.tuned} is for workload {tuned.get('workload')!r}, not {args.workload!r}")
+        args.lr_of = {m: float(v) for m, v in tuned["lr_of"].items()}
+        untuned = [m for m in args.methods if m not in args.lr_of and not (m == "ddp-bv" and "ddp" in args.lr_of)]
+        if untuned:
+            ap.error(f"--tuned {args.tuned} has no learning rate for {untuned}: tune them first")
+        if "ddp" in args.lr_of:                  # gradient_as_bucket_view changes memory, not arithmetic
+            args.lr_of.setdefault("ddp-bv", args.lr_of["ddp"])
     return args
 
 
 def main(argv=None):
     args = parse_args(argv)
     if args.report:
-        print(report(args.report, args.out, curves=args.curves_from))
+        if args.curves_from:
+            raise SystemExit("e2e: --curves-from is gone: composed times are not part of the protocol")
+        print(report(args.report, args.out))
+        if args.docs:
+            from e2e_report import read_records, write_docs
+
+            write_docs(read_records(args.report), args.docs, readme=args.readme, header=DOCS_HEADER)
         return 0
     import torch
     import torch.distributed as dist
@@ -547,31 +741,42 @@ def main(argv=None):
 
     compute_s, allreduce_s = measure_setup(wl, args, comm, numel)
     target = args.target
-    setup = {"kind": "setup", "workload": args.workload, "ranks": P, "rate_mbit": args.rate, "params": numel,
-             "compute_s": compute_s, "allreduce_s": allreduce_s, "comm_compute_ratio": allreduce_s / compute_s,
-             "batch": args.batch, "steps": args.steps, "max_steps": args.max_steps, "lr": args.lr,
-             "momentum": args.momentum, "weight_decay": args.weight_decay, "lr_warmup": args.lr_warmup,
-             "density": args.density,
-             "seed": args.seed, "target": target, "methods": args.methods, "threads_per_rank": threads,
-             "torch": torch.__version__, "mpi": common.mpi_library(), "host": platform.node(),
-             "cores": common.cores(), "date": datetime.date.today().isoformat(), "command": common.command(),
-             **wl.info}
+    launch = comm.bcast(f"{datetime.datetime.now():%Y%m%dT%H%M%S}-{args.workload}-s{args.seed}-r{args.rate}"
+                        if rank == 0 else None)
+    setup = {"kind": "setup", "launch": launch, "workload": args.workload, "ranks": P, "rate_mbit": args.rate,
+             "params": numel, "compute_s": compute_s, "allreduce_s": allreduce_s,
+             "comm_compute_ratio": allreduce_s / compute_s, "batch": args.batch, "steps": args.steps,
+             "max_steps": args.max_steps, "optimizer": args.optimizer, "lr": args.lr, "lr_of": args.lr_of,
+             "tuned_from": args.tuned, "clip": args.clip, "schedule": args.schedule, "momentum": args.momentum,
+             "weight_decay": args.weight_decay, "lr_warmup": args.lr_warmup, "accum": args.accum,
+             "density": args.density, "seed": args.seed, "target": target, "methods": args.methods,
+             "tune_grid": args.grid, "threads_per_rank": threads, "torch": torch.__version__,
+             "mpi": common.mpi_library(), "host": platform.node(), "cores": common.cores(),
+             "date": datetime.date.today().isoformat(), "command": common.command(), **wl.info}
     log(f"{args.workload}: {numel:,} parameters, P={P}, rate {args.rate} Mbit/s: compute {compute_s:.3f} s/step, "
         f"dense allreduce {allreduce_s:.3f} s (ratio {allreduce_s / compute_s:.2f})")
     path = os.path.join(args.out, "e2e.jsonl")
+    if args.grid:
+        if rank == 0:
+            common.append_json_line(path, setup)
+        return tune(args, wl, comm, numel, setup, path, log)
+    plan = [(m, 1) for m in args.methods]
+    if args.ddp_last and "ddp" in args.methods and len(args.methods) > 1:
+        plan.append(("ddp", 2))                 # DDP first and last: drift within the launch shows
     runs = []
-    setup_written = False
-    for method in args.methods:
+    for method, npass in plan:
+        method_compute = measure_compute(wl, args, comm)
         rec = train(method, wl, args, comm, numel, target, log)
-        rec["comm_share"] = max(0.0, 1.0 - compute_s / rec["step_s"])
+        rec.update({"launch": launch, "pass": npass, "compute_s": method_compute,
+                    "comm_share": max(0.0, 1.0 - method_compute / rec["step_s"])})
         if method == "ddp" and target is None:
             target = setup["target"] = rec["target"] = rec["loss_at_steps"]
-            rec["time_to_target_s"] = next(e[1] for e in rec["evals"] if e[2] <= target)
+            hit = next(e for e in rec["evals"] if e[2] <= target)
+            rec["time_to_target_s"], rec["steps_to_target"] = hit[1], hit[0]
         runs.append(rec)
         if rank == 0:
-            if not setup_written:
+            if len(runs) == 1:         # after the first run, so that it carries ddp's target
                 common.append_json_line(path, setup)
-                setup_written = True
             common.append_json_line(path, rec)
         log(f"{method}: step {rec['step_s']:.3f} s, comm share {rec['comm_share']:.2f}, "
             f"time to target {rec['time_to_target_s']}, identical {rec['params_identical']}")
@@ -581,6 +786,39 @@ def main(argv=None):
         report([path], args.out)
     dist.destroy_process_group()
     return 0
+
+
+def tune(args, wl, comm, numel, setup, path, log):
+    """The learning-rate search: every method at every grid value for ``--steps`` (no target), a ``tune``
+    record each; then ``choose_lrs`` over every tune record of the file and workload (so tuning seeds
+    run as separate launches add up), written as a ``tuned`` record and ``DIR/tuned.json``."""
+    import torch.distributed as dist
+
+    import common
+    from e2e_report import choose_lrs, read_records
+
+    for method in args.methods:
+        for lr in args.grid:
+            args.lr_of = dict(args.lr_of, **{method: lr})
+            rec = train(method, wl, args, comm, numel, None, log)
+            tune_rec = {"kind": "tune", "launch": setup["launch"], "workload": args.workload, "method": method,
+                        "lr": lr, "seed": args.seed, "steps": args.steps, "loss_at_steps": rec["loss_at_steps"],
+                        "final_loss": rec["final_loss"], "step_s": rec["step_s"], "evals": rec["evals"],
+                        "params_identical": rec["params_identical"]}
+            if comm.Get_rank() == 0:
+                common.append_json_line(path, tune_rec)
+            log(f"tune {method} lr {lr:g}: loss at {args.steps} {rec['loss_at_steps']}")
+    if comm.Get_rank() == 0:
+        tuned = choose_lrs(read_records([path]), args.workload)
+        common.append_json_line(path, tuned)
+        common.write_json(os.path.join(args.out, "tuned.json"), tuned)
+        log(f"tuned: {tuned['lr_of']}")
+    dist.destroy_process_group()
+    return 0
+
+
+#: the static part of the results page that ``--report ... --docs`` writes above the generated tables
+DOCS_HEADER = ""
 
 
 if __name__ == "__main__":

@@ -16,10 +16,12 @@ pytest.importorskip("matplotlib", reason="matplotlib is not installed")
 from tests.launch import MPIEXEC, ROOT, child_env  # noqa: E402
 
 JOB = os.path.join(ROOT, "jobs", "e2e.py")
-TINY = ["--d-model", "32", "--layers", "1", "--heads", "2", "--context", "16", "--batch", "4"]
+TINY = ["--d-model", "32", "--layers", "1", "--heads", "2", "--context", "16", "--batch", "4", "--val-windows", "64"]
 ALL = ["ddp", "ddp-powersgd", "ddp-bf16", "dense", "exdyna", "topk", "oktopk", "micro", "exdyna-q",
        "exdyna-deadline", "wagma", "exdyna-bf16", "dense-bf16", "exdyna-mc", "exdyna-q02", "exdyna-dw",
-       "exdyna-mcq", "exdyna-plain", "exdyna-mcq02"]
+       "exdyna-mcq", "exdyna-plain", "exdyna-mcq02", "ddp-bv", "ddp-accum", "diloco-h16"]
+#: the methods' arithmetic as before the AdamW protocol: momentum SGD, constant rate, no clipping
+SGD = ["--optimizer", "sgd", "--lr", "0.05", "--clip", "0", "--schedule", "constant", "--lr-warmup", "20"]
 REQUIRED = {"method", "ranks", "rate_mbit", "params", "steps", "step_s", "comm_share", "bytes_per_step",
             "final_loss", "time_to_target_s"}
 
@@ -39,8 +41,8 @@ def every_method(tmp_path_factory):
     out = tmp_path_factory.mktemp("e2e") / "out"
     # ddp listed last: it still runs first, since its final loss is the target of the others
     methods = ALL[1:] + ALL[:1]
-    return out, e2e(out, "--steps", "3", "--max-steps", "3", "--eval-every", "1", "--warmup", "1",
-                    "--methods", ",".join(methods))
+    return out, e2e(out, *SGD, "--steps", "3", "--max-steps", "3", "--eval-every", "1", "--warmup", "1",
+                    "--accum", "1", "--methods", ",".join(methods))
 
 
 def test_every_method_writes_a_record(every_method):
@@ -48,7 +50,8 @@ def test_every_method_writes_a_record(every_method):
     assert recs[0]["kind"] == "setup" and recs[0]["ranks"] == 2 and recs[0]["params"] > 0
     assert recs[0]["compute_s"] > 0 and recs[0]["allreduce_s"] > 0
     runs = [r for r in recs if r["kind"] == "run"]
-    assert [r["method"] for r in runs] == ALL
+    assert [r["method"] for r in runs] == ALL + ["ddp"]                   # ddp first and last
+    assert [r["pass"] for r in runs] == [1] * len(ALL) + [2]
     for r in runs:
         assert REQUIRED <= set(r), (r["method"], REQUIRED - set(r))
         assert r["steps"] == 3 and r["steps_run"] == 3 and r["ranks"] == 2, r
@@ -169,7 +172,7 @@ def test_run_e2e_on_the_testbed(tmp_path):
     recs = [json.loads(line) for line in (out / "e2e.jsonl").read_text().splitlines()]
     assert recs[0]["kind"] == "link" and recs[0]["set_mbit"] == 1000 and len(recs[0]["measured_mbit"]) == 2
     runs = [r for r in recs if r["kind"] == "run"]
-    assert [r["method"] for r in runs] == ["ddp", "exdyna"]
+    assert [r["method"] for r in runs] == ["ddp", "exdyna", "ddp"]          # ddp first and last
     for r in runs:
         assert r["rate_mbit"] == 1000 and r["bytes_source"] == "wire" and r["params_identical"]
     # ddp sends its whole gradient; exdyna at d=0.01 a small part of it (both counted on the wire)
