@@ -1,21 +1,36 @@
 #!/usr/bin/env python
-"""Time to accuracy across communication methods: same model, initial weights, data order and optimiser.
+"""Time to accuracy across communication methods, each at its own tuned learning rate, on one model.
 
-    bash jobs/run_e2e.sh                                   # on the testbed: 4 namespaces, 1 Gbit/s links
-    timeout 7200 mpiexec -n 4 python -m mpi4py jobs/e2e.py --methods ddp,ddp-powersgd,exdyna
-    srun python -m mpi4py jobs/e2e.py --workload lm --steps 150      # a cluster's real network
-    python jobs/e2e.py --report out/e2e/e2e.jsonl --out out/e2e       # table and plots again, no MPI
+    bash jobs/run_e2e.sh --no-testbed --tune-lrs 1e-3,2e-3,4e-3 --seed 100 --out out/tune   # the search
+    bash jobs/run_e2e.sh --rate 1000 --tuned out/tune/tuned.json --seed 1 --out out/e2e      # a held-out seed
+    srun python -m mpi4py jobs/e2e.py --tuned tuned.json --seed 1          # a cluster's real network
+    python jobs/e2e.py --report out/e2e --docs docs/e2e.md --readme README.md   # tables, plots, pages
+
+The protocol (docs/e2e.md): every method is searched over the same learning-rate grid on tuning seeds
+(``--tune-lrs``: each method at each rate for ``--steps``, the lowest validation loss at the budget,
+mean over the file's tuning seeds, goes to ``DIR/tuned.json``); timed runs take those rates
+(``--tuned``, which refuses a method it has no rate for) on other seeds. Every method trains with the
+same optimiser (``--optimizer``), clipping (``--clip``: ``clip_grad_norm_`` over the model's
+parameters before every optimiser step, as a user's loop does it) and schedule (``--lr-warmup``
+batches of linear warm-up, then ``--schedule`` constant or cosine to a tenth at ``--steps``).
 
 Workloads (offline, no downloads):
-- ``lm`` (default): a GPT-style byte-level transformer (jobs/models.py ``GPT``: d_model 384, 6 layers,
-  context 64, 10.77M parameters) on the Python standard library's source, split by file into train
-  and validation (``models.stdlib_corpus``); the metric is the validation loss (nats per byte).
-- ``cnn``: the digits CNN at width 48 (141k parameters); the metric is the test cross-entropy (test
-  accuracy is recorded beside it).
+- ``lm`` (default): a GPT-style byte-level transformer (jobs/models.py ``GPT``, default d_model 128,
+  4 layers, 2 heads, context 64: 834,304 parameters) on the Python standard library's source, split
+  by file into train and validation (``models.stdlib_corpus``), AdamW (betas 0.9, 0.95, weight decay
+  0.1), clipping at 1.0, cosine, 600 batches of 8 sequences per rank; the metric is the validation
+  loss (nats per byte) on ``--val-windows`` 512 held-out windows (32,768 predictions). The setup
+  record carries count-based unigram, bigram and interpolated trigram losses on the same predictions
+  (jobs/ngram.py): a target above the trigram's measures the warm-up, not training.
+- ``cnn``: the digits CNN at width 48 (141k parameters), SGD with momentum 0.9, no clipping, 88
+  batches of 32 per rank (8 epochs at P=4); the metric is the test cross-entropy (accuracy beside).
 
-Methods (``--methods``, run one after another in one launch, ``ddp`` first):
+Methods (``--methods``, run one after another in one launch, ``ddp`` first and, unless
+``--no-ddp-last``, again last so that drift within the launch shows):
 - ``ddp``: torch ``DistributedDataParallel`` over gloo, default buckets (25 MB, the first 1 MB),
-  its allreduce overlapped with backward.
+  its allreduce overlapped with backward; ``ddp-bv``: the same with ``gradient_as_bucket_view=True``
+  (the same arithmetic, one copy fewer); ``ddp-accum``: gradient accumulation, ``--accum`` batches per
+  optimiser step under ``no_sync`` but the last (the budget counts batches, so it sees the same data).
 - ``ddp-powersgd``: DDP with torch's ``powerSGD_hook``, rank 4, error feedback and warm start (the
   defaults), ``start_powerSGD_iter`` = a tenth of the steps (torch's advice: vanilla allreduce for
   the first part of training), and ONE bucket (``bucket_cap_mb`` above the model's size). On gloo
@@ -24,40 +39,45 @@ Methods (``--methods``, run one after another in one launch, ``ddp`` first):
   collectives in different orders, and gloo aborts ("Received data size doesn't match expected
   size") or hangs (0.5 MB buckets on 3 ranks).
 - ``ddp-bf16``: DDP with torch's ``bf16_compress_hook`` (values cast to bfloat16 for the allreduce).
+- ``diloco-h16``, ``diloco-h64``: DiLoCo as torchft runs it: H local steps of the run's optimiser
+  (no communication), then the pseudo-gradient (global minus local parameters) averaged in one dense
+  float32 allreduce and applied to the global parameters by Nesterov SGD (lr 0.7, momentum 0.9);
+  the global parameters are what is evaluated.
 - ``dense``, ``exdyna``, ``topk``, ``oktopk``, ``micro``: ``exdyna_mpi.adapters.torch.
-  DistributedOptimizer`` with that sparsifier at ``--density`` (library defaults), the exchange after
-  backward; ``exdyna-q``: ExDyna with ``max_imbalance=0.05`` (no momentum correction);
-  ``exdyna-bf16`` and ``dense-bf16``: float32 gradients, values sent in bfloat16
-  (``wire_dtype="bfloat16"``, error feedback keeps the rounding), the counterparts of ``ddp-bf16``;
-  the training recipe's parts, one at a time (each with ``momentum_correction=0`` but ``exdyna-mc``):
-  ``exdyna-mc`` (momentum correction with the run's momentum, DGC's masking), ``exdyna-q02``
-  (``max_imbalance=0.2``), ``exdyna-dw`` (density warm-up 25 %, 6.25 %, 1.5625 %, each stage an eighth
-  of ``--steps``); ``exdyna-mcq``: momentum correction and ``max_imbalance=0.05`` together
-  (``exdyna-mcq02``: with ``max_imbalance=0.2``);
-  ``exdyna-plain``: no momentum correction (SGD keeps its momentum) and no quotas, whatever the
-  library's defaults.
+  DistributedOptimizer`` with that sparsifier at ``--density`` (the library's defaults for the
+  optimiser given), the exchange after backward; ``exdyna-q``: ExDyna with ``max_imbalance=0.05``
+  (no momentum correction); ``exdyna-bf16`` and ``dense-bf16``: float32 gradients, values sent in
+  bfloat16 (``wire_dtype="bfloat16"``, error feedback keeps the rounding); the SGD recipe's parts,
+  one at a time (each with ``momentum_correction=0`` but ``exdyna-mc``): ``exdyna-mc`` (momentum
+  correction with the run's momentum, DGC's masking), ``exdyna-q02`` (``max_imbalance=0.2``),
+  ``exdyna-dw`` (density warm-up 25 %, 6.25 %, 1.5625 %, each stage an eighth of ``--steps``);
+  ``exdyna-mcq``: momentum correction and ``max_imbalance=0.05`` (``exdyna-mcq02``: 0.2);
+  ``exdyna-plain``: no momentum correction and no quotas. ``exdyna-mc``/``-mcq``/``-mcq02`` move
+  SGD's momentum and run with ``--optimizer sgd`` only.
 - ``ddp-exdyna``: DDP (default buckets) with the library's hook, ``exdyna_hook`` and
   ``ExDynaHookState("exdyna", density)``: one sparsifier over the whole model, exchanged on the hook's
   worker thread once the last bucket is ready; ``ddp-exdyna-bucket``: ``scope="bucket"``, a
   sparsifier per bucket, each exchanged as soon as its bucket is ready (overlapping backward).
+- ``wagma``: WAGMA-SGD's group averaging (groups of 2, wait-avoiding, a global average every 10).
 
 Timing: a step is forward, backward and the optimiser step with its exchange; evaluation is not
-timed. ``step_s`` is the median over steps after ``--warmup`` of the slowest rank's step. Before the
-methods, ``compute_s`` (a step with no communication, all ranks at once) and ``allreduce_s`` (gloo's
-allreduce of the model's float32 gradient) are measured; ``comm_compute_ratio`` = allreduce_s /
-compute_s, and each method's ``comm_share`` = 1 - compute_s / step_s (the exposed communication).
-Bytes per step are the wire bytes each rank's interface sent (``EXDYNA_TESTBED_IFACE``, set by the
-testbed), else the library's count (``bytes_source``: ``wire`` or ``model``).
+timed. ``step_s`` is the median over steps after ``--warmup`` of the slowest rank's step, per batch.
+``compute_s`` (a step with no communication, all ranks at once) is measured before every method's
+run, ``allreduce_s`` (gloo's allreduce of the model's float32 gradient) once; ``comm_compute_ratio`` =
+allreduce_s / compute_s, and each method's ``comm_share`` = 1 - compute_s / step_s (the exposed
+communication). Bytes per step are the wire bytes each rank's interface sent
+(``EXDYNA_TESTBED_IFACE``, set by the testbed), else the library's count (``bytes_source``).
 
 Target: ``--target``, else the validation loss ``ddp`` reaches at the end of ``--steps``. Every method
 trains ``--steps``; one that has not reached the target by then goes on, at the same evaluation
 cadence, up to ``--max-steps`` and stops at the first evaluation at or below it.
 ``time_to_target_s`` is the training time (slowest rank) at that evaluation, null if never.
 
-Rank 0 writes ``DIR/e2e.jsonl`` (a ``setup`` record, then a ``run`` record per method), ``DIR/e2e.md``
-(the table), ``DIR/e2e_loss.png`` (validation loss against training seconds, a curve per method) and
-``DIR/e2e_ttt.png`` (time to target per method). This file trains and writes the records;
-jobs/e2e_report.py reads them back and makes table and plots.
+Rank 0 writes ``DIR/e2e.jsonl`` (a ``setup`` record, then a ``run`` record per method; with
+``--tune-lrs`` a ``tune`` record per method and rate and a ``tuned`` record), ``DIR/e2e.md`` (the
+table), ``DIR/e2e_summary.md`` (over seeds), ``DIR/e2e_loss.png``, ``DIR/e2e_ttt.png`` and
+``DIR/e2e_regime.png`` (speed-up against link rate: the alpha-beta model and the measured points).
+This file trains and writes the records; jobs/e2e_report.py reads them back.
 """
 import argparse
 import contextlib
@@ -656,9 +676,9 @@ def parse_args(argv=None):
     ap.add_argument("--eval-every", type=int, default=0, help="batches between evaluations (default steps/10)")
     ap.add_argument("--warmup", type=int, default=3, help="steps left out of step_s")
     ap.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cores / ranks on the node)")
-    ap.add_argument("--d-model", type=int, default=192)
+    ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=3)
+    ap.add_argument("--heads", type=int, default=2)
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--val-windows", type=int, default=512, help="lm: held-out windows of --context predictions")
     ap.add_argument("--out", default="out/e2e")
@@ -818,7 +838,63 @@ def tune(args, wl, comm, numel, setup, path, log):
 
 
 #: the static part of the results page that ``--report ... --docs`` writes above the generated tables
-DOCS_HEADER = ""
+DOCS_HEADER = """# Time to accuracy on a shaped network
+
+The question users ask of a compressor: does my model, trained the way I train it, reach its target
+sooner on my network than with what I already run? `jobs/e2e.py` answers it on one model, from the
+same initial weights, on the same batches, with the same optimiser, clipping and schedule for every
+method, and every method at its own tuned learning rate. `jobs/testbed.py` gives it a real network
+on one machine. This page is generated from the records (`python jobs/e2e.py --report RECORDS --docs
+docs/e2e.md --readme README.md`); the earlier, withdrawn protocol (momentum SGD without clipping,
+untuned baselines) is kept as history in `results/e2e/2026-11-25-sgd-protocol.md`.
+
+```bash
+bash jobs/run_e2e.sh --no-testbed --tune-lrs 1e-3,2e-3,4e-3 --seed 100 --out out/tune  # the search
+bash jobs/run_e2e.sh --rate 1000 --tuned out/tune/tuned.json --seed 1 --out out/e2e     # held-out seed
+```
+
+## The protocol
+
+- **Tuning.** Every method searches the same learning-rate grid (three values a factor 2 apart) at
+  the full step budget on a tuning seed (100), without link shaping (the loss after a given step
+  does not depend on the link); the lowest validation loss at the budget wins (`tuned.json`, the
+  `tune` and `tuned` records). Timed runs use other seeds (1, 2, 3). `ddp-bv` takes DDP's rate: the
+  two compute the same bits (tested).
+- **The LM as GPT users train it.** AdamW (betas 0.9, 0.95, weight decay 0.1), `clip_grad_norm_(...,
+  1.0)` before every optimiser step for every method, 30 batches of linear warm-up, then a cosine to
+  a tenth at the budget (600 batches of 8 sequences of 64 bytes per rank, P = 4). Model: the
+  GPT-style byte-level transformer at d_model 128, 4 layers, 2 heads (834,304 parameters). The
+  target is DDP's validation loss at the budget, on 512 held-out windows (32,768 predictions); the
+  setup record carries a count-based interpolated trigram of the same split on the same predictions
+  (the floor: a target above it measures the warm-up), and the tables say where the target lies.
+- **Why a small model, and why 200 Mbit/s.** On these two cores the 10.8M-parameter GPT needs
+  about 0.57 s a step and several hundred steps to pass the trigram; the search and three seeds
+  would take days. What decides the outcome is the communication/compute ratio (gloo's dense
+  allreduce seconds over the compute seconds of one step without communication; each table's
+  setup records it). Small matrices run at a lower FLOP rate on a CPU, so this model's ratio at a
+  given link rate is lower than the 10.8M model's; the links are therefore set to 200 Mbit/s, where
+  this model's ratio (1.12) is close to the 10.8M model's at 1 Gbit/s (0.95, 2026-11-25). The
+  performance model below carries the measured steps to other rates (modelled, marked so).
+- **Reading the tables.** "not reached": the method did not reach DDP's loss within 1.5x the budget
+  (900 batches); its loss at the budget, beside, says how far it was. Ratios above 1 are sooner than
+  DDP. The learning-rate table marks a choice at the grid's edge, where a wider grid might help.
+- **Baselines as their documentation advises.** DDP with its default buckets and with
+  `gradient_as_bucket_view=True`; DDP with gradient accumulation (4 batches per optimiser step, the
+  budget counted in batches); torch's `bf16_compress_hook`; torch's `powerSGD_hook` (rank 4, error
+  feedback and warm start, `start_powerSGD_iter` a tenth of the budget, one bucket: with several
+  buckets it aborts or hangs on gloo); DiLoCo (H = 16 and 64 local AdamW steps, then the averaged
+  parameter delta applied by Nesterov SGD, lr 0.7, momentum 0.9, as in the DiLoCo paper and
+  torchft; the global parameters are evaluated). `exdyna` is `DistributedOptimizer(AdamW,
+  sparsifier="exdyna", density=0.01)` with the library's defaults for that optimiser.
+- **Measured, not composed.** Every time to target is a full run at the rate shown; each launch
+  runs DDP first and last (`ddp (again)`), ratios are taken within a launch against the mean of the
+  two, and every run records `compute_s` (a step without communication, measured just before it) so
+  drift is visible.
+
+Machine: a 2-core Intel Xeon VM, no GPU, Python 3.11, torch 2.13.0 (CPU), MPICH 5.0.2 wheel, gloo
+for torch.distributed; 4 ranks on 2 cores, one torch thread each; every rank in its own network
+namespace behind a `tc tbf`-shaped veth (no added delay).
+"""
 
 
 if __name__ == "__main__":
