@@ -891,7 +891,7 @@ bash jobs/run_e2e.sh --rate 1000 --tuned out/tune/tuned.json --seed 1 --out out/
   two, and every run records `compute_s` (a step without communication, measured just before it) so
   drift is visible.
 
-Machine: a 2-core Intel Xeon VM, no GPU, Python 3.11, torch 2.13.0 (CPU), MPICH 5.0.2 wheel, gloo
+Machine: a 2-core AMD EPYC VM, no GPU, Python 3.11, torch 2.13.0 (CPU), MPICH 5.0.2 wheel, gloo
 for torch.distributed; 4 ranks on 2 cores, one torch thread each; every rank in its own network
 namespace behind a `tc tbf`-shaped veth (no added delay).
 """
