@@ -2,7 +2,8 @@
 # The whole test suite: sets up the venv (jobs/env.sh), then runs every lane and fails if any fails.
 #   lint        `ruff check .` (the [tool.ruff] rules of pyproject.toml)
 #   serial      unit tests and the MPI tests at P=1
-#   cudasim     CUDA kernels under the Numba CUDA simulator
+#   cudasim     CUDA kernels under the Numba CUDA simulator, and the contract's device backend at
+#               P=2 (DeviceExchange's staged collectives, bit for bit and byte for byte vs the CPU)
 #   mpi         the MPI tests at P=2, 3, 4 (MPICH), each mpiexec under `timeout` (a deadlock fails,
 #               never hangs)
 #   gpu         only where CuPy sees a CUDA device
@@ -43,6 +44,9 @@ fi
 if wanted cudasim; then
     # shellcheck disable=SC2086
     lane cudasim env NUMBA_ENABLE_CUDASIM=1 python $PYTEST tests/cudasim --junitxml="$out/cudasim.xml" "$@"
+    export NUMBA_ENABLE_CUDASIM=1
+    mpi_lane cudasim-mpi-2 2 tests/mpi/test_contract.py -k cuda --junitxml="$out/cudasimmpi2.xml" "$@"
+    unset NUMBA_ENABLE_CUDASIM
 fi
 if wanted mpi; then
     for np in 2 3 4; do

@@ -348,9 +348,10 @@ class Sparsifier(Selector):
 
     # ------------------------------------------------------------------ shared by selectors
     def gather_selection(self, idx: Any, counts: np.ndarray, spans: np.ndarray) -> Any:
-        """Every rank's selection in rank order (``Exchange.allgatherv``); on the host in compact
-        form (``Exchange.allgather_indices``): ``spans`` (P, 2) holds each rank's ``[lo, hi)``."""
-        if self.COMPACT_INDICES and self._device == "cpu" and self.numel < 2**32:
+        """Every rank's selection in rank order, in compact form on the wire
+        (``Exchange.allgather_indices``, host and device alike): ``spans`` (P, 2) holds each rank's
+        ``[lo, hi)``."""
+        if self.COMPACT_INDICES and self.numel < 2**32:
             return self.exchange.allgather_indices(idx, counts, spans)
         return self.exchange.allgatherv(idx, counts)
 

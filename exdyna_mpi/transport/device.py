@@ -296,6 +296,27 @@ class DeviceExchange:
         _to_device_async(hr, out[:total])
         return out
 
+    def allgather_indices(self, idx, counts, spans, out=None):
+        """``Exchange.allgather_indices`` for device indices: the same compact forms on the wire as
+        on the host, so a device run sends the host run's bytes. The encoding is a host kernel, so
+        the selection (O(k), never the gradient) is staged through pinned memory on both paths;
+        the union comes back as a device array."""
+        counts = np.asarray(counts, dtype=np.int64)
+        total = int(counts.sum())
+        if self.size == 1:
+            return self.allgatherv(idx, counts, out=out)
+        ops = CudaOps
+        if out is None:
+            out = ops.empty(total, idx.dtype)
+        mine = int(counts[self.rank])
+        hs = self._buffer("send", mine, idx.dtype)
+        _to_host_async(idx[:mine], hs)
+        ops.synchronize()  # the one wait before the host encodes the staged selection
+        hr = self._buffer("recv", total, idx.dtype)
+        self.host.allgather_indices(hs, counts, spans, out=hr)
+        _to_device_async(hr, out[:total])
+        return out
+
     def sum_identical(self, vals):
         """Elementwise sum over ranks, in place on the device buffer, identical on every rank."""
         n = vals.shape[0]

@@ -24,7 +24,6 @@ def run(comm, steps=4, n=1500, seed=11, **opts):
     kw = dict(n_blocks=16, block_align=32, **opts)
     scale = np.float32(1 + rank if "max_imbalance" in opts else 1)
     ref = exdyna_mpi.ExDyna(n, 0.02, comm, device="cpu", **kw)
-    ref.COMPACT_INDICES = False   # the device exchange sends int32 indices: the same bytes, compared below
     devs = {aware: simulated(exdyna_mpi.ExDyna, n, 0.02, comm, cuda_aware=aware, **kw) for aware in (False, True)}
     rng = np.random.default_rng(seed + rank)
     ok, moved = True, 0
