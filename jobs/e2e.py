@@ -53,7 +53,10 @@ Methods (``--methods``, run one after another in one launch, ``ddp`` first and, 
   ``exdyna-dw`` (density warm-up 25 %, 6.25 %, 1.5625 %, each stage an eighth of ``--steps``);
   ``exdyna-mcq``: momentum correction and ``max_imbalance=0.05`` (``exdyna-mcq02``: 0.2);
   ``exdyna-plain``: no momentum correction and no quotas. ``exdyna-mc``/``-mcq``/``-mcq02`` move
-  SGD's momentum and run with ``--optimizer sgd`` only.
+  SGD's momentum and run with ``--optimizer sgd`` only. ``exdyna-adam``: ``adam="frozen"``
+  (``--adam-warmup`` dense Adam steps, then the second moment frozen, the gradient divided by it
+  before ExDyna's selection and error feedback); ``exdyna-adam-g``: ``adam="frozen-gradient"`` (the
+  division after the exchange); both with ``--optimizer adamw`` only.
 - ``ddp-exdyna``: DDP (default buckets) with the library's hook, ``exdyna_hook`` and
   ``ExDynaHookState("exdyna", density)``: one sparsifier over the whole model, exchanged on the hook's
   worker thread once the last bucket is ready; ``ddp-exdyna-bucket``: ``scope="bucket"``, a
@@ -101,7 +104,8 @@ DEFAULT_METHODS = ("ddp", "ddp-bv", "ddp-accum", "ddp-bf16", "ddp-powersgd", "di
 # analogue) and WAGMA-SGD's group averaging; the DDP hook.
 ALL_METHODS = DEFAULT_METHODS + ("dense", "ddp-exdyna", "topk", "oktopk", "micro", "exdyna-q", "exdyna-deadline",
                                  "wagma", "ddp-exdyna-bucket", "exdyna-bf16", "dense-bf16", "exdyna-mc",
-                                 "exdyna-q02", "exdyna-dw", "exdyna-mcq", "exdyna-plain", "exdyna-mcq02")
+                                 "exdyna-q02", "exdyna-dw", "exdyna-mcq", "exdyna-plain", "exdyna-mcq02",
+                                 "exdyna-adam", "exdyna-adam-g")
 DDP_METHODS = ("ddp", "ddp-bv", "ddp-accum", "ddp-powersgd", "ddp-bf16")
 #: DiLoCo (Douillard et al. 2023; torchft): H local steps of the inner optimiser, then the averaged
 #: parameter delta applied by an outer Nesterov SGD (lr 0.7, momentum 0.9, the paper's values)
@@ -117,7 +121,10 @@ LIBRARY = {"dense": ("dense", {}), "exdyna": ("exdyna", {}), "topk": ("topk", {}
            "exdyna-q02": ("exdyna", {"max_imbalance": 0.2, "momentum_correction": 0.0}),
            "exdyna-dw": ("exdyna", {"momentum_correction": 0.0}),
            "exdyna-mcq": ("exdyna", {"max_imbalance": 0.05}), "exdyna-mcq02": ("exdyna", {"max_imbalance": 0.2}),
-           "exdyna-plain": ("exdyna", {"momentum_correction": 0.0, "max_imbalance": None})}
+           "exdyna-plain": ("exdyna", {"momentum_correction": 0.0, "max_imbalance": None}),
+           "exdyna-adam": ("exdyna", {"adam": "frozen"}), "exdyna-adam-g": ("exdyna", {"adam": "frozen-gradient"})}
+#: Adam's frozen-variance paths (``DistributedOptimizer(adam=...)``); AdamW runs only
+ADAM_ONLY = ("exdyna-adam", "exdyna-adam-g")
 #: the training recipe's options, set from the run's arguments in _build: momentum correction with the
 #: run's momentum (the wrapped SGD then runs without it); DGC's density warm-up, 25 %, 6.25 %, 1.5625 %,
 #: each stage an eighth of the step budget (an epoch of the CNN's)
@@ -125,7 +132,9 @@ RECIPES = {"exdyna-mc": lambda args: {"momentum_correction": args.momentum},
            "exdyna-mcq": lambda args: {"momentum_correction": args.momentum},
            "exdyna-mcq02": lambda args: {"momentum_correction": args.momentum},
            "exdyna-dw": lambda args: {"density_warmup": (0.25, 0.0625, 0.015625),
-                                      "density_warmup_steps": max(1, args.steps // 8)}}
+                                      "density_warmup_steps": max(1, args.steps // 8)},
+           "exdyna-adam": lambda args: {"warmup_steps": args.adam_warmup},
+           "exdyna-adam-g": lambda args: {"warmup_steps": args.adam_warmup}}
 
 
 # --- workloads -----------------------------------------------------------------------------------------
@@ -667,6 +676,8 @@ def parse_args(argv=None):
     ap.add_argument("--clip", type=float, help="clip_grad_norm_ before every optimiser step (lm 1.0, cnn off; 0: off)")
     ap.add_argument("--schedule", choices=("constant", "cosine"), help="after the warm-up (lm cosine, cnn constant)")
     ap.add_argument("--momentum", type=float)
+    ap.add_argument("--adam-warmup", type=int,
+                    help="exdyna-adam/-adam-g: dense Adam steps before the variance freezes (default: --lr-warmup)")
     ap.add_argument("--lr-warmup", type=int, help="batches of linear learning-rate warm-up (lm 30, cnn 0)")
     ap.add_argument("--weight-decay", type=float)
     ap.add_argument("--accum", type=int, default=4, help="ddp-accum: batches accumulated per optimiser step")
@@ -696,9 +707,13 @@ def parse_args(argv=None):
         if getattr(args, k) is None:
             setattr(args, k, v)
     if args.optimizer == "adamw":
-        sgd_only = [m for m in args.methods if m in SGD_ONLY or m in RECIPES and m != "exdyna-dw"]
+        sgd_only = [m for m in args.methods if m in SGD_ONLY or m in RECIPES and m not in ("exdyna-dw",) + ADAM_ONLY]
         if sgd_only:
             ap.error(f"{sgd_only} move SGD's momentum; they run with --optimizer sgd only")
+    elif any(m in ADAM_ONLY for m in args.methods):
+        ap.error(f"{[m for m in args.methods if m in ADAM_ONLY]} freeze Adam's variance; they run with --optimizer adamw only")
+    if args.adam_warmup is None:
+        args.adam_warmup = max(1, args.lr_warmup)
     args.clip = args.clip or None
     if args.accum < 1:
         ap.error("--accum must be >= 1")

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 import exdyna_mpi
 
 from ._torch_common import _broadcast_model, _flat_layout, _torch, _wrap, _wrapped_params, broadcast_parameters
+from ._torch_adam import ADAM_KEY, MODES as ADAM_MODES, FrozenVarianceAdam, is_adam
 from ._torch_hook import ExDynaHookState, exdyna_hook
 from ._torch_options import OPTIONS_KEY, TrainingOptions, auto_momentum, auto_options, move_momentum
 from .torch_wagma import FlatParams, GroupAveragingOptimizer
@@ -133,6 +134,11 @@ class _DistributedMixin:
                 return self.sparsifier.stats
             sp = opts.sparsifier(self.sparsifier)   # recipe options: _torch_options.py
             opts.before(flat)
+            adam = self._exdyna_adam
+            if adam is not None and sp is not opts.dense:   # adam="frozen": _torch_adam.py
+                if not adam.frozen:
+                    adam.freeze(self, flat)
+                adam.before(flat)
             sp.step(flat, out=flat)
             opts.after(flat, sp)
             self._exdyna_last = sp
@@ -144,6 +150,10 @@ class _DistributedMixin:
             raise ValueError("DistributedOptimizer.step: closures are not supported "
                              "(the gradient exchange must happen once per step)")
         self.synchronize()
+        adam = self._exdyna_adam
+        if adam is not None and adam.frozen:
+            adam.update(self._exdyna_grads.flat)
+            return None
         return super().step()
 
     def zero_grad(self, set_to_none: bool = False) -> None:
@@ -160,6 +170,8 @@ class _DistributedMixin:
         d[_SPARSIFIER_KEY] = _to_torch(self.sparsifier.state_dict())
         if self._exdyna_options.active:
             d[OPTIONS_KEY] = _to_torch(self._exdyna_options.state_dict())
+        if self._exdyna_adam is not None:
+            d[ADAM_KEY] = self._exdyna_adam.state_dict()
         return d
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -170,6 +182,11 @@ class _DistributedMixin:
         state_dict = dict(state_dict)
         sp_state = state_dict.pop(_SPARSIFIER_KEY, None)
         opt_state = state_dict.pop(OPTIONS_KEY, None)
+        adam_state = state_dict.pop(ADAM_KEY, None)
+        adam = self._exdyna_adam
+        if adam is not None and adam_state is None:   # same config on every rank: all raise
+            raise ValueError(f"DistributedOptimizer.load_state_dict: this optimizer runs adam={adam.mode!r} "
+                             f"but the dict has no {ADAM_KEY!r}")
         if self._exdyna_options.active and opt_state is None:   # same config on every rank: all raise
             raise ValueError("DistributedOptimizer.load_state_dict: this optimizer uses recipe options "
                              "(clip_norm/warmup_steps/momentum_correction/density_warmup) "
@@ -178,6 +195,11 @@ class _DistributedMixin:
             raise ValueError("DistributedOptimizer.load_state_dict: no sparsifier state in this dict "
                              f"(key {_SPARSIFIER_KEY!r}); it was not saved by DistributedOptimizer.state_dict()")
         sp_state = _from_torch(sp_state)
+        if adam is not None:
+            try:
+                adam.check(adam_state)
+            except ValueError as e:   # refused on this rank: the collective check below makes all raise
+                sp_state = dict(sp_state, name=f"<{e}>")
         before = copy.deepcopy(super().state_dict())
         try:
             super().load_state_dict(state_dict)
@@ -193,6 +215,9 @@ class _DistributedMixin:
             raise
         if self._exdyna_options.active:
             self._exdyna_options.load_state_dict(_from_torch_keep_tensors(opt_state))
+        if adam is not None:
+            flat = self._exdyna_grads.flat
+            adam.load_state_dict({k: v.to(flat.device) if hasattr(v, "to") else v for k, v in adam_state.items()})
 
     @property
     def stats(self) -> exdyna_mpi.Stats:
@@ -209,7 +234,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
                          broadcast: bool = True, clip_norm: float | None = None, warmup_steps: int = 0,
                          momentum_correction: float | str = "auto", momentum_masking: bool = True,
                          density_warmup: Sequence[float] | None = None, density_warmup_steps: int | None = None,
-                         **options: Any) -> torch.optim.Optimizer:
+                         adam: str = "live", **options: Any) -> torch.optim.Optimizer:
     """Wrap a torch optimizer so ``step()`` exchanges a sparse gradient first. Collective.
 
     ``model`` (optional): a ``torch.nn.Module`` whose parameters and buffers are broadcast from rank
@@ -232,6 +257,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
     of the same kind and options, the error-feedback residual carried from stage to stage and into
     the configured sparsifier; ``opt.stats`` shows the live stage's stats).
 
+    ``adam`` (for ``torch.optim.Adam``/``AdamW``; see ``_torch_adam.py``): ``"live"`` (the default)
+    exchanges the raw gradient and lets the wrapped optimizer update its moments from the sparse
+    average; ``"frozen"`` runs ``warmup_steps`` (required, >= 1) dense steps of exact Adam, then
+    freezes the second moment, exchanges the gradient divided by it (selection by update size) with
+    error feedback and applies Adam with the frozen variance; ``"frozen-gradient"`` the same with
+    the division after the exchange.
+
     Example::
 
         >>> opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -243,7 +275,16 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
         >>> opt.stats.density, opt.stats.bytes_sent
     """
     comm, params = _wrapped_params(optimizer, model, comm, "DistributedOptimizer")
+    if adam not in ADAM_MODES:
+        raise ValueError(f"DistributedOptimizer: adam must be one of {ADAM_MODES}, got {adam!r}")
+    if adam != "live" and not is_adam(optimizer):
+        raise ValueError(f"DistributedOptimizer: adam={adam!r} needs torch.optim.Adam or AdamW, "
+                         f"got {type(optimizer).__name__}")
+    if adam != "live" and not (isinstance(warmup_steps, int) and warmup_steps >= 1):
+        raise ValueError(f"DistributedOptimizer: adam={adam!r} freezes the variance after a dense warm-up: "
+                         f"give warmup_steps >= 1, got {warmup_steps!r}")
     grads = FlatGrad(params)
+    adam_path = FrozenVarianceAdam(optimizer, grads.params, adam) if adam != "live" else None
     auto = isinstance(momentum_correction, str) and momentum_correction == "auto"
     moved = False   # whether "auto" moves the optimizer's momentum before the exchange
     if auto:   # the rule decides; where it moves the momentum, ExDyna's quotas come with it
@@ -263,5 +304,5 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
     if moved:   # only now, once nothing above can refuse: a refusal leaves the optimizer as it was
         move_momentum(optimizer)
     return _wrap(optimizer, _DistributedMixin, "Distributed", _exdyna_grads=grads, sparsifier=sp,
-                 _exdyna_options=recipe, _exdyna_moved_momentum=moved)
+                 _exdyna_options=recipe, _exdyna_moved_momentum=moved, _exdyna_adam=adam_path)
 
