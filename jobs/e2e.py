@@ -711,7 +711,8 @@ def parse_args(argv=None):
         if sgd_only:
             ap.error(f"{sgd_only} move SGD's momentum; they run with --optimizer sgd only")
     elif any(m in ADAM_ONLY for m in args.methods):
-        ap.error(f"{[m for m in args.methods if m in ADAM_ONLY]} freeze Adam's variance; they run with --optimizer adamw only")
+        adam_only = [m for m in args.methods if m in ADAM_ONLY]
+        ap.error(f"{adam_only} freeze Adam's variance; they run with --optimizer adamw only")
     if args.adam_warmup is None:
         args.adam_warmup = max(1, args.lr_warmup)
     args.clip = args.clip or None
