@@ -195,6 +195,7 @@ def test_tuning_writes_the_search_and_its_choice(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--methods", "ddp,exdyna-mc"], "run with --optimizer sgd only"),
+    (["--methods", "ddp,exdyna-adam", "--optimizer", "sgd"], "run with --optimizer adamw only"),
     (["--accum", "0"], "--accum must be >= 1"),
 ])
 def test_refused_settings(tmp_path, args, message):
