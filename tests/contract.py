@@ -116,3 +116,30 @@ def check_bad_input(wcomm, backend, name, kind):
     mpi_assert(after == before, f"{name}: a refused step changed the state", wcomm)
     sp.step(sp.ops.from_host(gs[2].copy()))
     mpi_assert(sp.iteration == 2 and not sp.stats.skipped, "the next good step runs", wcomm)
+
+
+def check_bad_state(wcomm, backend, name, kind):
+    """The last rank loads a corrupt state dict (its residual cut to half length, or holding a NaN):
+    every rank raises the same error naming that rank, and no rank's state changes."""
+    _skip_unsupported(name, backend)
+    P, rank = wcomm.Get_size(), wcomm.Get_rank()
+    sp = _make(name, wcomm, backend)
+    gs = _grads(rank)
+    sp.step(sp.ops.from_host(gs[0].copy()))
+    d = sp.state_dict()
+    sp.step(sp.ops.from_host(gs[1].copy()))
+    before = (sp.residual.tobytes(), sp.iteration, repr(sorted(sp.state_dict().items())))
+    if rank == P - 1:
+        res = d["residual"] if d["residual"] is not None else np.zeros(N, np.float32)
+        if kind == "residual-length":
+            res = res[: N // 2].copy()
+        else:
+            res = res.copy()
+            res[3] = np.nan
+        d = dict(d, residual=res)
+    with pytest.raises(ValueError, match=f"rank {P - 1}: state_dict is malformed"):
+        sp.load_state_dict(d)
+    after = (sp.residual.tobytes(), sp.iteration, repr(sorted(sp.state_dict().items())))
+    mpi_assert(after == before, f"{name}: a refused load changed the state", wcomm)
+    sp.step(sp.ops.from_host(gs[2].copy()))
+    mpi_assert(sp.iteration == 3 and not sp.stats.skipped, f"{name}: the next step runs", wcomm)

@@ -208,11 +208,19 @@ class BlockLayout:
             d["blk_load"] = [int(x) for x in self._blk_load]
         return d
 
-    def load_state(self, d):
+    def check_state(self, d):
+        """Raise ``ValueError`` (or ``KeyError``/``TypeError``) if ``load_state(d)`` would not fit."""
         part = [int(x) for x in d["blk_part"]]
         if len(part) != self.nparts or sum(part) != self.n_blocks or min(part) < 0:
-            raise ValueError("blk_part does not fit this layout")
-        self.blk_part = part
+            raise ValueError(f"layout blk_part {part[:8]}{'...' if len(part) > 8 else ''} does not fit "
+                             f"{self.nparts} partitions of {self.n_blocks} blocks")
+        w = d.get("blk_load")
+        if w is not None and np.asarray(w).shape != (self.n_blocks,):
+            raise ValueError(f"layout blk_load has {np.asarray(w).size} entries, the layout {self.n_blocks} blocks")
+
+    def load_state(self, d):
+        self.check_state(d)
+        self.blk_part = [int(x) for x in d["blk_part"]]
         w = d.get("blk_load")
         self._blk_load = None if w is None else np.asarray(w, dtype=np.int64)
 
@@ -239,6 +247,9 @@ class EqualLayout:
 
     def state(self):
         return {}
+
+    def check_state(self, d):
+        pass
 
     def load_state(self, d):
         pass

@@ -409,6 +409,28 @@ class Sparsifier(Selector):
     def _load_extra_state(self, d):
         pass
 
+    def _check_extra_state(self, d):
+        """Raise ``KeyError``/``TypeError``/``ValueError`` if ``_load_extra_state(d)`` could not
+        load ``d``; changes nothing (``load_state_dict`` checks every rank before any rank loads)."""
+
+    def _check_residual(self, d):
+        """The residual of ``d`` checked against this sparsifier: its dtype, length and finiteness."""
+        res = d["residual"]
+        if res is None:
+            return
+        if d["dtype"] is None:
+            raise ValueError("a residual without a dtype")
+        dtype = np.dtype(d["dtype"])
+        if dtype not in (np.float32, np.float64):
+            raise ValueError(f"residual dtype {dtype} is not float32 or float64")
+        arr = np.asarray(res)
+        if arr.shape != (self.numel,):
+            raise ValueError(f"residual has shape {arr.shape}, this sparsifier has {self.numel} elements")
+        if arr.dtype != dtype:
+            raise ValueError(f"residual is {arr.dtype}, the dict says {dtype}")
+        if not np.isfinite(arr).all():
+            raise ValueError("residual holds non-finite values")
+
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume bit-exactly on this rank (host copies; safe to pickle)."""
         return {
@@ -421,7 +443,12 @@ class Sparsifier(Selector):
         }
 
     def load_state_dict(self, d: Mapping[str, Any]) -> None:
-        """Restore ``state_dict()`` output. Collective: every rank loads its own rank's dict."""
+        """Restore ``state_dict()`` output. Collective: every rank loads its own rank's dict.
+
+        All or nothing: every rank checks its whole dict (header, residual, controller, layout,
+        extra state) before one agreement; if any rank's dict is wrong, every rank raises the same
+        ``ValueError`` naming the ranks and causes, and no rank's state changes.
+        """
         problem = None
         try:
             for key, mine in (("name", self.name), ("numel", self.numel), ("nranks", self.nranks),
@@ -430,8 +457,11 @@ class Sparsifier(Selector):
                     problem = f"state_dict has {key}={d[key]!r}, this sparsifier has {mine!r}"
                     break
             it = int(d["iteration"])
+            if problem is None:
+                self._check_residual(d)
+                self._check_extra_state(d)
         except (KeyError, TypeError, ValueError) as e:
-            problem, it = f"state_dict is malformed ({e!r})", -1
+            problem, it = f"state_dict is malformed ({e})", -1
         got = self.exchange.agree([1 if problem else 0, it])
         if got[:, 0].any():
             msgs = self.exchange.gather_objects(problem)

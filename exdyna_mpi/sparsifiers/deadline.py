@@ -311,6 +311,10 @@ class DeadlineOption:
             extra["deadline"] = self.deadline.state() if self.deadline is not None else self._deadline_state
         return extra
 
+    def _deadline_check_state(self, d):
+        if self.options.get("deadline_ms") is not None:
+            [float(x) for x in (d.get("deadline") or {}).get("history", [])]
+
     def _deadline_load_state(self, d):
         if self.options.get("deadline_ms") is not None:
             self._deadline_state = d.get("deadline") or {"history": []}

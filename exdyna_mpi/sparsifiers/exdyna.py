@@ -355,6 +355,13 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
         self.layout.load_state(d["layout"])
         self._deadline_load_state(d)
 
+    def _check_extra_state(self, d):
+        thr = float(d["controller_state"]["threshold"])
+        if not math.isfinite(thr) or thr < 0:
+            raise ValueError(f"controller threshold {thr!r} is not a finite number >= 0")
+        self.layout.check_state(d["layout"])
+        self._deadline_check_state(d)
+
 
 class MiCRO(ExDyna):
     """MiCRO: ExDyna without blocks or rebalancing (P fixed, equal element partitions)."""

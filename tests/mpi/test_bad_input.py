@@ -1,4 +1,6 @@
 """Bad input on one rank: the same clear error on every rank, no hang, state exactly as before."""
+import copy
+
 import numpy as np
 import pytest
 
@@ -140,3 +142,24 @@ def test_load_state_dict_mismatch_is_collective(wcomm):
     with pytest.raises(ValueError, match=f"rank {P - 1}: state_dict has numel"):
         sp.load_state_dict(d)
     mpi_assert(sp.iteration == 1, "refused load changed the state", wcomm)
+
+
+@pytest.mark.parametrize("part", ["layout", "controller"])
+def test_corrupt_extra_state_on_one_rank_changes_nothing(wcomm, part):
+    """A layout or threshold that does not fit, on the last rank only: every rank refuses before any
+    rank loads anything (the residual, the iteration and the layout stay as they were)."""
+    P, rank = wcomm.Get_size(), wcomm.Get_rank()
+    sp = exdyna_mpi.ExDyna(NUMEL, 0.01, wcomm)
+    sp.step(laplace_grad(rank, 0, NUMEL))
+    d = copy.deepcopy(sp.state_dict())
+    sp.step(laplace_grad(rank, 1, NUMEL))
+    before = (sp.residual.tobytes(), sp.iteration, repr(sorted(sp.state_dict().items())))
+    if rank == P - 1:
+        if part == "layout":
+            d["layout"]["blk_part"][0] += 1
+        else:
+            d["controller_state"]["threshold"] = float("nan")
+    with pytest.raises(ValueError, match=f"rank {P - 1}: state_dict is malformed"):
+        sp.load_state_dict(d)
+    after = (sp.residual.tobytes(), sp.iteration, repr(sorted(sp.state_dict().items())))
+    mpi_assert(after == before, "a refused load changed the state", wcomm)

@@ -2,7 +2,7 @@
 import pytest
 
 from exdyna_mpi.arrays import cuda_available
-from tests.contract import NAMES, check_bad_input, check_round_trip, check_same_output
+from tests.contract import NAMES, check_bad_input, check_bad_state, check_round_trip, check_same_output
 
 pytestmark = pytest.mark.mpi
 #: the CUDA path joins where device="cuda" can run (a GPU, or NUMBA_ENABLE_CUDASIM=1)
@@ -28,3 +28,9 @@ def test_state_round_trip(wcomm, backend, name):
 @pytest.mark.parametrize("name", NAMES)
 def test_bad_input_on_one_rank(wcomm, backend, name, kind):
     check_bad_input(wcomm, backend, name, kind)
+
+
+@pytest.mark.parametrize("kind", ["residual-length", "residual-nan"])
+@pytest.mark.parametrize("name", NAMES)
+def test_corrupt_state_on_one_rank(wcomm, backend, name, kind):
+    check_bad_state(wcomm, backend, name, kind)

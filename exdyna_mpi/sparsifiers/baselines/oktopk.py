@@ -30,6 +30,8 @@ rank's link, the same model for every call; all of it, and every MPI call, in ``
 """
 import time
 
+import math
+
 import numpy as np
 
 from ...arrays import threshold_for
@@ -252,10 +254,16 @@ class OkTopk(Sparsifier):
     def _extra_state(self):
         return {"local_thr": self.local_thr, "global_thr": self.global_thr, "bounds": self.bounds.tolist()}
 
-    def _load_extra_state(self, d):
-        self.local_thr = d["local_thr"]
-        self.global_thr = d["global_thr"]
+    def _check_extra_state(self, d):
+        for key in ("local_thr", "global_thr"):
+            if d[key] is not None and not math.isfinite(float(d[key])):
+                raise ValueError(f"{key} {d[key]!r} is not finite")
         b = np.asarray(d["bounds"], dtype=np.int64)
         if b.shape != (self.nranks + 1,) or b[0] != 0 or b[-1] != self.numel or (np.diff(b) < 0).any():
             raise ValueError("oktopk: state_dict bounds do not fit this sparsifier")
-        self.bounds = b
+
+    def _load_extra_state(self, d):
+        self._check_extra_state(d)
+        self.local_thr = d["local_thr"]
+        self.global_thr = d["global_thr"]
+        self.bounds = np.asarray(d["bounds"], dtype=np.int64)

@@ -101,6 +101,9 @@ class UnionSparsifier(DeadlineOption, Sparsifier):
     def _load_extra_state(self, d):
         self._deadline_load_state(d)
 
+    def _check_extra_state(self, d):
+        self._deadline_check_state(d)
+
 
 class TopK(UnionSparsifier):
     """Exact local top-k of ``|acc|`` (O(n) selection, no sort), union exchange.
