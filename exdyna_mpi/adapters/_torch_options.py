@@ -108,6 +108,7 @@ class TrainingOptions:
                              f"got {momentum_correction!r}")
         self.stages, self.stage_steps = _density_stages(density_warmup, density_warmup_steps, density)
         self.params = params
+        self.numel = numel
         self.clip_norm = None if clip_norm is None else float(clip_norm)
         self.warmup_steps = int(warmup_steps)
         self.momentum = m
@@ -180,17 +181,38 @@ class TrainingOptions:
                      carry=None if self.carry is None else self.carry.clone())
         return d
 
-    def load_state_dict(self, d):
-        """Collective (the live stage's sparsifier is made and loaded on every rank)."""
+    def _check(self, d):
+        """``(step, stage)`` of ``d`` after the local checks (raises on a dict that cannot load)."""
         step = int(d["step"])
         stage = d.get("stage") if self.stages else None
-        got = self._exchange.agree([step, -1 if stage is None else int(stage)])
-        if (got != got[0]).any():   # else ranks would build different sparsifiers and hang
+        if stage is not None and not 0 <= int(stage) < len(self.stages):
+            raise ValueError(f"the dict is in density_warmup stage {stage}, this optimizer has "
+                             f"{len(self.stages)} stages")
+        for key in ("velocity",) + (("carry",) if self.stages else ()):
+            v = d.get(key)
+            if v is not None and tuple(v.shape) != (self.numel,):
+                raise ValueError(f"exdyna_options.{key} has shape {tuple(v.shape)}, the model {self.numel} elements")
+            if v is not None and not bool(_torch().isfinite(v).all()):
+                raise ValueError(f"exdyna_options.{key} holds non-finite values")
+        return step, stage
+
+    def load_state_dict(self, d):
+        """Collective (the live stage's sparsifier is made and loaded on every rank), all or nothing:
+        every rank checks its dict before one agreement; a problem on any rank raises the same
+        ``ValueError`` on every rank, naming it, and nothing changes."""
+        problem = None
+        try:
+            step, stage = self._check(d)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            problem, step, stage = f"exdyna_options is malformed ({e})", -1, None
+        got = self._exchange.agree([1 if problem else 0, step, -1 if stage is None else int(stage)])
+        if got[:, 0].any():
+            msgs = self._exchange.gather_objects(problem)
+            raise ValueError("DistributedOptimizer.load_state_dict refused: " +
+                             "; ".join(f"rank {r}: {m}" for r, m in enumerate(msgs) if m))
+        if (got[:, 1:] != got[0, 1:]).any():   # else ranks would build different sparsifiers and hang
             raise ValueError("DistributedOptimizer.load_state_dict: ranks hold different recipe steps/stages "
-                             f"{got.tolist()} (checkpoints of different steps?)")
-        if stage is not None and not 0 <= stage < len(self.stages):
-            raise ValueError(f"DistributedOptimizer.load_state_dict: the dict is in density_warmup stage {stage}, "
-                             f"this optimizer has {len(self.stages)} stages")
+                             f"{got[:, 1:].tolist()} (checkpoints of different steps?)")
         self.step = step
         v = d["velocity"]
         self.velocity = None if v is None else v.detach().clone()

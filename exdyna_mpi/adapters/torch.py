@@ -201,6 +201,7 @@ class _DistributedMixin:
             except ValueError as e:   # refused on this rank: the collective check below makes all raise
                 sp_state = dict(sp_state, name=f"<{e}>")
         before = copy.deepcopy(super().state_dict())
+        sp_before = self.sparsifier.state_dict()
         try:
             super().load_state_dict(state_dict)
             if self._exdyna_moved_momentum:   # a dict saved before the momentum moved must not bring it back
@@ -214,7 +215,14 @@ class _DistributedMixin:
             super().load_state_dict(before)   # leave this rank exactly as it was
             raise
         if self._exdyna_options.active:
-            self._exdyna_options.load_state_dict(_from_torch_keep_tensors(opt_state))
+            opts_before = self._exdyna_options.state_dict()
+            try:   # refusals here are collective (agreed), so every rank rolls back together
+                self._exdyna_options.load_state_dict(_from_torch_keep_tensors(opt_state))
+            except ValueError:
+                self._exdyna_options.load_state_dict(opts_before)
+                self.sparsifier.load_state_dict(sp_before)
+                super().load_state_dict(before)
+                raise
         if adam is not None:
             flat = self._exdyna_grads.flat
             adam.load_state_dict({k: v.to(flat.device) if hasattr(v, "to") else v for k, v in adam_state.items()})
