@@ -889,8 +889,11 @@ bash jobs/run_e2e.sh --rate 1000 --tuned out/tune/tuned.json --seed 1 --out out/
   allreduce seconds over the compute seconds of one step without communication; each table's
   setup records it). Small matrices run at a lower FLOP rate on a CPU, so this model's ratio at a
   given link rate is lower than the 10.8M model's; the links are therefore set to 200 Mbit/s, where
-  this model's ratio (1.12) is close to the 10.8M model's at 1 Gbit/s (0.95, 2026-11-25). The
-  performance model below carries the measured steps to other rates (modelled, marked so).
+  this model's ratio (1.12) is close to the 10.8M model's at 1 Gbit/s (0.95, 2026-11-25), and to
+  2 Gbit/s for the fast-network end (ratio 0.08: communication nearly free). The performance model
+  below carries the measured steps to other rates (modelled, marked so). The slow end (about
+  20 Mbit/s, the 10.8M model's 100 Mbit/s) is not measured yet: DDP's two passes alone would take
+  about 45 minutes per seed here.
 - **Reading the tables.** "not reached": the method did not reach DDP's loss within 1.5x the budget
   (900 batches); its loss at the budget, beside, says how far it was. Ratios above 1 are sooner than
   DDP. The learning-rate table marks a choice at the grid's edge, where a wider grid might help.
