@@ -18,23 +18,10 @@ torch = pytest.importorskip("torch", reason="PyTorch is not installed")
 
 from exdyna_mpi.adapters.torch import DistributedOptimizer  # noqa: E402
 from tests.conftest import allgather_array, mpi_assert  # noqa: E402
+from tests.mpi.test_torch_options import _batch, _flat, _model, _step  # noqa: E402  (the same toy model)
 
 pytestmark = pytest.mark.mpi
 LR, BETAS, EPS, WD, WARM = 1e-2, (0.9, 0.95), 1e-8, 0.1, 3
-
-
-def _model(seed=5):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 5))
-
-
-def _flat(tensors):
-    return torch.cat([t.detach().reshape(-1) for t in tensors]).numpy().copy()
-
-
-def _batch(rank, s):
-    gen = torch.Generator().manual_seed(1000 * rank + s)
-    return torch.randn(16, 32, generator=gen) * (1 + s % 3), torch.randint(0, 5, (16,), generator=gen)
 
 
 def _grad_at(model, flat_params, x, y):
@@ -44,12 +31,6 @@ def _grad_at(model, flat_params, x, y):
         torch.nn.utils.vector_to_parameters(torch.from_numpy(flat_params.astype(np.float32)), m.parameters())
     torch.nn.functional.cross_entropy(m(x), y).backward()
     return _flat(p.grad for p in m.parameters()).astype(np.float64)
-
-
-def _step(model, opt, x, y):
-    opt.zero_grad()
-    torch.nn.functional.cross_entropy(model(x), y).backward()
-    opt.step()
 
 
 def _make(model, wcomm, cls=torch.optim.AdamW, **kw):
