@@ -55,6 +55,18 @@ def mpi_assert(ok, msg="", comm=MPI.COMM_WORLD):
         raise AssertionError(f"failed on ranks {bad}: {msg}")
 
 
+def same_error_everywhere(call, comm=MPI.COMM_WORLD):
+    """Run ``call()``, which must raise ``ValueError`` on every rank with the same message; returns it."""
+    msg = ""
+    try:
+        call()
+    except ValueError as e:
+        msg = str(e)
+    msgs = comm.allgather(msg)
+    mpi_assert(msgs[0] and all(m == msgs[0] for m in msgs), f"errors differ or missing: {msgs}", comm)
+    return msgs[0]
+
+
 def allgather_array(x, comm=MPI.COMM_WORLD):
     """Every rank's copy of ``x`` stacked as a (P, ...) array, on every rank."""
     return np.stack(comm.allgather(np.asarray(x)))

@@ -201,7 +201,8 @@ class _DistributedMixin:
             except ValueError as e:   # refused on this rank: the collective check below makes all raise
                 sp_state = dict(sp_state, name=f"<{e}>")
         before = copy.deepcopy(super().state_dict())
-        sp_before = self.sparsifier.state_dict()
+        # the sparsifier's state, to roll back to if the recipe options refuse after it loaded
+        sp_before = self.sparsifier.state_dict() if self._exdyna_options.active else None
         try:
             super().load_state_dict(state_dict)
             if self._exdyna_moved_momentum:   # a dict saved before the momentum moved must not bring it back

@@ -25,7 +25,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is not installed")
 
 import exdyna_mpi  # noqa: E402
 from exdyna_mpi.adapters.torch import DistributedOptimizer  # noqa: E402
-from tests.conftest import allgather_array, mpi_assert  # noqa: E402
+from tests.conftest import allgather_array, mpi_assert, same_error_everywhere  # noqa: E402
 
 pytestmark = pytest.mark.mpi
 
@@ -462,13 +462,7 @@ def test_corrupt_options_state_on_one_rank_changes_nothing(kind, wcomm):
             d["exdyna_options"]["velocity"] = d["exdyna_options"]["velocity"][:10]
         else:
             d["exdyna_options"]["step"] += 1
-    msg = ""
-    try:
-        opt.load_state_dict(d)
-    except ValueError as e:
-        msg = str(e)
-    msgs = wcomm.allgather(msg)
-    mpi_assert(msgs[0] and all(m == msgs[0] for m in msgs), f"errors differ or missing: {msgs}", wcomm)
+    msg = same_error_everywhere(lambda: opt.load_state_dict(d), wcomm)
     want = f"rank {P - 1}: exdyna_options is malformed" if kind == "velocity" else "different recipe steps"
-    mpi_assert(want in msgs[0], msgs[0], wcomm)
+    mpi_assert(want in msg, msg, wcomm)
     mpi_assert(snapshot() == before, "a refused load changed the state", wcomm)
