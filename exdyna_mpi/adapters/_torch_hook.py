@@ -191,24 +191,28 @@ class ExDynaHookState:
         return box.get("value")
 
     def close(self) -> None:
-        """Stop the worker after the work queued so far and free the private communicator
-        (collective once an iteration has run). The state stays usable: the next iteration
-        restarts the worker and rebuilds the sparsifiers from their state."""
-        if self._thread is None:
+        """Stop the worker after the work queued so far, close the sparsifiers (a deadline
+        exchange completes its late messages) and free the private communicator (collective once
+        an iteration has run or a state was loaded). The state stays usable: the next iteration
+        restarts the worker and rebuilds the sparsifiers from their state. Idempotent."""
+        if self._thread is None and self._comm is None:
             return
 
         def stop():
             if self._sp is not None or self._sps:
                 self._to_load = self._snapshot()
+            for sp in [self._sp, *(self._sps[k] for k in sorted(self._sps))]:
+                _close(sp)
             self._sp, self._sps, self._owner, self._flat = None, {}, {}, None
             if self._comm is not None:
                 self._comm.Free()
                 self._comm = None
 
         self._call(stop)
-        self._queue.put(None)
-        self._thread.join()
-        self._thread = self._queue = None
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = self._queue = None
 
     # ------------------------------------------------------------------ checkpoints
     def _snapshot(self) -> dict[str, Any]:
@@ -228,36 +232,111 @@ class ExDynaHookState:
         return self._call(self._snapshot)
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
-        """Restore ``state_dict()`` output (this rank's), before the next iteration. A different
-        scope, sparsifier, density or layout raises ``ValueError`` here; a model whose parameters do
-        not match the layout raises it (every rank) at the first iteration, from ``backward()``.
-        The sparsifiers are rebuilt by the worker at the next iteration (collective there)."""
+        """Restore ``state_dict()`` output (this rank's), between iterations. Collective over
+        ``comm``: every rank loads its own rank's dict.
+
+        All or nothing: every rank checks its dict (version, scope, sparsifier, density, layout,
+        step, bucket keys), the ranks agree once, then the sparsifiers are rebuilt from the dicts
+        (each ``Sparsifier.load_state_dict`` checks its residual and extra state and agrees again).
+        Any rank's problem raises the same ``ValueError`` on every rank, naming the ranks and causes,
+        and leaves every rank's state as it was. A model whose parameters do not match the layout
+        raises (every rank) at the first iteration, from ``backward()``. Set ``comm`` before loading.
+        """
+        problem, got, layout = self._check_dict(d)
+        self._call(lambda: self._load(problem, got, layout))
+
+    def _check_dict(self, d: Any) -> tuple[str | None, dict[str, Any] | None, Layout | None]:
+        """This rank's checks of a ``state_dict()`` output: (its problem or None, the fields, the layout)."""
         try:
             got = {k: d[k] for k in ("version", "scope", "sparsifier", "density", "layout", "step", "state")}
         except (KeyError, TypeError) as e:
-            raise ValueError(f"ExDynaHookState.load_state_dict: not a state_dict() output ({e!r})") from None
+            return f"not a state_dict() output ({e!r})", None, None
         for key, mine in (("version", _VERSION), ("scope", self.scope), ("sparsifier", self.sparsifier),
                           ("density", self.density)):
             if got[key] != mine:
-                raise ValueError(f"ExDynaHookState.load_state_dict: the dict has {key}={got[key]!r}, "
-                                 f"this state has {mine!r}")
-        layout = None if got["layout"] is None else _as_layout(got["layout"])
+                return f"the dict has {key}={got[key]!r}, this state has {mine!r}", None, None
+        try:
+            layout = None if got["layout"] is None else _as_layout(got["layout"])
+            got["step"] = int(got["step"])
+        except (TypeError, ValueError) as e:
+            return f"malformed layout or step ({e})", None, None
+        if layout is not None and any(n < 0 or n != int(np.prod(shape)) for n, shape in layout):
+            return "malformed layout (an element count that does not match its shape)", None, None
         if self.layout is not None and layout is not None and layout != self.layout:
-            raise ValueError("ExDynaHookState.load_state_dict: the dict's parameter layout "
-                             f"({len(layout)} parameters, {sum(n for n, _ in layout)} elements) differs from "
-                             f"this state's ({len(self.layout)} parameters, {self._offsets[-1]} elements)")
+            return (f"the dict's parameter layout ({len(layout)} parameters, {sum(n for n, _ in layout)} elements) "
+                    f"differs from this state's ({len(self.layout)} parameters, {self._offsets[-1]} elements)",
+                    None, None)
         if layout is None and got["state"]:
-            raise ValueError("ExDynaHookState.load_state_dict: sparsifier state without a layout")
+            return "sparsifier state without a layout", None, None
+        if self.scope == "bucket" and got["state"]:
+            try:
+                keys = [tuple(int(i) for i in key) for key, _ in got["state"]]
+            except (TypeError, ValueError) as e:
+                return f"malformed bucket state ({e})", None, None
+            if sorted(i for key in keys for i in key) != list(range(len(layout))):
+                return "the bucket keys do not partition the layout", None, None
+            got["state"] = [[key, sd] for key, (_, sd) in zip(keys, got["state"])]
+        return None, got, layout
 
-        def install():
-            self._sp, self._sps, self._owner, self._flat = None, {}, {}, None
-            if layout is not None and self.layout is None:
-                self._set_layout(layout)
-            self.step = int(got["step"])
-            self._to_load = got if got["state"] else None
-            self._after_load = True
+    def _load(self, problem: str | None, got: dict[str, Any] | None, layout: Layout | None) -> None:
+        """Worker (or the caller, before the first iteration): agree, rebuild, then install."""
+        comm = self._comm if self._comm is not None else self.comm
+        if got is None:
+            shape = None
+        elif self.scope == "bucket" and got["state"]:
+            shape = (got["step"], layout, [key for key, _ in got["state"]])
+        else:
+            shape = (got["step"], layout, bool(got["state"]))
+        every = comm.allgather((problem, shape))
+        parts = [f"rank {r}: {p}" for r, (p, _) in enumerate(every) if p]
+        if not parts and any(sh != every[0][1] for _, sh in every):
+            parts = ["the ranks' dicts differ in step, layout or sparsifiers: "
+                     + ", ".join(f"rank {r}: step {sh[0]}" for r, (_, sh) in enumerate(every))]
+        if parts:
+            raise ValueError("ExDynaHookState.load_state_dict refused on all ranks, state unchanged: "
+                             + "; ".join(parts))
+        if got["state"] and self._comm is None:
+            self._comm = self.comm.Dup()
+        offsets = self._offsets if layout is None or self.layout is not None else \
+            [0] + np.cumsum([n for n, _ in layout], dtype=np.int64).tolist()
+        built: list[tuple[Key | None, Any]] = []
+        try:
+            if self.scope == "model" and got["state"]:
+                built.append((None, self._loaded(offsets[-1], got["state"])))
+            elif got["state"]:
+                for key, sd in got["state"]:
+                    built.append((key, self._loaded(sum(layout[i][0] for i in key), sd)))
+        except BaseException:
+            for _, sp in built:
+                _close(sp)
+            raise
+        old = [sp for sp in [self._sp, *self._sps.values()] if sp is not None]
+        self._sp, self._sps, self._owner, self._flat = None, {}, {}, None
+        for key, sp in built:
+            if key is None:
+                self._sp = sp
+            else:
+                self._sps[key] = sp
+                self._owner.update((i, key) for i in key)
+        if layout is not None and self.layout is None:
+            self._set_layout(layout)
+        self.step = got["step"]
+        self._to_load = None
+        self._after_load = True
+        for sp in old:
+            _close(sp)
 
-        self._call(install)
+    def _loaded(self, numel: int, sd: Any) -> Any:
+        """A sparsifier of ``numel`` elements loaded with ``sd`` (collective; closed if the load refuses)."""
+        sp = exdyna_mpi.make(self.sparsifier, numel, self.density, self._comm, **self.options)
+        try:
+            sp.load_state_dict(sd)
+        except BaseException as e:
+            _close(sp)
+            if isinstance(e, ValueError):
+                raise ValueError(f"ExDynaHookState.load_state_dict refused on all ranks, state unchanged: {e}") from e
+            raise
+        return sp
 
     def __getstate__(self) -> dict[str, Any]:
         return {"config": (self.sparsifier, self.density, self.scope, self.options), "state": self.state_dict()}
@@ -265,7 +344,16 @@ class ExDynaHookState:
     def __setstate__(self, s: dict[str, Any]) -> None:
         sparsifier, density, scope, options = s["config"]
         self.__init__(sparsifier, density, scope=scope, **options)
-        self.load_state_dict(s["state"])
+        # unpickling is one rank's business, not a collective: the sparsifiers are built (and
+        # their states checked, collectively) by the worker at the first iteration
+        problem, got, layout = self._check_dict(s["state"])
+        if problem:
+            raise ValueError(f"ExDynaHookState: cannot unpickle: {problem}")
+        if layout is not None:
+            self._set_layout(layout)
+        self.step = got["step"]
+        self._to_load = got if got["state"] else None
+        self._after_load = True
 
     def _set_layout(self, layout: Layout) -> None:
         self.layout = list(layout)
@@ -274,20 +362,12 @@ class ExDynaHookState:
     def _build_from(self, d: dict[str, Any]) -> None:
         """Worker: the sparsifiers of a loaded dict, each loaded with its state (collective)."""
         if self.scope == "model":
-            self._sp = self._make(self._offsets[-1])
-            self._collective(lambda: self._sp.load_state_dict(d["state"]))
+            self._sp = self._collective(lambda: self._loaded(self._offsets[-1], d["state"]))
             return
-        seen = []
-        for key, sd in d["state"]:
-            key = tuple(int(i) for i in key)
-            sp = self._make(self._key_numel(key))
-            self._collective(lambda: sp.load_state_dict(sd))
+        for key, sd in d["state"]:   # keys checked to partition the layout when unpickled
+            sp = self._collective(lambda: self._loaded(self._key_numel(key), sd))
             self._sps[key] = sp
-            for i in key:
-                self._owner[i] = key
-            seen.extend(key)
-        if sorted(seen) != list(range(len(self.layout))):
-            raise _LayoutError("ExDynaHookState.load_state_dict: the bucket keys do not partition the layout")
+            self._owner.update((i, key) for i in key)
 
     # ------------------------------------------------------------------ backward thread
     def _known(self, p: torch.Tensor) -> bool:
@@ -414,6 +494,8 @@ class ExDynaHookState:
             try:
                 self._build_from(self._to_load)
             except BaseException:
+                for sp in [self._sp, *self._sps.values()]:
+                    _close(sp)
                 self._sp, self._sps, self._owner = None, {}, {}   # kept to load: the next iteration retries
                 raise
             self._to_load = None
@@ -461,9 +543,11 @@ class ExDynaHookState:
                     for j in jobs:
                         for src, dst, n in j.runs:
                             j.buf[src:src + n].copy_(self._flat[dst:dst + n])
-                for j in jobs:
-                    j.fut.set_result(j.buf)
+            # counted before the futures complete: the caller reads ``step`` once backward() returns
             self.step += 1
+            for j in jobs + [last]:
+                if not j.fut.done():
+                    j.fut.set_result(j.buf)
         except BaseException as e:   # noqa: BLE001 - delivered to the futures
             self._deliver(jobs, e)
         finally:
@@ -479,7 +563,8 @@ class ExDynaHookState:
             sp = self._adopt(job.key)
         self._collective(lambda: sp.step(job.buf, out=job.buf))
         self.stats[job.key] = sp.stats
-        job.fut.set_result(job.buf)
+        if not job.last:   # the last one completes in _finish, once the iteration is counted
+            job.fut.set_result(job.buf)
 
     def _adopt(self, key: Key) -> Any:
         """A sparsifier for a key seen for the first time, its residual carried over from the
@@ -504,8 +589,8 @@ class ExDynaHookState:
             self._owner[i] = key
         self._sps[key] = sp
         live = set(self._owner.values())
-        for k in [k for k in self._sps if k not in live]:
-            del self._sps[k]   # holds no parameter any more
+        for k in sorted(k for k in self._sps if k not in live):
+            _close(self._sps.pop(k))   # holds no parameter any more (same order on every rank: collective)
         return sp
 
     def _key_offsets(self, key: Key) -> dict[int, int]:
@@ -539,6 +624,13 @@ def _worker_loop(q: queue.SimpleQueue) -> None:
         if fn is None:
             return
         fn()
+
+
+def _close(sp: Any) -> None:
+    """Close a sparsifier that has ``close()`` (deadline mode: collective, so called in the same
+    order on every rank) before it is dropped, so no request outlives its buffers."""
+    if sp is not None and hasattr(sp, "close"):
+        sp.close()
 
 
 def _as_layout(raw: Any) -> Layout:

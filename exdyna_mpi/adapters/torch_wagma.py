@@ -15,6 +15,7 @@ the wrapped optimizer (momentum, weight decay act on the local gradient), then a
 """
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING, Any, Iterable
 
 import exdyna_mpi
@@ -77,11 +78,23 @@ class _GroupAveragingMixin:
         return d
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore ``state_dict()`` output. Collective, all or nothing: a refusal of the wrapped
+        optimizer's state or of the averager's on any rank raises the same ``ValueError`` on
+        every rank, and every rank's optimizer and averager stay as they were."""
         d = dict(state_dict)
         ga = d.pop("group_averager", None)
-        super().load_state_dict(d)
-        if ga is not None:
-            self.averager.load_state_dict(ga)
+        before = copy.deepcopy(super().state_dict())
+        problem = None if ga is not None else "the dict has no 'group_averager' state"
+        if problem is None:
+            try:
+                super().load_state_dict(d)
+            except (KeyError, ValueError, TypeError, RuntimeError) as e:
+                problem = f"optimizer state refused on this rank: {e}"
+        try:
+            self.averager._load(ga, problem)
+        except Exception:
+            super().load_state_dict(before)   # leave this rank exactly as it was
+            raise
 
     def close(self) -> None:
         self.averager.close()

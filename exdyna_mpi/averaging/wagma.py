@@ -406,30 +406,40 @@ class GroupAverager:
                 "iteration": self.iteration, "dtype": None if self._dtype is None else self._dtype.str}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
-        """Restore ``state_dict()`` output (the schedule position). Collective."""
-        problem, it = None, -1
+        """Restore ``state_dict()`` output (the schedule position). Collective, all or nothing:
+        every rank checks its dict before one agreement; any rank's problem raises the same
+        ``ValueError`` on every rank, naming the ranks, and no rank's state changes."""
+        self._load(d, None)
+
+    def _load(self, d: Any, problem: str | None) -> None:
+        """``load_state_dict`` with a problem found by the caller on this rank (a wrapper's own
+        state refused), which joins the agreement."""
+        it, dtype = -1, None
         try:
             for key in ("name", "numel", "nranks", "rank", "group_size", "sync_every", "mode"):
                 mine = getattr(self, key)
-                if d[key] != mine:
+                if problem is None and d[key] != mine:
                     problem = f"state_dict has {key}={d[key]!r}, this averager has {mine!r}"
-                    break
             it = int(d["iteration"])
-            if it < 0:
+            if it < 0 and problem is None:
                 problem = f"state_dict has iteration={it}"
+            dtype = None if d["dtype"] is None else np.dtype(d["dtype"])
+            if dtype is not None and dtype.kind != "f" and problem is None:
+                problem = f"state_dict has dtype={d['dtype']!r}, not a floating-point dtype"
         except (KeyError, TypeError, ValueError) as e:
-            problem = f"state_dict is malformed ({e!r})"
+            problem = problem or f"state_dict is malformed ({e!r})"
         got = self.tx.agree([1 if problem else 0, it, self.iteration])
         if got[:, 0].any():
             msgs = self.tx.allgather_text(problem)
             parts = [f"rank {r}: {m}" for r, m in enumerate(msgs) if m]
-            raise ValueError("GroupAverager: load_state_dict refused: " + "; ".join(parts))
+            raise ValueError("GroupAverager: load_state_dict refused on all ranks, state unchanged: "
+                             + "; ".join(parts))
         if (got[:, 1] != got[0, 1]).any() or (got[:, 2] != got[0, 2]).any():
-            raise ValueError("GroupAverager: load_state_dict refused: ranks hold different iterations "
-                             f"(loaded {got[:, 1].tolist()}, current {got[:, 2].tolist()})")
+            raise ValueError("GroupAverager: load_state_dict refused on all ranks, state unchanged: ranks hold "
+                             f"different iterations (loaded {got[:, 1].tolist()}, current {got[:, 2].tolist()})")
         self._stop_thread()
         self.iteration = it
-        self._dtype = None if d["dtype"] is None else np.dtype(d["dtype"])
+        self._dtype = dtype
         self._msgs = {}
         self._checked = False
         self.stats = None

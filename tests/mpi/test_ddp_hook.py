@@ -6,6 +6,8 @@ process group that spans the MPI ranks.
 - small buckets: the hook sees several, and DDP's rebuild after the first iteration is followed;
 - a checkpoint (state_dict or pickle) resumed with a new model and a new DDP reaches the straight
   run's parameters bit for bit;
+- a checkpoint corrupt on one rank (header, step, layout, bucket keys, the sparsifier's residual) is
+  refused on every rank with the same message, and every rank's state stays as it was;
 - NaN on one rank: every rank's backward raises, with the library's StepError behind it;
 - an error inside the exchange on one rank ends the whole job (a subprocess job, run by rank 0);
 - with scope="model", the density holds for the model as a whole.
@@ -23,7 +25,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from tests.conftest import init_gloo, mpi_assert, require
+from tests.conftest import init_gloo, mpi_assert, require, same_error_everywhere
 
 torch = require("torch")
 dist = pytest.importorskip("torch.distributed")
@@ -181,6 +183,31 @@ def test_several_buckets_and_the_rebuild(scope):
         mpi_assert(flat == list(range(len(state.layout))), f"bucket keys {keys} do not partition the parameters")
 
 
+def test_deadline_sparsifiers_are_closed_when_dropped():
+    """Deadline mode holds MPI requests on its own buffers: every sparsifier the hook drops (DDP's
+    bucket rebuild, a load, close()) is closed first, so no request outlives its buffers."""
+    model = _model()
+    ddp, opt = _ddp(model), _opt(model)
+    state = ExDynaHookState("exdyna", DENSITY, scope="bucket", deadline_ms=60_000, max_loss=0.0)
+    ddp.register_comm_hook(state, exdyna_hook)
+    try:
+        _train(ddp, opt, 1)
+        first = dict(state._sps)   # the initial buckets' sparsifiers, before DDP's rebuild
+        _train(ddp, opt, 2, start=1)
+        dropped = [sp for k, sp in first.items() if state._sps.get(k) is not sp]
+        mpi_assert(dropped and all(sp.deadline is None for sp in dropped),
+                   f"{len(dropped)} dropped at the rebuild, open: {sum(sp.deadline is not None for sp in dropped)}")
+        held = list(state._sps.values())
+        mpi_assert(all(sp.deadline is not None for sp in held), "the held sparsifiers have no deadline exchange")
+        state.load_state_dict(state.state_dict())
+        mpi_assert(all(sp.deadline is None for sp in held), "a load left the replaced sparsifiers open")
+        held = list(state._sps.values())
+        _train(ddp, opt, 1, start=3)
+    finally:
+        state.close()
+    mpi_assert(all(sp.deadline is None for sp in held) and state._comm is None, "close() left a deadline exchange open")
+
+
 def test_bucket_rebuild_carries_the_residual():
     """Error feedback loses nothing across DDP's rebuild (new bucket keys after the first
     iteration): summed over the steps, mean over ranks of (gradients - final residual) equals the
@@ -303,6 +330,84 @@ def test_load_refuses_another_layout():
         other.load_state_dict(dict(d, density=0.5))
     with pytest.raises(ValueError, match="scope"):
         other.load_state_dict(dict(d, scope="bucket"))
+
+
+def _half_residual(d):
+    sd = d["state"] if d["scope"] == "model" else d["state"][0][1]
+    sd["residual"] = sd["residual"][: sd["residual"].size // 2]
+
+
+def _bad_key(d):
+    d["state"][0][0] = list(d["state"][0][0]) + [0]
+
+
+CORRUPTIONS = {
+    "density": lambda d: d.update(density=0.5),
+    "step": lambda d: d.update(step=d["step"] + 1),
+    "layout": lambda d: d.update(layout=d["layout"][:-1]),
+    "not-a-dict": None,
+    "residual": _half_residual,
+}
+
+
+def _bits(d):
+    """The state dict's content as bytes (residuals included), for an unchanged-state check."""
+    return pickle.dumps(d)
+
+
+@pytest.mark.parametrize("scope", ["model", "bucket"])
+@pytest.mark.parametrize("fault", sorted(CORRUPTIONS) + ["bucket-key"])
+def test_corrupt_checkpoint_on_one_rank_changes_nothing(scope, fault):
+    if fault == "bucket-key" and scope == "model":
+        pytest.skip("bucket keys exist with scope='bucket' only")
+    comm = MPI.COMM_WORLD
+    if fault == "step" and comm.Get_size() == 1:
+        pytest.skip("a step that differs between ranks needs two ranks")
+    bad = comm.Get_size() - 1
+    model = _model(seed=3)
+    ddp, opt = _ddp(model), _opt(model)
+    state = ExDynaHookState("exdyna", DENSITY, scope=scope)
+    ddp.register_comm_hook(state, exdyna_hook)
+    try:
+        _train(ddp, opt, 3)
+        saved = state.state_dict()
+        _train(ddp, opt, 2, start=3)
+        before = _bits(state.state_dict())
+        d = pickle.loads(pickle.dumps(saved))
+        if comm.Get_rank() == bad:
+            d = "garbage" if fault == "not-a-dict" else d
+            (_bad_key if fault == "bucket-key" else CORRUPTIONS.get(fault) or (lambda _: None))(d)
+        msg = same_error_everywhere(lambda: state.load_state_dict(d))
+        mpi_assert(f"rank {bad}" in msg and "state unchanged" in msg, f"message does not name rank {bad}: {msg}")
+        mpi_assert(_bits(state.state_dict()) == before, "a refused load changed this rank's state")
+        mpi_assert(state.step == 5, f"step {state.step} after a refused load")
+        _train(ddp, opt, 1, start=5)   # the job goes on: nobody waits in a collective
+        mpi_assert(state.step == 6 and state.error is None, f"step {state.step}, error {state.error!r}")
+        state.load_state_dict(pickle.loads(pickle.dumps(saved)))   # the good dicts still load
+        mpi_assert(state.step == 3, f"step {state.step} after loading step 3")
+    finally:
+        state.close()
+    state.close()   # idempotent
+
+
+def test_load_before_the_first_iteration_then_close_without_training():
+    """A load builds the sparsifiers (and the private communicator) at once; close() frees them
+    although no iteration ran."""
+    model = _model(seed=3)
+    ddp, opt = _ddp(model), _opt(model)
+    state = ExDynaHookState("exdyna", DENSITY)
+    ddp.register_comm_hook(state, exdyna_hook)
+    try:
+        _train(ddp, opt, 2)
+        saved = state.state_dict()
+    finally:
+        state.close()
+    fresh = ExDynaHookState("exdyna", DENSITY)
+    fresh.load_state_dict(saved)
+    mpi_assert(fresh._comm is not None and fresh._sp is not None, "the load did not build the sparsifier")
+    fresh.close()
+    mpi_assert(fresh._comm is None and fresh.step == 2, f"comm {fresh._comm}, step {fresh.step}")
+    mpi_assert(_bits(fresh.state_dict()) == _bits(saved), "close() lost the loaded state")
 
 
 @pytest.mark.parametrize("scope", ["model", "bucket"])

@@ -15,6 +15,7 @@ the references need no per-step collective (which would hide wait-avoidance).
 - resume from state_dict: the continuation is bit-identical to an uninterrupted run (sync);
 - the torch wrapper: local step, then the group average of the locally stepped models.
 """
+import pickle
 import subprocess
 import sys
 import time
@@ -25,7 +26,7 @@ from mpi4py import MPI
 
 from exdyna_mpi import GroupAverager, StepError
 from exdyna_mpi.averaging import wagma
-from tests.conftest import allgather_array, mpi_assert
+from tests.conftest import allgather_array, mpi_assert, same_error_everywhere
 from tests.launch import MPIEXEC, ROOT, child_env
 
 pytestmark = pytest.mark.mpi
@@ -297,6 +298,68 @@ def test_resume_from_state(wcomm):
             ga3.step(x_of(r, t))
             kinds.append(ga3.stats.kind)
         mpi_assert(kinds == [wagma.step_kind(t, 4) for t in range(6, 10)] and ga3.stats.iteration == 9, kinds, wcomm)
+
+
+@pytest.mark.parametrize("fault", ["dtype", "iteration", "missing-key", "group_size"])
+def test_corrupt_state_on_one_rank_changes_nothing(wcomm, fault):
+    _pow2_or_skip(wcomm)
+    P, r = wcomm.Get_size(), wcomm.Get_rank()
+    bad = P - 1
+    with GroupAverager(N, wcomm, group_size=min(2, P), sync_every=4) as ga:
+        for t in range(3):
+            ga.step(x_of(r, t))
+        d = ga.state_dict()
+        if r == bad:
+            d = {"dtype": dict(d, dtype="<U3"), "iteration": dict(d, iteration=-2),
+                 "missing-key": {k: v for k, v in d.items() if k != "dtype"},
+                 "group_size": dict(d, group_size=3)}[fault]
+        before = ga.state_dict()
+        msg = same_error_everywhere(lambda: ga.load_state_dict(d), wcomm)
+        mpi_assert(f"rank {bad}" in msg and "state unchanged" in msg, msg, wcomm)
+        mpi_assert(ga.state_dict() == before, "a refused load changed the averager", wcomm)
+        ga.step(x_of(r, 3))   # the ranks go on together
+        mpi_assert(ga.iteration == 4, f"iteration {ga.iteration}", wcomm)
+
+
+def test_torch_wrapper_refuses_one_ranks_bad_state_everywhere(wcomm):
+    _pow2_or_skip(wcomm)
+    torch = pytest.importorskip("torch")
+    from exdyna_mpi.adapters.torch import GroupAveragingOptimizer
+
+    P, r = wcomm.Get_size(), wcomm.Get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    opt = GroupAveragingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model,
+                                  group_size=min(2, P), sync_every=3, comm=wcomm)
+    g = torch.Generator().manual_seed(r)
+    try:
+        for _ in range(2):
+            x, y = torch.randn(5, 8, generator=g), torch.randint(0, 3, (5,), generator=g)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        def bits(sd):   # tensors by their bytes (a pickle's bytes also depend on storage sharing)
+            state = {k: {n: v.numpy().tobytes() if torch.is_tensor(v) else v for n, v in st.items()}
+                     for k, st in sd["state"].items()}
+            return repr((state, sd["param_groups"], sd["group_averager"]))
+
+        before = pickle.dumps(opt.state_dict())
+        want = bits(opt.state_dict())
+        for fault in ("optimizer", "averager", "missing"):
+            d = pickle.loads(before)
+            if r == P - 1:
+                if fault == "optimizer":
+                    d["param_groups"] = d["param_groups"] + d["param_groups"]   # torch refuses
+                elif fault == "averager":
+                    d["group_averager"]["iteration"] = -1
+                else:
+                    del d["group_averager"]
+            msg = same_error_everywhere(lambda: opt.load_state_dict(d), wcomm)
+            mpi_assert(f"rank {P - 1}" in msg, f"{fault}: {msg}", wcomm)
+            mpi_assert(bits(opt.state_dict()) == want, f"{fault}: a refused load changed the state", wcomm)
+        opt.load_state_dict(pickle.loads(before))
+    finally:
+        opt.close()
 
 
 def test_torch_wrapper_local_step_then_group_average(wcomm):
