@@ -25,8 +25,10 @@ through ``MASTER_ADDR`` (rank 0's address) and ``GLOO_SOCKET_IFNAME``. ``EXDYNA_
 ``EXDYNA_TESTBED_RATE_MBIT`` tell a job where its bytes go and at what rate.
 
 Every transfer ``check`` makes is bounded in bytes and in seconds, and only between the testbed's
-own namespaces. ``down`` finds what to remove by the name prefix, so it also cleans up after a
-crashed run; ``up`` does the same first.
+own namespaces. ``down`` finds what to remove by the exact names the testbed gives (``<prefix>-r<r>``,
+``<prefix>v<r>``, ``<prefix>br``; a namespace ``<prefix>-rx`` is left alone), so it also cleans up
+after a crashed run; ``up`` does the same first. The state file lives in a directory only this user
+can write (``state_dir()``), not in the shared /tmp.
 
 As a module::
 
@@ -46,7 +48,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 
 PREFIX = "xdyna"
 SUBNET = "198.18.0"          # /24 inside 198.18.0.0/15; rank r at .r+1
@@ -89,8 +90,32 @@ def _names(prefix):
             "veth": lambda r: f"{prefix}v{r}"}
 
 
+def state_dir():
+    """A directory only this user can write (``EXDYNA_TESTBED_STATE_DIR``, else /run/exdyna-testbed
+    for root, else ~/.cache/exdyna-testbed): a state file in a shared /tmp could be planted by
+    anyone, and ``down`` would act on it."""
+    d = os.environ.get("EXDYNA_TESTBED_STATE_DIR") or (
+        "/run/exdyna-testbed" if os.geteuid() == 0 and os.path.isdir("/run")
+        else os.path.join(os.path.expanduser("~"), ".cache", "exdyna-testbed"))
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    st = os.stat(d)
+    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise TestbedError(f"testbed state directory {d} must belong to this user and be writable by no one "
+                           "else (set EXDYNA_TESTBED_STATE_DIR)")
+    return d
+
+
 def state_path(prefix=PREFIX):
-    return os.path.join(tempfile.gettempdir(), f"{prefix}-testbed.json")
+    return os.path.join(state_dir(), f"{prefix}-testbed.json")
+
+
+def _rank_of(name, stem):
+    """The rank in ``name`` if it is exactly ``stem`` + a rank the testbed makes (0..MAX_RANKS-1,
+    written as the testbed writes it), else None."""
+    tail = name[len(stem):] if name.startswith(stem) else ""
+    if tail.isdigit() and tail == str(int(tail)) and int(tail) < MAX_RANKS:
+        return int(tail)
+    return None
 
 
 def _capabilities():
@@ -141,11 +166,12 @@ def existing(prefix=PREFIX):
     """``(namespaces, host links)`` whose names carry ``prefix`` as the testbed names them."""
     n = _names(prefix)
     out = _run("ip", "netns", "list", check=False).stdout.split()
-    spaces = sorted({w for w in out if w.startswith(f"{prefix}-r")})
+    # exact names only: another tool's namespace that shares the prefix is not ours to remove
+    spaces = sorted({w for w in out if _rank_of(w, f"{prefix}-r") is not None})
     links = []
     for line in _run("ip", "-o", "link", "show", check=False).stdout.splitlines():
         name = line.split(":")[1].strip().split("@")[0] if ":" in line else ""
-        if name == n["bridge"] or (name.startswith(f"{prefix}v") and name[len(prefix) + 1:].isdigit()):
+        if name == n["bridge"] or _rank_of(name, f"{prefix}v") is not None:
             links.append(name)
     return spaces, links
 

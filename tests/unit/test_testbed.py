@@ -114,6 +114,48 @@ def test_up_replaces_a_stale_testbed(clean):
     assert sorted(leftovers()) == ["xdyt-r0", "xdyt-r1", "xdytbr", "xdytv0", "xdytv1"]
 
 
+def test_down_leaves_names_it_did_not_make(clean):
+    """Only the exact names the testbed gives are removed: namespaces and links that merely share
+    the prefix (another tool's, a rank number the testbed never writes) survive ``down``."""
+    others = ["xdyt-rx", "xdyt-r01", "xdyt-r9999"]
+    made = []
+    try:
+        for ns in others:
+            subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True)
+            made.append(ns)
+        subprocess.run(["ip", "link", "add", "xdytvx", "type", "veth", "peer", "name", "xdytvy"], check=True,
+                       capture_output=True)
+        made.append("link:xdytvx")
+        testbed.up(2, 100, prefix=PREFIX)
+        p = cli("down")
+        assert p.returncode == 0, p.stderr
+        spaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+        links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+        assert all(ns in spaces for ns in others), f"down removed another tool's namespace: {spaces}"
+        assert "xdytvx" in links, "down removed another tool's link"
+        assert leftovers() == [], f"down left its own: {leftovers()}"
+    finally:
+        for m in made:
+            if m.startswith("link:"):
+                subprocess.run(["ip", "link", "del", m[5:]], capture_output=True)
+            else:
+                subprocess.run(["ip", "netns", "del", m], capture_output=True)
+
+
+def test_state_file_lives_in_a_private_directory(clean, tmp_path, monkeypatch):
+    testbed.up(1, 100, prefix=PREFIX)
+    d = os.path.dirname(testbed.state_path(PREFIX))
+    st = os.stat(d)
+    assert os.path.exists(testbed.state_path(PREFIX)) and st.st_uid == os.geteuid() and not st.st_mode & 0o077, \
+        f"{d}: mode {oct(st.st_mode)}"
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv("EXDYNA_TESTBED_STATE_DIR", str(shared))
+    with pytest.raises(testbed.TestbedError, match="writable by no one else"):
+        testbed.state_path(PREFIX)
+
+
 def test_down_after_a_killed_run_removes_everything(clean):
     """A job killed mid-run (SIGKILL to the launcher) leaves ranks running in the namespaces; down
     kills them and removes every namespace and link."""
