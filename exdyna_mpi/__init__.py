@@ -5,10 +5,10 @@ sparsifier by name, ``StepError``, and ``GroupAverager`` (WAGMA-SGD model averag
 are subpackages, imports pointing down only (docs/architecture.md): ``kernels`` < ``arrays`` <
 ``transport`` < ``algorithm`` < ``sparsifiers``, ``averaging`` < ``adapters``.
 """
-from ._errors import StepError
+from ._errors import CollectiveError, StepError
 from ._version import __version__ as __version__  # re-exported: exdyna_mpi.__version__
 from .averaging import GroupAverager
 from .sparsifiers import ExDyna, MiCRO, Sparsifier, Stats, available, make, register
 
-__all__ = ["ExDyna", "GroupAverager", "MiCRO", "Sparsifier", "StepError", "Stats", "available", "make",
-           "register"]
+__all__ = ["CollectiveError", "ExDyna", "GroupAverager", "MiCRO", "Sparsifier", "StepError", "Stats", "available",
+           "make", "register"]

@@ -21,7 +21,13 @@ class InputCode(enum.IntEnum):
     WIRE = 13
 
 
-class StepError(ValueError):
+class CollectiveError(ValueError):
+    """Raised on every rank together, after the ranks agreed on it (bad arguments, a refused state
+    dict, a refused step); no rank's state changed. Anything else the library raises may come from
+    one rank only: a caller that must not leave the other ranks waiting treats it as fatal."""
+
+
+class StepError(CollectiveError):
     """A step refused on every rank because of bad input on at least one; no state was changed."""
 
 

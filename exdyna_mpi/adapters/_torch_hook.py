@@ -30,6 +30,7 @@ calls on ``comm`` never meet them.
 """
 from __future__ import annotations
 
+import atexit
 import queue
 import sys
 import threading
@@ -55,6 +56,26 @@ SCOPES = ("model", "bucket")
 _VERSION = 1
 Key = tuple[int, ...]
 Layout = list[tuple[int, tuple[int, ...]]]
+
+
+#: states whose worker thread is running, for the exit hook below
+_LIVE: weakref.WeakSet[ExDynaHookState] = weakref.WeakSet()
+#: how long interpreter exit waits for a worker to finish its queued exchanges
+EXIT_JOIN_S = 60.0
+
+
+@atexit.register
+def _stop_workers_at_exit() -> None:  # pragma: no cover - exercised by a launched job (test_ddp_hook)
+    """A process that ends without ``close()`` on every state: end their worker threads here.
+
+    atexit runs handlers last-registered first, and this module imports mpi4py before it registers
+    this one, so it runs before MPI is finalized. A worker thread still alive when the
+    interpreter finalizes is stopped wherever it stands, which aborted such processes ("terminate
+    called without an active exception", exit code 6, about half the runs with three states at
+    P=3). Nothing collective happens here (the ranks need not exit together): the private
+    communicators are left to ``MPI_Finalize``."""
+    for state in list(_LIVE):
+        state._stop_worker(EXIT_JOIN_S)
 
 
 class _LayoutError(ValueError):
@@ -168,6 +189,7 @@ class ExDynaHookState:
                                             name="exdyna-ddp-hook")
             self._thread.start()
             weakref.finalize(self, self._queue.put, None)   # a state dropped without close(): end its worker
+            _LIVE.add(self)
         self._queue.put(fn)
 
     def _call(self, fn: Callable[[], Any]) -> Any:
@@ -209,10 +231,18 @@ class ExDynaHookState:
                 self._comm = None
 
         self._call(stop)
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join()
+        self._stop_worker(None)
+
+    def _stop_worker(self, timeout: float | None) -> None:
+        """End the worker thread after its queued work (not collective)."""
+        thread, q = self._thread, self._queue
+        if thread is None:
+            return
+        q.put(None)
+        thread.join(timeout)
+        if not thread.is_alive():
             self._thread = self._queue = None
+            _LIVE.discard(self)
 
     # ------------------------------------------------------------------ checkpoints
     def _snapshot(self) -> dict[str, Any]:
@@ -293,8 +323,8 @@ class ExDynaHookState:
             parts = ["the ranks' dicts differ in step, layout or sparsifiers: "
                      + ", ".join(f"rank {r}: step {sh[0]}" for r, (_, sh) in enumerate(every))]
         if parts:
-            raise ValueError("ExDynaHookState.load_state_dict refused on all ranks, state unchanged: "
-                             + "; ".join(parts))
+            raise exdyna_mpi.CollectiveError("ExDynaHookState.load_state_dict refused on all ranks, state "
+                                             "unchanged: " + "; ".join(parts))
         if got["state"] and self._comm is None:
             self._comm = self.comm.Dup()
         offsets = self._offsets if layout is None or self.layout is not None else \
@@ -306,10 +336,12 @@ class ExDynaHookState:
             elif got["state"]:
                 for key, sd in got["state"]:
                     built.append((key, self._loaded(sum(layout[i][0] for i in key), sd)))
-        except BaseException:
+        except exdyna_mpi.CollectiveError:
             for _, sp in built:
                 _close(sp)
             raise
+        except BaseException as e:   # noqa: BLE001 - one rank's failure: the others may wait in a collective
+            _abort(self.comm, e, "loading a state dict")
         old = [sp for sp in [self._sp, *self._sps.values()] if sp is not None]
         self._sp, self._sps, self._owner, self._flat = None, {}, {}, None
         for key, sp in built:
@@ -331,11 +363,10 @@ class ExDynaHookState:
         sp = exdyna_mpi.make(self.sparsifier, numel, self.density, self._comm, **self.options)
         try:
             sp.load_state_dict(sd)
-        except BaseException as e:
+        except exdyna_mpi.CollectiveError as e:
             _close(sp)
-            if isinstance(e, ValueError):
-                raise ValueError(f"ExDynaHookState.load_state_dict refused on all ranks, state unchanged: {e}") from e
-            raise
+            raise exdyna_mpi.CollectiveError(f"ExDynaHookState.load_state_dict refused on all ranks, state "
+                                             f"unchanged: {e}") from e
         return sp
 
     def __getstate__(self) -> dict[str, Any]:
@@ -362,10 +393,10 @@ class ExDynaHookState:
     def _build_from(self, d: dict[str, Any]) -> None:
         """Worker: the sparsifiers of a loaded dict, each loaded with its state (collective)."""
         if self.scope == "model":
-            self._sp = self._collective(lambda: self._loaded(self._offsets[-1], d["state"]))
+            self._sp = self._loaded(self._offsets[-1], d["state"])
             return
         for key, sd in d["state"]:   # keys checked to partition the layout when unpickled
-            sp = self._collective(lambda: self._loaded(self._key_numel(key), sd))
+            sp = self._loaded(self._key_numel(key), sd)
             self._sps[key] = sp
             self._owner.update((i, key) for i in key)
 
@@ -437,32 +468,15 @@ class ExDynaHookState:
         """Fail the futures of ``jobs``. A collective error (every rank raises it together) is only
         delivered; any other ends the job, since other ranks may wait for this one in a collective."""
         self.error = e
-        collective = isinstance(e, (exdyna_mpi.StepError, _LayoutError)) or getattr(e, "_exdyna_collective", False)
-        if not collective:
-            # one write: the launcher may drop what a rank writes after another rank's abort began
-            sys.stderr.write("".join(traceback.format_exception(type(e), e, e.__traceback__))
-                             + f"ExDynaHookState: a non-collective error in the exchange on rank "
-                               f"{self.comm.Get_rank()}: aborting the job\n")
-            sys.stderr.flush()
+        collective = isinstance(e, (exdyna_mpi.CollectiveError, _LayoutError))
         for j in jobs:
             if not j.fut.done():
                 j.fut.set_exception(e)
         if not collective:
-            self.comm.Abort(1)
-
-    @staticmethod
-    def _collective(fn: Callable[[], Any]) -> Any:
-        """A library call that refuses collectively (construction, load, step): its ``ValueError``
-        is raised on every rank together."""
-        try:
-            return fn()
-        except ValueError as e:
-            e._exdyna_collective = True
-            raise
+            _abort(self.comm, e, "the exchange")
 
     def _make(self, numel: int) -> Any:
-        return self._collective(lambda: exdyna_mpi.make(self.sparsifier, numel, self.density, self._comm,
-                                                        **self.options))
+        return exdyna_mpi.make(self.sparsifier, numel, self.density, self._comm, **self.options)
 
     # ------------------------------------------------------------------ worker: iterations
     def _run(self, job: _Job) -> None:
@@ -535,7 +549,7 @@ class ExDynaHookState:
                 if self.scope == "model":
                     if self._sp is None:
                         self._sp = self._make(self._flat.numel())
-                    self._collective(lambda: self._sp.step(self._flat, out=self._flat))
+                    self._sp.step(self._flat, out=self._flat)
                     self.stats = self._sp.stats
                 else:
                     self._regrouped_step()
@@ -561,7 +575,7 @@ class ExDynaHookState:
         sp = self._sps.get(job.key)
         if sp is None:
             sp = self._adopt(job.key)
-        self._collective(lambda: sp.step(job.buf, out=job.buf))
+        sp.step(job.buf, out=job.buf)
         self.stats[job.key] = sp.stats
         if not job.last:   # the last one completes in _finish, once the iteration is counted
             job.fut.set_result(job.buf)
@@ -584,7 +598,7 @@ class ExDynaHookState:
                 pos += n
             d = sp.state_dict()
             d["residual"], d["dtype"] = res, res.dtype.str
-            self._collective(lambda: sp.load_state_dict(d))
+            sp.load_state_dict(d)
         for i in key:
             self._owner[i] = key
         self._sps[key] = sp
@@ -610,7 +624,7 @@ class ExDynaHookState:
                 sp = self._sps[key]
                 runs = [(self._offsets[i], self.layout[i][0]) for i in key]
                 v = torch.cat([self._flat[o:o + n] for o, n in runs])
-                self._collective(lambda: sp.step(v, out=v))
+                sp.step(v, out=v)
                 pos = 0
                 for o, n in runs:
                     self._flat[o:o + n].copy_(v[pos:pos + n])
@@ -624,6 +638,17 @@ def _worker_loop(q: queue.SimpleQueue) -> None:
         if fn is None:
             return
         fn()
+
+
+def _abort(comm: MPI.Comm, e: BaseException, where: str) -> None:
+    """End the job for an error on this rank alone (not agreed): the other ranks may be waiting
+    for this one in a collective, and would wait for ever."""
+    # one write: the launcher may drop what a rank writes after another rank's abort began
+    sys.stderr.write("".join(traceback.format_exception(type(e), e, e.__traceback__))
+                     + f"ExDynaHookState: a non-collective error in {where} on rank {comm.Get_rank()}: "
+                       "aborting the job\n")
+    sys.stderr.flush()
+    comm.Abort(1)
 
 
 def _close(sp: Any) -> None:

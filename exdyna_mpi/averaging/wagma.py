@@ -50,7 +50,7 @@ import numpy as np
 from .. import transport
 from ..arrays.dlpack import DTYPE_NAMES, FULL_DTYPES, as_input, check_vector, dtype_code
 from ..sparsifiers.base import Stats
-from .._errors import InputCode, StepError, refusal
+from .._errors import CollectiveError, InputCode, StepError, refusal
 from ..transport.group import MAX_SYNC_EVERY, AsyncRounds, GroupTransport, Message, member_index
 
 if TYPE_CHECKING:
@@ -172,10 +172,10 @@ class GroupAverager:
         if got[:, 0].any():
             msgs = self.tx.allgather_text("; ".join(errors))
             parts = [f"rank {r}: {m}" for r, m in enumerate(msgs) if m]
-            raise ValueError("GroupAverager: bad arguments: " + "; ".join(parts))
+            raise CollectiveError("GroupAverager: bad arguments: " + "; ".join(parts))
         if (got[:, 1] != got[0, 1]).any():
             configs = self.tx.allgather_text(config)
-            raise ValueError("GroupAverager: ranks disagree on the arguments: "
+            raise CollectiveError("GroupAverager: ranks disagree on the arguments: "
                              + "; ".join(f"rank {r}: {c}" for r, c in enumerate(configs)))
         self.numel = int(numel)
         self.group_size = int(group_size)
@@ -378,7 +378,7 @@ class GroupAverager:
     def _agree_iteration(self, what):
         got = self.tx.agree([self.iteration])
         if (got[:, 0] != got[0, 0]).any():
-            raise ValueError(f"GroupAverager: {what} refused: ranks have made different numbers of "
+            raise CollectiveError(f"GroupAverager: {what} refused: ranks have made different numbers of "
                              f"calls {got[:, 0].tolist()}")
 
     def close(self) -> None:
@@ -432,10 +432,10 @@ class GroupAverager:
         if got[:, 0].any():
             msgs = self.tx.allgather_text(problem)
             parts = [f"rank {r}: {m}" for r, m in enumerate(msgs) if m]
-            raise ValueError("GroupAverager: load_state_dict refused on all ranks, state unchanged: "
+            raise CollectiveError("GroupAverager: load_state_dict refused on all ranks, state unchanged: "
                              + "; ".join(parts))
         if (got[:, 1] != got[0, 1]).any() or (got[:, 2] != got[0, 2]).any():
-            raise ValueError("GroupAverager: load_state_dict refused on all ranks, state unchanged: ranks hold "
+            raise CollectiveError("GroupAverager: load_state_dict refused on all ranks, state unchanged: ranks hold "
                              f"different iterations (loaded {got[:, 1].tolist()}, current {got[:, 2].tolist()})")
         self._stop_thread()
         self.iteration = it

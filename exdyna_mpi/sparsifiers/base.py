@@ -29,7 +29,7 @@ from ..arrays import (ACCEPTED_DTYPES, HALF_DTYPES, as_input, check_vector, comp
                       host_threads, ops_for)
 from ..arrays.half import WireFormat
 from ..arrays.ops import cuda_available
-from .._errors import InputCode
+from .._errors import CollectiveError, InputCode
 from ..transport import Exchange, device_exchange, node_ranks, world
 from .roles import ErrorFeedback, Selection, Selector, Step, StepWords, agree_arguments, imbalance
 
@@ -466,9 +466,9 @@ class Sparsifier(Selector):
         if got[:, 0].any():
             msgs = self.exchange.gather_objects(problem)
             parts = [f"rank {r}: {m}" for r, m in enumerate(msgs) if m]
-            raise ValueError(f"{self.name}: load_state_dict refused: " + "; ".join(parts))
+            raise CollectiveError(f"{self.name}: load_state_dict refused: " + "; ".join(parts))
         if (got[:, 1] != got[0, 1]).any():
-            raise ValueError(f"{self.name}: load_state_dict refused: ranks hold different iterations "
+            raise CollectiveError(f"{self.name}: load_state_dict refused: ranks hold different iterations "
                              f"{got[:, 1].tolist()}")
         self.exchange.reset_counters()
         self.iteration = it

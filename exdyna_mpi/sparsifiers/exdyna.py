@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .._errors import CollectiveError
 from ..algorithm.controllers import CONTROLLERS, PassPlan, Window, make_controller
 from ..algorithm.layout import BlockLayout, EqualLayout, owners, partition_of
 from ..algorithm.quota import quotas
@@ -156,7 +157,7 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
                          balance=balance, n_blocks=n_blocks, block_align=block_align,
                          max_imbalance=max_imbalance, **unknown)
         if max_imbalance is not None and controller != "measured":   # options agree on every rank: same error
-            raise ValueError(f"exdyna: max_imbalance needs controller='measured' (it moves selections "
+            raise CollectiveError(f"exdyna: max_imbalance needs controller='measured' (it moves selections "
                              f"below the measured threshold), got controller={controller!r}")
         self._init_selector()
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import InputCode, StepError, refusal
+from .._errors import CollectiveError, InputCode, StepError, refusal
 from ..arrays import ACCEPTED_DTYPES, DTYPE_NAMES
 
 
@@ -246,11 +246,11 @@ def agree_arguments(exchange, name, errors, config):
     if got[:, 0].any():
         msgs = exchange.gather_objects("; ".join(errors))
         parts = [f"rank {r}: {m}" for r, m in enumerate(msgs) if m]
-        raise ValueError(f"{name}: bad arguments: " + "; ".join(parts))
+        raise CollectiveError(f"{name}: bad arguments: " + "; ".join(parts))
     if (got[:, 1] != got[0, 1]).any():
         configs = exchange.gather_objects(config)
         parts = [f"rank {r}: {c}" for r, c in enumerate(configs)]
-        raise ValueError(f"{name}: ranks disagree on the arguments: " + "; ".join(parts))
+        raise CollectiveError(f"{name}: ranks disagree on the arguments: " + "; ".join(parts))
 
 
 def imbalance(counts):

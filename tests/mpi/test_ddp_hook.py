@@ -491,6 +491,38 @@ def test_an_error_in_the_exchange_ends_the_job():
     mpi_assert(not msg, msg)
 
 
+def test_exit_without_close_is_clean():
+    """A script that makes several hook states (a new DDP after a resume, a second model) and ends
+    without close() exits 0 on every rank, run after run (it aborted in about half the runs)."""
+    from tests.launch import MPIEXEC, ROOT, child_env
+
+    if MPI.COMM_WORLD.Get_size() > 1:
+        pytest.skip("launches its own mpiexec: serial lane only")
+    if MPIEXEC is None:
+        pytest.skip("no mpiexec on PATH")
+    cmd = ["timeout", "-k", "5", "120", MPIEXEC, "-n", "3", sys.executable, "-m", "mpi4py",
+           os.path.abspath(__file__), "exit"]
+    for run in range(4):
+        p = subprocess.run(cmd, cwd=ROOT, env=child_env({"PYTHONPATH": ROOT}), capture_output=True, text=True,
+                           stdin=subprocess.DEVNULL)
+        assert p.returncode == 0 and p.stdout.count("exit job trained") == 3, \
+            f"run {run}: rc {p.returncode}\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
+
+
+def _exit_job():
+    """Three states, each with its own model and DDP, trained and never closed."""
+    init_gloo()
+    states = []
+    for seed in range(3):
+        model = _model(seed=seed)
+        ddp = _ddp(model)
+        state = ExDynaHookState("exdyna", DENSITY, scope="bucket" if seed % 2 else "model")
+        ddp.register_comm_hook(state, exdyna_hook)
+        _train(ddp, _opt(model), 3)
+        states.append((model, ddp, state))
+    print(f"exit job trained rank {MPI.COMM_WORLD.Get_rank()}", flush=True)
+
+
 def _fault_job():
     """Two ranks train with a sparsifier whose step raises RuntimeError on rank 1 at iteration 2."""
     from exdyna_mpi.sparsifiers.baselines.dense import DenseAllreduce
@@ -514,3 +546,5 @@ def _fault_job():
 
 if __name__ == "__main__" and sys.argv[1:] == ["fault"]:
     _fault_job()
+elif __name__ == "__main__" and sys.argv[1:] == ["exit"]:
+    _exit_job()
