@@ -451,7 +451,8 @@ def main(argv=None):
     todo = plan(args)
     job = Job(args, comm, todo, None)
     try:
-        ck = checkpoint.load_latest(comm, args.out, job.config) if args.resume else None
+        passed = []
+        ck = checkpoint.load_latest(comm, args.out, job.config, report=passed) if args.resume else None
     except checkpoint.CheckpointError as e:   # the same text on every rank: say it once, all exit 2
         if rank == 0:
             print(f"train.py: --resume refused on all {nranks} ranks: {e}", file=sys.stderr, flush=True)
@@ -469,6 +470,8 @@ def main(argv=None):
         print(f"exdyna_mpi train: model {args.model}, {nranks} ranks x {threads} torch threads, "
               f"runs: {', '.join(n if n == 'dense' or n in MODEL_AVERAGING else f'{n} d={d:g}' for n, d in todo)}",
               flush=True)
+        for line in passed:   # the newest generation failed on some rank: say why it was passed over
+            print(f"--resume: passed over the checkpoint of {line}", file=sys.stderr, flush=True)
         if args.resume:
             print(f"resumed from job step {job.step} ({checkpoint.folder(args.out)})" if ck is not None
                   else f"--resume: no checkpoint in {checkpoint.folder(args.out)}, starting from the beginning",

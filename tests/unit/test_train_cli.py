@@ -110,7 +110,11 @@ def test_interrupted_job_resumes_to_the_same_bits(tmp_path, n, how):
     assert proc.returncode != 0
     marker = json.loads((broken / "checkpoints" / "COMPLETE").read_text())
     assert marker["step"] == (14 if how == "signal" else 12) and marker["nranks"] == n
-    assert sorted(os.path.basename(p) for p in glob.glob(str(broken / "checkpoints" / "*.pt"))) == marker["files"]
+    gens = marker["generations"]   # the newest and the one before it, nothing older
+    assert [g["step"] for g in gens] == [marker["step"], (12 if how == "signal" else 8)]
+    assert gens[0]["files"] == marker["files"]
+    assert sorted(os.path.basename(p) for p in glob.glob(str(broken / "checkpoints" / "*.pt"))) \
+        == sorted(f for g in gens for f in g["files"])
     assert not (broken / "train.png").exists()
     proc = _launch(broken, *TINY, "--checkpoint-every", "4", "--resume", n=n)
     assert f"resumed from job step {marker['step']}" in proc.stdout
@@ -121,6 +125,23 @@ def test_interrupted_job_resumes_to_the_same_bits(tmp_path, n, how):
 
     assert steps(broken) == steps(straight)
     assert (broken / "train.png").exists()
+
+
+def test_a_corrupt_newest_checkpoint_on_one_rank_resumes_from_the_one_before(tmp_path):
+    """The last rank's newest file is cut short: every rank passes over that generation together,
+    resumes from the previous one and still ends with the uninterrupted run's bits."""
+    straight, broken = tmp_path / "straight", tmp_path / "broken"
+    _launch(straight, *TINY, n=2)
+    _launch(broken, *TINY, "--checkpoint-every", "4", "--fail-at", "1:13:kill", n=2, expect=None)
+    marker = json.loads((broken / "checkpoints" / "COMPLETE").read_text())
+    newest = broken / "checkpoints" / marker["files"][1]
+    newest.write_bytes(newest.read_bytes()[:100])
+    proc = _launch(broken, *TINY, "--checkpoint-every", "4", "--resume", n=2)
+    prev = marker["generations"][1]["step"]
+    assert f"resumed from job step {prev}" in proc.stdout, proc.stdout[-2000:]
+    assert f"passed over the checkpoint of step {marker['step']}: rank 1 cannot read" in proc.stderr, \
+        proc.stderr[-2000:]
+    assert _final_hashes(broken) == _final_hashes(straight)
 
 
 def test_resume_with_other_settings_is_refused_on_every_rank(tmp_path):
