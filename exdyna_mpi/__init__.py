@@ -9,6 +9,7 @@ from ._errors import CollectiveError, StepError
 from ._version import __version__ as __version__  # re-exported: exdyna_mpi.__version__
 from .averaging import GroupAverager
 from .sparsifiers import ExDyna, MiCRO, Sparsifier, Stats, available, make, register
+from .transport.watchdog import set_timeout
 
 __all__ = ["CollectiveError", "ExDyna", "GroupAverager", "MiCRO", "Sparsifier", "StepError", "Stats", "available",
-           "make", "register"]
+           "make", "register", "set_timeout"]

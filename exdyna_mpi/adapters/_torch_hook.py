@@ -42,6 +42,7 @@ import numpy as np
 
 import exdyna_mpi
 from exdyna_mpi import transport
+from exdyna_mpi.transport import watchdog
 from exdyna_mpi.transport.group import GroupTransport
 
 from ._torch_common import _torch
@@ -207,7 +208,8 @@ class ExDynaHookState:
             done.set()
 
         self._submit(job)
-        done.wait()
+        with watchdog.waiting("ExDynaHookState: the worker's queued exchanges", self.comm):
+            done.wait()
         if "error" in box:
             raise box["error"]
         return box.get("value")

@@ -51,7 +51,7 @@ from .. import transport
 from ..arrays.dlpack import DTYPE_NAMES, FULL_DTYPES, as_input, check_vector, dtype_code
 from ..sparsifiers.base import Stats
 from .._errors import CollectiveError, InputCode, StepError, refusal
-from ..transport.group import MAX_SYNC_EVERY, AsyncRounds, GroupTransport, Message, member_index
+from ..transport.group import AsyncRounds, GroupTransport, Message, member_index
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -161,8 +161,9 @@ class GroupAverager:
             errors.append(f"group_size={group_size} is larger than the {P} ranks")
         if isinstance(sync_every, bool) or not isinstance(sync_every, (int, np.integer)) or sync_every < 1:
             errors.append(f"sync_every must be a positive integer, got {sync_every!r}")
-        elif mode == "wait_avoiding" and sync_every > MAX_SYNC_EVERY:
-            errors.append(f"sync_every must be <= {MAX_SYNC_EVERY} in wait_avoiding mode, got {sync_every}")
+        elif mode == "wait_avoiding" and sync_every > self.tx.max_sync_every:
+            errors.append(f"sync_every must be <= {self.tx.max_sync_every} in wait_avoiding mode (this MPI's "
+                          f"MPI_TAG_UB allows {self.tx.tag_window} tag versions), got {sync_every}")
         if mode not in MODES:
             errors.append(f"mode must be one of {MODES}, got {mode!r}")
         elif mode == "wait_avoiding" and P > 1 and not GroupTransport.thread_multiple():

@@ -42,6 +42,7 @@ import time
 
 import numpy as np
 from mpi4py import MPI
+from .watchdog import watched
 
 WORD = np.int64
 MAX_WINDOW = 1 << 12
@@ -200,6 +201,7 @@ class DeadlineTransport:
                 for i in idx:
                     self.bytes_received += rnd.bufs[i].nbytes
 
+    @watched
     def _retire(self, upto_step):
         """Complete every request of steps <= ``upto_step`` (their held-back sends go out now)."""
         self._post_due(time.perf_counter(), upto_step)
@@ -236,6 +238,7 @@ class DeadlineTransport:
     def _held(self, t, chunks=None):
         return any(s[1] == t and (chunks is None or s[3] in chunks) for s in self._scheduled)
 
+    @watched
     def run_until(self, rnd, deadline_at, need_recv=None, need_send=None):
         """Progress until the round is complete (every receive done, no send of it held back) or
         ``deadline_at`` (perf_counter seconds) passes. With ``deadline_at=None``: until the
@@ -262,6 +265,7 @@ class DeadlineTransport:
                 self._pending.append([rnd.t, req, rnd.bufs[i], True])
         rnd.reqs = []
 
+    @watched
     def agree(self, words):
         """Allgather a few int64 words per rank: a (P, len(words)) array, the same on every rank."""
         send = np.ascontiguousarray(words, dtype=WORD)
@@ -273,6 +277,7 @@ class DeadlineTransport:
         return recv
 
     # ------------------------------------------------------------------ teardown
+    @watched
     def flush(self):
         """Post every held-back send and complete every request (collective in effect)."""
         self._post_due(time.perf_counter(), upto_step=float("inf"))

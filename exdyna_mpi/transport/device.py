@@ -24,6 +24,7 @@ import numpy as np
 from ..arrays.cuda_ops import CudaOps
 from ..kernels import cuda as _k
 from ..arrays.device import BACKEND
+from .watchdog import watched
 
 log = logging.getLogger("exdyna_mpi")
 
@@ -333,6 +334,7 @@ class DeviceExchange:
         _to_device_async(hv, vals)
         return vals
 
+    @watched
     def _sum_direct(self, vals):
         # The host Exchange's Reduce_scatter + Allgatherv, with the partial sums on the device.
         from mpi4py import MPI
@@ -345,6 +347,7 @@ class DeviceExchange:
         self.host._account_reduce(n, vals.itemsize)
         return vals
 
+    @watched
     def mean_wire(self, vals, fmt):
         """``Exchange.mean_wire`` on a device buffer: ``vals`` (float32, device) becomes what this
         rank keeps; returns the 16-bit means as a device array, the same on every rank. Direct: the

@@ -26,6 +26,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..kernels import cpu_half as _kh
+from .watchdog import watched
 
 WORD = np.int64
 
@@ -95,6 +96,7 @@ class Exchange:
         self.bytes_sent += b
         self.bytes_received += b
 
+    @watched
     def agree(self, words):
         """Allgather a few int64 words per rank; returns a (P, len(words)) array, same on every rank."""
         send = np.ascontiguousarray(words, dtype=WORD)
@@ -105,6 +107,7 @@ class Exchange:
         self._account_allgather(np.full(self.size, send.shape[0]), send.itemsize)
         return recv
 
+    @watched
     def sum_words(self, words, dtype=np.int64):
         """Allreduce (sum) of a fixed number of integer words: the same exact sum on every rank
         (integer addition is associative). ``dtype`` int32 where the sums fit. Returns a 1-D array."""
@@ -117,10 +120,12 @@ class Exchange:
         self._account_reduce(send.shape[0], send.itemsize)
         return recv
 
+    @watched
     def gather_objects(self, obj):
         """Every rank's picklable ``obj`` as a list in rank order (error texts; not on the hot path)."""
         return self.comm.allgather(obj)
 
+    @watched
     def allgatherv(self, send, counts, out=None):
         """Concatenate every rank's ``send[:counts[r]]`` in rank order into one array."""
         counts = np.asarray(counts, dtype=np.int64)
@@ -137,6 +142,7 @@ class Exchange:
         self._account_allgather(counts, send.itemsize)
         return out
 
+    @watched
     def sum_identical(self, vals):
         """Elementwise sum of ``vals`` over ranks, in place, identical to the bit on every rank."""
         n = vals.shape[0]
@@ -173,6 +179,7 @@ class Exchange:
         self.bytes_sent += int(scounts.sum()) * sent.itemsize
         self.bytes_received += int(rcounts.sum()) * sent.itemsize
 
+    @watched
     def allgather_indices(self, idx, counts, spans, out=None):
         """Every rank's selection in rank order, as ``allgatherv(idx, counts)`` gives it, sent in
         compact form. ``spans`` (P, 2): each rank's ``[lo, hi)``, which holds all its indices (the
@@ -203,6 +210,7 @@ class Exchange:
             at += c
         return out
 
+    @watched
     def mean_wire(self, vals, fmt):
         """The mean over ranks of float32 ``vals`` (n,), its values travelling in the 16-bit
         ``fmt`` (``arrays.half.WireFormat``); returns the means' 16-bit patterns (n,), the same on
@@ -231,6 +239,7 @@ class Exchange:
         self._account_allgather(counts, 2)
         return means
 
+    @watched
     def bcast_from(self, buf, root):
         """Broadcast ``buf`` in place from ``root``."""
         if self.size > 1:
@@ -243,6 +252,7 @@ class Exchange:
         return buf
 
     # ------------------------------------------------------------------ point-to-point (Ok-Topk)
+    @watched
     def alltoall_counts(self, send_counts):
         """``recv[s]`` = what rank s sends this rank: an int64 ``Alltoall`` of one word per pair."""
         send = np.ascontiguousarray(send_counts, dtype=np.int64)
@@ -252,6 +262,7 @@ class Exchange:
         self.bytes_received += (self.size - 1) * 8
         return recv
 
+    @watched
     def rotating_rounds(self, parts, recv_counts, dtypes, tags, bucket=4):
         """P-1 rounds of point-to-point with destination rotation; yields what arrives, in round order.
 

@@ -20,6 +20,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .exchange import Exchange
+from .watchdog import watched
 
 WORD = np.int64
 #: Versioned tags: round v, recursive-doubling step j -> tag (v mod TAG_WINDOW) * TAG_STEPS + j.
@@ -28,6 +29,17 @@ TAG_WINDOW = 1 << 14
 #: The largest sync period the wait-avoiding mode accepts: the rounds that can be in flight
 #: between two ranks at once must have distinct tags (they span fewer than 2 * sync_every rounds).
 MAX_SYNC_EVERY = TAG_WINDOW // 4
+
+
+def tag_window(comm):
+    """The version window this MPI's tags allow: TAG_WINDOW, halved until the largest tag fits
+    ``MPI_TAG_UB`` (the standard promises only 32767; MPICH and Open MPI give 2**31 - 1, some
+    fabrics' builds less). ``window // 4`` is then the largest wait-avoiding sync period."""
+    ub = comm.Get_attr(MPI.TAG_UB)
+    window = TAG_WINDOW
+    while ub is not None and window > 4 and window * TAG_STEPS - 1 > ub:
+        window //= 2
+    return window
 
 # Header words: [round, then for each group member m: version_m, errcode_m, errdetail_m].
 _PER_MEMBER = 3
@@ -77,6 +89,8 @@ class GroupTransport:
 
     def __init__(self, comm):
         self.comm = comm
+        self.tag_window = tag_window(comm)
+        self.max_sync_every = self.tag_window // 4
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.xch = Exchange(comm)  # for the argument check, before any Dup
@@ -86,6 +100,7 @@ class GroupTransport:
         self.async_comm = None
 
     # -------------------------------------------------------------- setup and teardown
+    @watched
     def agree(self, words):
         """Allgather a few int64 words per rank: a (P, len(words)) array, the same on every rank."""
         got = self.xch.agree(words)
@@ -94,6 +109,7 @@ class GroupTransport:
         self.xch.reset_counters()
         return got
 
+    @watched
     def allgather_text(self, text):
         return self.comm.allgather(text)
 
@@ -121,6 +137,7 @@ class GroupTransport:
         self.bytes_received = 0
 
     # -------------------------------------------------------------- blocking exchanges
+    @watched
     def group_sum(self, msg, spare, bits, rnd):
         """Recursive doubling over ``bits``: ``msg`` ends holding the group's sum and merged header,
         the same bits on every member. ``spare`` is a same-shaped receive buffer. Returns the
@@ -128,7 +145,7 @@ class GroupTransport:
         comm = self.private
         for j, b in enumerate(bits):
             partner = self.rank ^ (1 << b)
-            tag = (rnd % TAG_WINDOW) * TAG_STEPS + j
+            tag = (rnd % self.tag_window) * TAG_STEPS + j
             comm.Sendrecv(msg.buf, partner, tag, spare.buf, partner, tag)
             self.bytes_sent += msg.buf.nbytes
             self.bytes_received += spare.buf.nbytes
@@ -164,7 +181,7 @@ class AsyncRounds:
       snapshot its main thread published.
     - The round is recursive doubling over the phase's bits with ``Isend``/``Irecv`` and a ``Test``
       loop (short naps, so a polling thread does not starve computing ranks of CPU). Tags are
-      versioned, ``(v mod TAG_WINDOW) * TAG_STEPS + j``, and matched exactly, so a message of one
+      versioned, ``(v mod tag_window) * TAG_STEPS + j``, and matched exactly, so a message of one
       round can never be taken for another. The result (sum, each member's snapshot version) waits
       in ``results`` until the main thread collects it.
     - Shutdown (``stop``) is collective in effect: every rank's thread finishes every round up to
@@ -174,6 +191,7 @@ class AsyncRounds:
 
     def __init__(self, comm, rank, numel, dtype, first_version, vec, schedule_bits):
         self.comm = comm
+        self.tag_window = tag_window(comm)
         self.rank = rank
         self.numel = numel
         self.dtype = np.dtype(dtype)
@@ -205,6 +223,7 @@ class AsyncRounds:
         with self._cv:
             self._arrived = max(self._arrived, rnd)
 
+    @watched
     def wait_done(self, rnd):
         """Block until every group round <= ``rnd`` is finished (or the thread failed)."""
         with self._cv:
@@ -221,6 +240,7 @@ class AsyncRounds:
         with self._cv:
             return self.results.pop(rnd)
 
+    @watched
     def stop(self, last_round):
         """Finish every round <= ``last_round``, then end the thread. Returns pending requests (0)."""
         with self._cv:
@@ -276,6 +296,7 @@ class AsyncRounds:
             self._msgs[s] = (Message(self.numel, self.dtype, s), Message(self.numel, self.dtype, s))
         return self._msgs[s]
 
+    @watched
     def _wait(self, reqs):
         self.pending += len(reqs)
         k = 0
@@ -300,7 +321,7 @@ class AsyncRounds:
         sent = recv = 0
         for j, b in enumerate(bits):
             partner = self.rank ^ (1 << b)
-            tag = (v % TAG_WINDOW) * TAG_STEPS + j
+            tag = (v % self.tag_window) * TAG_STEPS + j
             reqs = [self.comm.Irecv(spare.buf, partner, tag), self.comm.Isend(msg.buf, partner, tag)]
             self._wait(reqs)
             sent += msg.buf.nbytes

@@ -77,3 +77,24 @@ def test_member_index_is_a_bijection_on_each_group():
         bits = wagma.schedule(t, r, P, S, T)[2]
         grp = wagma.group_of(r, t, P, S, T)
         assert sorted(member_index(q, bits) for q in grp) == list(range(len(grp)))
+
+
+class _Comm:
+    def __init__(self, ub):
+        self.ub = ub
+
+    def Get_attr(self, key):
+        from mpi4py import MPI
+        assert key == MPI.TAG_UB
+        return self.ub
+
+
+@pytest.mark.parametrize("ub,window", [(2**31 - 1, 1 << 14), (2**20 - 1, 1 << 14), (2**19 - 1, 1 << 14),
+                                       (2**19 - 2, 1 << 13), (32767, 1024)])
+def test_tags_fit_the_mpi_tag_upper_bound(ub, window):
+    """WAGMA's versioned tags, (v mod window) * TAG_STEPS + j, stay within MPI_TAG_UB; the standard
+    promises only 32767."""
+    from exdyna_mpi.transport.group import TAG_STEPS, tag_window
+
+    got = tag_window(_Comm(ub))
+    assert got == window and (got - 1) * TAG_STEPS + (TAG_STEPS - 1) <= ub
