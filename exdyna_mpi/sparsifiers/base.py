@@ -431,6 +431,18 @@ class Sparsifier(Selector):
         if not np.isfinite(arr).all():
             raise ValueError("residual holds non-finite values")
 
+    def close(self) -> None:
+        """Release what the sparsifier holds between steps: nothing for most; a deadline exchange
+        completes its late messages and frees its communicator (collective then). It may step
+        again afterwards. ``with make(...) as sp:`` closes it at the end of the block."""
+
+    def __enter__(self) -> Sparsifier:
+        return self
+
+    def __exit__(self, *exc: object) -> bool:
+        self.close()
+        return False
+
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume bit-exactly on this rank (host copies; safe to pickle)."""
         return {

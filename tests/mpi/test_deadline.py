@@ -119,6 +119,17 @@ def test_no_delay_is_bit_identical_to_exact(wcomm, dtype):
     _close(sp, wcomm)
 
 
+def test_with_block_closes_the_deadline_exchange(wcomm):
+    with _make(wcomm, deadline_ms=60_000, max_loss=0.0) as sp:
+        sp.step(_grads(wcomm.Get_rank(), 1)[0])
+        dl = sp.deadline
+        mpi_assert(dl is not None and dl.transport.comm is not None, "no deadline exchange after a step", wcomm)
+    mpi_assert(sp.deadline is None and dl.transport.comm is None and dl.pending_requests == 0,
+               "the with block left the deadline exchange open", wcomm)
+    with _make(wcomm) as exact:   # exact mode: nothing to close
+        exact.step(_grads(wcomm.Get_rank(), 1)[0])
+
+
 def test_exact_mode_state_is_unchanged(wcomm):
     sp = _make(wcomm)
     sp.step(_grads(wcomm.Get_rank(), 1)[0])
