@@ -319,7 +319,7 @@ class ExDynaHookState:
             shape = (got["step"], layout, [key for key, _ in got["state"]])
         else:
             shape = (got["step"], layout, bool(got["state"]))
-        every = comm.allgather((problem, shape))
+        every = transport.Exchange(comm).gather_objects((problem, shape))
         parts = [f"rank {r}: {p}" for r, (p, _) in enumerate(every) if p]
         if not parts and any(sh != every[0][1] for _, sh in every):
             parts = ["the ranks' dicts differ in step, layout or sparsifiers: "
