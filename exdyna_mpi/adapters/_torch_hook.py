@@ -329,29 +329,14 @@ class ExDynaHookState:
                                              "unchanged: " + "; ".join(parts))
         if got["state"] and self._comm is None:
             self._comm = self.comm.Dup()
-        offsets = self._offsets if layout is None or self.layout is not None else \
-            [0] + np.cumsum([n for n, _ in layout], dtype=np.int64).tolist()
-        built: list[tuple[Key | None, Any]] = []
         try:
-            if self.scope == "model" and got["state"]:
-                built.append((None, self._loaded(offsets[-1], got["state"])))
-            elif got["state"]:
-                for key, sd in got["state"]:
-                    built.append((key, self._loaded(sum(layout[i][0] for i in key), sd)))
+            built = self._built(got["state"], layout) if got["state"] else []
         except exdyna_mpi.CollectiveError:
-            for _, sp in built:
-                _close(sp)
             raise
         except BaseException as e:   # noqa: BLE001 - one rank's failure: the others may wait in a collective
             _abort(self.comm, e, "loading a state dict")
         old = [sp for sp in [self._sp, *self._sps.values()] if sp is not None]
-        self._sp, self._sps, self._owner, self._flat = None, {}, {}, None
-        for key, sp in built:
-            if key is None:
-                self._sp = sp
-            else:
-                self._sps[key] = sp
-                self._owner.update((i, key) for i in key)
+        self._install(built)
         if layout is not None and self.layout is None:
             self._set_layout(layout)
         self.step = got["step"]
@@ -360,9 +345,35 @@ class ExDynaHookState:
         for sp in old:
             _close(sp)
 
+    def _built(self, state: Any, layout: Layout) -> list[tuple[Key | None, Any]]:
+        """(bucket key or None, sparsifier) for each entry of a dict's ``state``, each loaded with its
+        entry (collective). On any failure the ones already built are closed, and nothing is kept."""
+        built: list[tuple[Key | None, Any]] = []
+        try:
+            if self.scope == "model":
+                built.append((None, self._loaded(sum(n for n, _ in layout), state)))
+            else:
+                for key, sd in state:
+                    built.append((key, self._loaded(sum(layout[i][0] for i in key), sd)))
+        except BaseException:
+            for _, sp in built:
+                _close(sp)
+            raise
+        return built
+
+    def _install(self, built: list[tuple[Key | None, Any]]) -> None:
+        """Hold ``built`` (``_built`` output) in place of the sparsifiers held so far."""
+        self._sp, self._sps, self._owner, self._flat = None, {}, {}, None
+        for key, sp in built:
+            if key is None:
+                self._sp = sp
+            else:
+                self._sps[key] = sp
+                self._owner.update((i, key) for i in key)
+
     def _loaded(self, numel: int, sd: Any) -> Any:
         """A sparsifier of ``numel`` elements loaded with ``sd`` (collective; closed if the load refuses)."""
-        sp = exdyna_mpi.make(self.sparsifier, numel, self.density, self._comm, **self.options)
+        sp = self._make(numel)
         try:
             sp.load_state_dict(sd)
         except exdyna_mpi.CollectiveError as e:
@@ -391,16 +402,6 @@ class ExDynaHookState:
     def _set_layout(self, layout: Layout) -> None:
         self.layout = list(layout)
         self._offsets = [0] + np.cumsum([n for n, _ in layout], dtype=np.int64).tolist()
-
-    def _build_from(self, d: dict[str, Any]) -> None:
-        """Worker: the sparsifiers of a loaded dict, each loaded with its state (collective)."""
-        if self.scope == "model":
-            self._sp = self._loaded(self._offsets[-1], d["state"])
-            return
-        for key, sd in d["state"]:   # keys checked to partition the layout when unpickled
-            sp = self._loaded(self._key_numel(key), sd)
-            self._sps[key] = sp
-            self._owner.update((i, key) for i in key)
 
     # ------------------------------------------------------------------ backward thread
     def _known(self, p: torch.Tensor) -> bool:
@@ -507,13 +508,9 @@ class ExDynaHookState:
         if self._comm is None:
             self._comm = self.comm.Dup()
         if self._to_load is not None:
-            try:
-                self._build_from(self._to_load)
-            except BaseException:
-                for sp in [self._sp, *self._sps.values()]:
-                    _close(sp)
-                self._sp, self._sps, self._owner = None, {}, {}   # kept to load: the next iteration retries
-                raise
+            # an unpickled or closed state (keys checked when it was taken in); on a refusal nothing is
+            # installed and it stays to load: the next iteration retries
+            self._install(self._built(self._to_load["state"], self.layout))
             self._to_load = None
         self._regroup = (self.scope == "bucket" and bool(self._sps) and job.new_model and self._after_load
                          and job.key not in self._sps)
@@ -654,9 +651,9 @@ def _abort(comm: MPI.Comm, e: BaseException, where: str) -> None:
 
 
 def _close(sp: Any) -> None:
-    """Close a sparsifier that has ``close()`` (deadline mode: collective, so called in the same
-    order on every rank) before it is dropped, so no request outlives its buffers."""
-    if sp is not None and hasattr(sp, "close"):
+    """Close a sparsifier before it is dropped, so no request outlives its buffers (a no-op but in
+    deadline mode, where it is collective: called in the same order on every rank)."""
+    if sp is not None:
         sp.close()
 
 
