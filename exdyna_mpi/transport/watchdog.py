@@ -74,6 +74,9 @@ def _watch() -> None:
                              f"timeout of {limit:g} s: another rank stopped, hung or died without ending the job. "
                              f"Aborting the job (raise the bound with {ENV} or exdyna_mpi.set_timeout).\n")
             sys.stderr.flush()
+            # MPI_Abort tears the launcher's output pipes down at once: give it a moment to forward
+            # the message (seen lost without, once in a dozen runs of the SIGSTOP test)
+            time.sleep(1.0)
             comm.Abort(3)
             return
 
