@@ -59,9 +59,11 @@ Methods (``--methods``, run one after another in one launch, ``ddp`` first and, 
   before ExDyna's selection and error feedback); ``exdyna-adam-g``: ``adam="frozen-gradient"`` (the
   division after the exchange); both with ``--optimizer adamw`` only.
 - ``ddp-exdyna``: DDP (default buckets) with the library's hook, ``exdyna_hook`` and
-  ``ExDynaHookState("exdyna", density)``: one sparsifier over the whole model, exchanged on the hook's
-  worker thread once the last bucket is ready; ``ddp-exdyna-bucket``: ``scope="bucket"``, a
-  sparsifier per bucket, each exchanged as soon as its bucket is ready (overlapping backward).
+  ``ExDynaHookState("exdyna", density, optimizer=opt)``: one sparsifier over the whole model, exchanged
+  on the hook's worker thread once the last bucket is ready, inside the same training recipe as
+  ``exdyna`` (SGD's momentum moved before the exchange; nothing for AdamW); ``ddp-exdyna-bucket``:
+  ``scope="bucket"``, a plain sparsifier per bucket, each exchanged as soon as its bucket is ready
+  (overlapping backward).
 - ``wagma``: WAGMA-SGD's group averaging (groups of 2, wait-avoiding, a global average every 10).
 
 Timing: a step is forward, backward and the optimiser step with its exchange; evaluation is not
@@ -383,11 +385,14 @@ def build(method, wl, args, comm, numel):
         from exdyna_mpi.adapters.torch import ExDynaHookState, exdyna_hook
 
         ddp = DDP(model)
-        state = ExDynaHookState("exdyna", density=args.density, comm=comm, scope=HOOK_METHODS[method])
+        opt = make_optimizer(ddp.parameters(), args, lr)
+        scope = HOOK_METHODS[method]
+        # model scope: the optimizer's recipe, as DistributedOptimizer runs it (bucket scope has none)
+        state = ExDynaHookState("exdyna", density=args.density, comm=comm, scope=scope,
+                                optimizer=opt if scope == "model" else None)
         ddp.register_comm_hook(state, exdyna_hook)
         ddp._exdyna_hook_state = state
-        return Method(ddp, model, make_optimizer(ddp.parameters(), args, lr),
-                      stats=lambda: merged_stats(state.stats), collectives=n)
+        return Method(ddp, model, opt, stats=lambda: merged_stats(state.stats), collectives=n)
     if method in DDP_METHODS:
         from torch.nn.parallel import DistributedDataParallel as DDP
 

@@ -36,7 +36,7 @@ import sys
 import threading
 import traceback
 import weakref
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
@@ -45,7 +45,8 @@ from exdyna_mpi import transport
 from exdyna_mpi.transport import watchdog
 from exdyna_mpi.transport.group import GroupTransport
 
-from ._torch_common import _torch
+from ._torch_common import _flat_layout, _torch
+from ._torch_options import Recipe, TrainingOptions, check_state, move_momentum, recipe_for
 
 if TYPE_CHECKING:
     import torch
@@ -55,6 +56,9 @@ __all__ = ["ExDynaHookState", "exdyna_hook"]
 
 SCOPES = ("model", "bucket")
 _VERSION = 1
+#: the recipe options' defaults (as ``DistributedOptimizer``'s); without ``optimizer=`` none may differ
+_RECIPE_DEFAULTS = dict(clip_norm=None, warmup_steps=0, momentum_correction="auto", momentum_masking=True,
+                        density_warmup=None, density_warmup_steps=None)
 Key = tuple[int, ...]
 Layout = list[tuple[int, tuple[int, ...]]]
 
@@ -104,11 +108,31 @@ class _Job:
 class ExDynaHookState:
     """The state of ``exdyna_hook``: the sparsifier(s), the canonical parameter layout, the worker.
 
-    ``sparsifier``: any name of ``exdyna_mpi.available()`` (``"dense"`` gives the plain MPI
-    average); ``density`` and ``options`` go to it. ``comm`` (default ``MPI.COMM_WORLD``) must span
-    the same ranks, in the same order, as DDP's process group. ``scope``: ``"model"`` or ``"bucket"``
-    (module docstring). MPI must run with ``MPI_THREAD_MULTIPLE`` (mpi4py's default): the exchanges
-    run on a worker thread while the main thread may call MPI.
+    Args:
+        sparsifier: any name of ``exdyna_mpi.available()`` (``"dense"`` gives the plain MPI average);
+            ``density`` and ``options`` go to it.
+        comm: default ``MPI.COMM_WORLD``; must span the same ranks, in the same order, as DDP's
+            process group.
+        scope: ``"model"`` or ``"bucket"`` (module docstring).
+        optimizer: the optimizer that steps on the hook's gradients. Given, the hook runs
+            ``DistributedOptimizer``'s training recipe (``_torch_options.py``) around the exchange,
+            with the same options and defaults: ``momentum_correction="auto"`` moves an SGD's
+            momentum before the exchange (the optimizer's ``momentum`` is set to 0 here and again at
+            every iteration, so a loaded optimizer state cannot bring it back) and adds ExDyna's
+            quotas; ``clip_norm``, ``warmup_steps``, ``density_warmup`` and
+            ``density_warmup_steps`` as there. The model-wide vector is then laid out in the
+            optimizer's parameter order, so DDP with this hook and ``DistributedOptimizer`` with the
+            same options produce the same parameters bit for bit (tested for momentum SGD with and
+            without the warm-ups and clipping, and for AdamW). Needs ``scope="model"`` and the
+            optimizer holding exactly DDP's parameters. Without it (the default) the hook is the
+            plain sparse average, whatever the optimizer, and the recipe options are refused.
+            (``DistributedOptimizer``'s ``adam="frozen"`` replaces the optimizer's step, which a
+            hook cannot do: it is not offered here.)
+
+    Raises:
+        ValueError: a bad option (the same on every rank: nothing collective has run yet).
+        RuntimeError: MPI without ``MPI_THREAD_MULTIPLE``: the exchanges run on a worker thread
+            while the main thread may call MPI.
 
     ``state.stats``: the last exchange's ``exdyna_mpi.Stats`` (``scope="bucket"``: a dict from bucket
     key to ``Stats``). ``state.step``: iterations completed. ``state.error``: the exception of the
@@ -116,14 +140,17 @@ class ExDynaHookState:
     ``state.close()`` stops the worker (collective: it frees the private communicator).
 
     ``state_dict()`` / ``load_state_dict()`` checkpoint it (every rank its own: residuals differ; host
-    NumPy copies, so save with pickle or ``torch.save`` / ``torch.load(weights_only=False)``).
+    NumPy copies, and with ``optimizer=`` the recipe's state under ``"recipe"`` with its tensors on
+    the CPU, so save with pickle or ``torch.save`` / ``torch.load(weights_only=False)``).
     Pickling keeps the same, without communicator, thread or futures; after unpickling ``comm`` is
-    ``MPI.COMM_WORLD`` unless ``state.comm`` is set before the first iteration.
+    ``MPI.COMM_WORLD`` unless ``state.comm`` is set before the first iteration. A state with
+    ``optimizer=`` is not picklable (it holds the optimizer): save its ``state_dict()``.
 
     Example::
 
         >>> ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25)
-        >>> state = ExDynaHookState("exdyna", density=0.01)
+        >>> opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+        >>> state = ExDynaHookState("exdyna", density=0.01, optimizer=opt)   # DistributedOptimizer's recipe
         >>> ddp.register_comm_hook(state, exdyna_hook)
         >>> loss_fn(ddp(x), y).backward()     # .grad holds the averaged sparse gradient
         >>> opt.step()
@@ -132,16 +159,38 @@ class ExDynaHookState:
     """
 
     def __init__(self, sparsifier: str = "exdyna", density: float = 0.01, comm: MPI.Comm | None = None, *,
-                 scope: str = "model", **options: Any) -> None:
+                 scope: str = "model", optimizer: torch.optim.Optimizer | None = None, clip_norm: float | None = None,
+                 warmup_steps: int = 0, momentum_correction: float | str = "auto", momentum_masking: bool = True,
+                 density_warmup: Sequence[float] | None = None, density_warmup_steps: int | None = None,
+                 **options: Any) -> None:
         if scope not in SCOPES:
             raise ValueError(f"ExDynaHookState: scope must be one of {SCOPES}, got {scope!r}")
         if sparsifier not in exdyna_mpi.available():
             raise ValueError(f"ExDynaHookState: unknown sparsifier {sparsifier!r}; "
                              f"available: {', '.join(exdyna_mpi.available())}")
+        recipe_args = dict(clip_norm=clip_norm, warmup_steps=warmup_steps, momentum_correction=momentum_correction,
+                           momentum_masking=momentum_masking, density_warmup=density_warmup,
+                           density_warmup_steps=density_warmup_steps)
+        recipe, params = None, None
+        if optimizer is None:
+            given = [k for k, v in recipe_args.items() if v != _RECIPE_DEFAULTS[k]]
+            if given:
+                raise ValueError(f"ExDynaHookState: {', '.join(given)} belong to the training recipe, which runs "
+                                 "only with optimizer= (the optimizer that steps on the hook's gradients)")
+        else:
+            if scope != "model":
+                raise ValueError("ExDynaHookState: optimizer= needs scope='model' (the recipe clips and "
+                                 "momentum-corrects the model's whole gradient before one exchange)")
+            params, _ = _flat_layout([p for g in optimizer.param_groups for p in g["params"]], "ExDynaHookState")
+            recipe = recipe_for(optimizer, sparsifier, density, options, who="ExDynaHookState", **recipe_args)
+            options = recipe.options
         if not GroupTransport.thread_multiple():
             raise RuntimeError("ExDynaHookState needs MPI initialised with MPI_THREAD_MULTIPLE (mpi4py's default, "
                                "see mpi4py.rc.thread_level): its exchanges run on a worker thread")
         self.sparsifier, self.density, self.scope, self.options = sparsifier, density, scope, dict(options)
+        self.optimizer = optimizer
+        self._recipe_config: Recipe | None = recipe
+        self._recipe: TrainingOptions | None = None   # built by the worker, on the private communicator
         self._user_comm = comm
         self.step = 0
         self.stats: Any = None
@@ -171,6 +220,14 @@ class ExDynaHookState:
         self._flat: torch.Tensor | None = None
         self._sps: dict[Key, Any] = {}                # scope="bucket": key -> sparsifier
         self._owner: dict[int, Key] = {}              # canonical index -> the key holding its residual
+        self._covered = 0                             # optimizer=: parameters seen in this iteration's buckets
+        if params is not None:
+            # the optimizer's order is the canonical one: the model-wide vector is laid out as
+            # DistributedOptimizer's flat gradient, so both entry points exchange the same vector
+            self._set_layout([(p.numel(), tuple(p.shape)) for p in params])
+            self._index = {id(p): (weakref.ref(p), i) for i, p in enumerate(params)}
+            if recipe.moves_momentum:   # last: nothing above can refuse any more
+                move_momentum(optimizer)
 
     # ------------------------------------------------------------------ communicator and worker
     @property
@@ -223,11 +280,13 @@ class ExDynaHookState:
             return
 
         def stop():
-            if self._sp is not None or self._sps:
+            if self._sp is not None or self._sps or self._recipe is not None:
                 self._to_load = self._snapshot()
             for sp in [self._sp, *(self._sps[k] for k in sorted(self._sps))]:
                 _close(sp)
-            self._sp, self._sps, self._owner, self._flat = None, {}, {}, None
+            if self._recipe is not None:
+                self._recipe.close()
+            self._sp, self._sps, self._owner, self._flat, self._recipe = None, {}, {}, None, None
             if self._comm is not None:
                 self._comm.Free()
                 self._comm = None
@@ -256,6 +315,11 @@ class ExDynaHookState:
             d["state"] = None if self._sp is None else self._sp.state_dict()
         else:
             d["state"] = [[list(k), self._sps[k].state_dict()] for k in sorted(self._sps)]
+        if self._recipe_config is not None:
+            if self._to_load is not None:
+                d["recipe"] = self._to_load.get("recipe")
+            else:   # None: no iteration yet
+                d["recipe"] = None if self._recipe is None else _recipe_to_host(self._recipe.state_dict())
         return d
 
     def state_dict(self) -> dict[str, Any]:
@@ -300,6 +364,18 @@ class ExDynaHookState:
                     None, None)
         if layout is None and got["state"]:
             return "sparsifier state without a layout", None, None
+        got["recipe"] = d.get("recipe") if isinstance(d, dict) else None
+        if self._recipe_config is None and got["recipe"] is not None:
+            return "the dict holds training-recipe state (saved with optimizer=), this state runs no recipe", None, None
+        if self._recipe_config is not None:
+            if "recipe" not in d:
+                return "the dict has no training-recipe state (saved without optimizer=)", None, None
+            if got["recipe"] is not None:
+                try:
+                    got["recipe_at"] = check_state(_recipe_to_torch(got["recipe"]), self._recipe_config,
+                                                   self._offsets[-1])
+                except (KeyError, TypeError, ValueError, AttributeError) as e:
+                    return f"malformed training-recipe state ({e})", None, None
         if self.scope == "bucket" and got["state"]:
             try:
                 keys = [tuple(int(i) for i in key) for key, _ in got["state"]]
@@ -318,7 +394,7 @@ class ExDynaHookState:
         elif self.scope == "bucket" and got["state"]:
             shape = (got["step"], layout, [key for key, _ in got["state"]])
         else:
-            shape = (got["step"], layout, bool(got["state"]))
+            shape = (got["step"], layout, bool(got["state"]), got.get("recipe_at"))
         every = transport.Exchange(comm).gather_objects((problem, shape))
         parts = [f"rank {r}: {p}" for r, (p, _) in enumerate(every) if p]
         if not parts and any(sh != every[0][1] for _, sh in every):
@@ -327,15 +403,24 @@ class ExDynaHookState:
         if parts:
             raise exdyna_mpi.CollectiveError("ExDynaHookState.load_state_dict refused on all ranks, state "
                                              "unchanged: " + "; ".join(parts))
-        if got["state"] and self._comm is None:
+        if (got["state"] or self._recipe_config is not None) and self._comm is None:
             self._comm = self.comm.Dup()
         try:
             built = self._built(got["state"], layout) if got["state"] else []
+            try:
+                recipe = self._loaded_recipe(got["recipe"])
+            except BaseException:
+                for _, sp in built:
+                    _close(sp)
+                raise
         except exdyna_mpi.CollectiveError:
             raise
         except BaseException as e:   # noqa: BLE001 - one rank's failure: the others may wait in a collective
             _abort(self.comm, e, "loading a state dict")
         old = [sp for sp in [self._sp, *self._sps.values()] if sp is not None]
+        old_recipe, self._recipe = self._recipe, recipe
+        if old_recipe is not None:
+            old_recipe.close()
         self._install(built)
         if layout is not None and self.layout is None:
             self._set_layout(layout)
@@ -383,6 +468,9 @@ class ExDynaHookState:
         return sp
 
     def __getstate__(self) -> dict[str, Any]:
+        if self.optimizer is not None:
+            raise TypeError("ExDynaHookState with optimizer= cannot be pickled (it holds the optimizer): "
+                            "save state_dict() and load it into a state built with the new optimizer")
         return {"config": (self.sparsifier, self.density, self.scope, self.options), "state": self.state_dict()}
 
     def __setstate__(self, s: dict[str, Any]) -> None:
@@ -413,9 +501,14 @@ class ExDynaHookState:
         iteration derives the canonical order afresh (the first iteration of a new model)."""
         if not self._in_iter:   # the first bucket of an iteration decides
             self._in_iter = True
-            self._deriving = self._index is None or not all(self._known(p) for p in params)
+            fixed = self.optimizer is not None   # the optimizer's order, never derived from buckets
+            self._deriving = not fixed and (self._index is None or not all(self._known(p) for p in params))
             self._new_index, self._new_layout, self._new_total = {}, [], 0
             self._iter_dtype = buf.dtype
+            self._covered = 0
+            if fixed and self._recipe_config.moves_momentum:
+                # a plain optimizer state loaded since would bring its momentum back: it counts once
+                move_momentum(self.optimizer)
         if self.scope == "model" and buf.dtype != self._iter_dtype:
             raise _LayoutError(f"ExDynaHookState: scope='model' needs one gradient dtype, got {self._iter_dtype} "
                                f"and {buf.dtype} (use scope='bucket')")
@@ -442,7 +535,9 @@ class ExDynaHookState:
                 self._new_total += n
             else:
                 if not self._known(p):
-                    raise _LayoutError("ExDynaHookState: a bucket holds a parameter that was not in this model's "
+                    raise _LayoutError("ExDynaHookState: a bucket holds a parameter that is not among the "
+                                       "optimizer's parameters" if self.optimizer is not None else
+                                       "ExDynaHookState: a bucket holds a parameter that was not in this model's "
                                        "first iteration")
                 i = self._index[id(p)][1]
                 dst = self._offsets[i]
@@ -452,11 +547,15 @@ class ExDynaHookState:
             else:
                 runs.append((src, dst, n))
             src += n
+        self._covered += len(params)
         return tuple(key), runs, self._deriving
 
     def _end_iteration(self) -> None:
         """Backward thread, at the last bucket: install the derived index (and the layout)."""
         self._in_iter = False
+        if self.optimizer is not None and self._covered != len(self.layout):
+            raise _LayoutError(f"ExDynaHookState: DDP's buckets hold {self._covered} parameters, the optimizer "
+                               f"{len(self.layout)} that require grad: optimizer= needs the same parameters")
         if not self._deriving:
             return
         if self.layout is not None and len(self._new_layout) != len(self.layout):
@@ -510,8 +609,18 @@ class ExDynaHookState:
         if self._to_load is not None:
             # an unpickled or closed state (keys checked when it was taken in); on a refusal nothing is
             # installed and it stays to load: the next iteration retries
-            self._install(self._built(self._to_load["state"], self.layout))
+            built = self._built(self._to_load["state"], self.layout) if self._to_load["state"] else []
+            try:
+                recipe = self._loaded_recipe(self._to_load.get("recipe"))
+            except BaseException:
+                for _, sp in built:
+                    _close(sp)
+                raise
+            self._install(built)
+            self._recipe = recipe
             self._to_load = None
+        if self._recipe_config is not None and self._recipe is None:
+            self._recipe = self._loaded_recipe(None)
         self._regroup = (self.scope == "bucket" and bool(self._sps) and job.new_model and self._after_load
                          and job.key not in self._sps)
         self._after_load = False
@@ -548,8 +657,7 @@ class ExDynaHookState:
                 if self.scope == "model":
                     if self._sp is None:
                         self._sp = self._make(self._flat.numel())
-                    self._sp.step(self._flat, out=self._flat)
-                    self.stats = self._sp.stats
+                    self.stats = self._model_step(self._flat)
                 else:
                     self._regrouped_step()
                 with torch.no_grad():
@@ -565,6 +673,35 @@ class ExDynaHookState:
             self._deliver(jobs, e)
         finally:
             self._regroup = False
+
+    def _model_step(self, flat: torch.Tensor) -> exdyna_mpi.Stats:
+        """The model-wide exchange, in place; with ``optimizer=``, inside the training recipe
+        exactly as ``DistributedOptimizer.synchronize`` runs it."""
+        recipe = self._recipe
+        if recipe is None or not recipe.active:
+            self._sp.step(flat, out=flat)
+            return self._sp.stats
+        with _torch().no_grad():
+            sp = recipe.sparsifier(self._sp)   # dense warm-up, density stages, then the main one
+            recipe.before(flat)
+            sp.step(flat, out=flat)
+            recipe.after(flat, sp)
+        return sp.stats
+
+    def _loaded_recipe(self, d: dict[str, Any] | None) -> TrainingOptions | None:
+        """A fresh recipe object (None without ``optimizer=``), loaded with ``d`` unless None.
+        Collective (it makes its sparsifiers on the private communicator); closed if the load refuses."""
+        if self._recipe_config is None:
+            return None
+        recipe = TrainingOptions(self._recipe_config, [shape for _, shape in self.layout], self._offsets[-1],
+                                 self._comm, who="ExDynaHookState")
+        if d is not None:
+            try:
+                recipe.load_state_dict(_recipe_to_torch(d))
+            except BaseException:
+                recipe.close()
+                raise
+        return recipe
 
     # ------------------------------------------------------------------ worker: scope="bucket"
     def _key_numel(self, key: Key) -> int:
@@ -655,6 +792,20 @@ def _close(sp: Any) -> None:
     deadline mode, where it is collective: called in the same order on every rank)."""
     if sp is not None:
         sp.close()
+
+
+def _recipe_to_host(d: dict[str, Any]) -> dict[str, Any]:
+    """A ``TrainingOptions.state_dict()`` as host values: tensors as CPU copies (bfloat16 has no
+    NumPy dtype), the sparsifiers' states as they are (NumPy)."""
+    return {k: v.detach().cpu().clone() if isinstance(v, _torch().Tensor) else v for k, v in d.items()}
+
+
+def _recipe_to_torch(d: Any) -> Any:
+    """The inverse for loading: NumPy vectors (velocity, carry) as tensors."""
+    if not isinstance(d, dict):
+        return d
+    return {k: _torch().from_numpy(np.array(v)) if k in ("velocity", "carry") and isinstance(v, np.ndarray) else v
+            for k, v in d.items()}
 
 
 def _as_layout(raw: Any) -> Layout:

@@ -1,10 +1,13 @@
-"""Training-recipe options of ``DistributedOptimizer``: what sparse training needs besides
-the sparsifier, after DGC (Lin et al., ICLR 2018). Every option but momentum correction for ExDyna
-is off by default, and with all of them off nothing here runs: the optimizer steps exactly as
-before, bit for bit.
+"""Training-recipe options of ``DistributedOptimizer`` and of the DDP hook given ``optimizer=``
+(``ExDynaHookState``): what sparse training needs besides the sparsifier, after DGC (Lin et al.,
+ICLR 2018). Both entry points build one ``Recipe`` with ``recipe_for`` and run it through one
+``TrainingOptions``, over the same flat vector in the optimizer's parameter order, so they train
+bit for bit alike. Every option but momentum correction for ExDyna is off by default, and with all
+of them off nothing here runs: the optimizer steps exactly as before, bit for bit.
 
-- ``clip_norm=c``: ``torch.nn.utils.clip_grad_norm_(params, c)`` on this rank's own gradient,
-  before it enters the sparsifier (and its error-feedback accumulation). Local clipping, as DGC does.
+- ``clip_norm=c``: ``torch.nn.utils.clip_grad_norm_(params, c)``'s norm and scale on this rank's own
+  gradient, before it enters the sparsifier (and its error-feedback accumulation). Local clipping,
+  as DGC does; the DDP hook applies it to the model-wide vector (the same bits).
 - ``warmup_steps=n``: the first ``n`` steps exchange the dense average (the ``"dense"`` sparsifier,
   a ring allreduce of everything); the configured sparsifier starts at step ``n`` with a fresh
   residual, controller and iteration 0. The cheap, robust part of DGC's warm-up: dense training
@@ -49,7 +52,13 @@ State (step counter, velocity, the live stage's sparsifier and a pending carry) 
 ``opt.state_dict()`` under ``"exdyna_options"`` so a checkpoint resumes bit-exactly; with every
 option off the state dict is unchanged.
 """
+from __future__ import annotations
+
+from dataclasses import dataclass
 from numbers import Real
+from typing import Any
+
+import numpy as np
 
 import exdyna_mpi
 from exdyna_mpi import transport
@@ -92,41 +101,114 @@ def move_momentum(optimizer):
         g["momentum"] = 0.0
 
 
-class TrainingOptions:
-    """The per-optimizer state and logic of the recipe options (see the module docstring)."""
+@dataclass(frozen=True, eq=False)
+class Recipe:
+    """The recipe options of one entry point, checked and with ``"auto"`` resolved: what
+    ``TrainingOptions`` runs. Holds no communicator and no state; ``recipe_for`` builds it.
 
-    def __init__(self, params, numel, comm, *, clip_norm=None, warmup_steps=0, momentum_correction=0.0,
-                 momentum_masking=True, density_warmup=None, density_warmup_steps=None,
-                 sparsifier="exdyna", density=0.01, sparsifier_options=None):
-        if clip_norm is not None and not clip_norm > 0:
-            raise ValueError(f"DistributedOptimizer: clip_norm must be > 0 or None, got {clip_norm!r}")
-        if int(warmup_steps) != warmup_steps or warmup_steps < 0:
-            raise ValueError(f"DistributedOptimizer: warmup_steps must be an integer >= 0, got {warmup_steps!r}")
+    Attributes:
+        clip_norm: local clipping norm, or None.
+        warmup_steps: dense steps before the sparsifier starts.
+        momentum: momentum applied before the exchange (0.0: off).
+        masking: momentum-factor masking with it.
+        stages: the density warm-up's densities (empty: off); ``stage_steps`` steps each.
+        options: the sparsifier's options (with the quotas ``"auto"`` adds).
+        moves_momentum: whether ``"auto"`` takes the optimizer's own momentum (``move_momentum``).
+    """
+    clip_norm: float | None
+    warmup_steps: int
+    momentum: float
+    masking: bool
+    stages: tuple[float, ...]
+    stage_steps: int | None
+    sparsifier: str
+    density: float
+    options: dict[str, Any]
+    moves_momentum: bool
+
+    @property
+    def active(self) -> bool:
+        """Whether any option is on (off: the step is the sparsifier's alone, bit for bit)."""
+        return self.clip_norm is not None or self.warmup_steps > 0 or self.momentum > 0.0 or bool(self.stages)
+
+
+def recipe_for(optimizer, sparsifier, density, options, *, who, clip_norm=None, warmup_steps=0,
+               momentum_correction="auto", momentum_masking=True, density_warmup=None,
+               density_warmup_steps=None) -> Recipe:
+    """The recipe ``optimizer`` gets with these options (module docstring), checked. Changes
+    nothing: the caller calls ``move_momentum(optimizer)`` once nothing else can refuse.
+
+    Args:
+        optimizer: the user's ``torch.optim`` optimizer (read for ``"auto"`` and the momentum check).
+        sparsifier, density, options: the sparsifier's name, density and options.
+        who: the entry point's name, for messages.
+
+    Returns:
+        The ``Recipe``.
+
+    Raises:
+        ValueError: an option out of range, or momentum that would count twice.
+    """
+    if clip_norm is not None and not clip_norm > 0:
+        raise ValueError(f"{who}: clip_norm must be > 0 or None, got {clip_norm!r}")
+    if isinstance(warmup_steps, bool) or int(warmup_steps) != warmup_steps or warmup_steps < 0:
+        raise ValueError(f"{who}: warmup_steps must be an integer >= 0, got {warmup_steps!r}")
+    auto = isinstance(momentum_correction, str) and momentum_correction == "auto"
+    moves = False
+    if auto:   # the rule decides; where it moves the momentum, ExDyna's quotas come with it
+        m = auto_momentum(optimizer, sparsifier, density)
+        moves = m > 0
+        if moves:
+            options = auto_options(options)
+    else:
         m = float(momentum_correction or 0.0) if isinstance(momentum_correction, (Real, type(None))) else -1.0
         if not 0.0 <= m < 1.0:
-            raise ValueError("DistributedOptimizer: momentum_correction must be in [0, 1) or 'auto', "
-                             f"got {momentum_correction!r}")
-        self.stages, self.stage_steps = _density_stages(density_warmup, density_warmup_steps, density)
-        self.params = params
+            raise ValueError(f"{who}: momentum_correction must be in [0, 1) or 'auto', got {momentum_correction!r}")
+        if m > 0 and any(g.get("momentum", 0) for g in optimizer.param_groups):
+            raise ValueError(f"{who}: momentum_correction applies momentum before the exchange; "
+                             "build the wrapped optimizer with momentum=0 (else momentum counts twice)")
+    stages, stage_steps = _density_stages(density_warmup, density_warmup_steps, density, who)
+    return Recipe(clip_norm=None if clip_norm is None else float(clip_norm), warmup_steps=int(warmup_steps),
+                  momentum=m, masking=bool(momentum_masking), stages=stages, stage_steps=stage_steps,
+                  sparsifier=sparsifier, density=density, options=dict(options), moves_momentum=moves)
+
+
+class TrainingOptions:
+    """The state and logic of a ``Recipe`` over one flat gradient (see the module docstring).
+
+    Args:
+        recipe: what to run (``recipe_for``).
+        shapes: the parameters' shapes in the flat gradient's order (clipping's per-parameter norms).
+        numel: the flat gradient's length.
+        comm: the communicator of the sparsifiers it makes (the dense warm-up, the density stages).
+        who: the entry point's name, for messages.
+    """
+
+    def __init__(self, recipe: Recipe, shapes, numel: int, comm, who: str = "DistributedOptimizer") -> None:
+        self.recipe, self.who = recipe, who
+        self.shapes = [tuple(s) for s in shapes]
         self.numel = numel
-        self.clip_norm = None if clip_norm is None else float(clip_norm)
-        self.warmup_steps = int(warmup_steps)
-        self.momentum = m
-        self.masking = bool(momentum_masking)
-        self.active = self.clip_norm is not None or self.warmup_steps > 0 or m > 0.0 or bool(self.stages)
-        self.step = 0            # steps exchanged through this optimizer (counted only when active)
+        self.clip_norm = recipe.clip_norm
+        self.warmup_steps = recipe.warmup_steps
+        self.momentum = recipe.momentum
+        self.masking = recipe.masking
+        self.stages, self.stage_steps = recipe.stages, recipe.stage_steps
+        self.active = recipe.active
+        self.step = 0            # steps exchanged through this object (counted only when active)
         self.velocity = None     # momentum correction's u, allocated at the first step
         self.dense = exdyna_mpi.make("dense", numel, 1.0, comm) if self.warmup_steps else None
-        self._make_stage = lambda d: exdyna_mpi.make(sparsifier, numel, d, comm, **(sparsifier_options or {}))
+        self._make_stage = lambda d: exdyna_mpi.make(recipe.sparsifier, numel, d, comm, **recipe.options)
         self._exchange = transport.Exchange(comm)
         self.stage = None        # the live density warm-up sparsifier, and its index in ``stages``
         self.stage_index = None
         self.carry = None        # a residual not yet handed to the sparsifier that follows
+        self._views_of = (None, [])
 
-    def check_optimizer(self, optimizer):
-        if self.momentum > 0 and any(g.get("momentum", 0) for g in optimizer.param_groups):
-            raise ValueError("DistributedOptimizer: momentum_correction applies momentum before the exchange; "
-                             "build the wrapped optimizer with momentum=0 (else momentum counts twice)")
+    def close(self) -> None:
+        """Close the sparsifiers this object made (collective in deadline mode)."""
+        for sp in (self.dense, self.stage):
+            if sp is not None:
+                sp.close()
 
     def sparsifier(self, main):
         """The sparsifier of this step: dense warm-up, then the density stages, then ``main``."""
@@ -154,14 +236,34 @@ class TrainingOptions:
         """Clip, then momentum-correct ``flat`` (this rank's gradient) in place; add a pending carry."""
         torch = _torch()
         if self.clip_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self.params, self.clip_norm)
+            self._clip(flat)
         if self.momentum > 0:
             if self.velocity is None:
                 self.velocity = torch.zeros_like(flat)
+            elif self.velocity.device != flat.device:   # loaded from a host copy
+                self.velocity = self.velocity.to(flat.device)
             self.velocity.mul_(self.momentum).add_(flat)
             flat.copy_(self.velocity)
         if self.carry is not None:
             flat.add_(self.carry.to(flat.device))
+
+    def _clip(self, flat):
+        """``torch.nn.utils.clip_grad_norm_`` on the parameters' gradients as views of ``flat``
+        (the same norm and scale, whether the parameters' ``.grad`` are those views, as in
+        ``DistributedOptimizer``, or not, as in the DDP hook's model-wide vector)."""
+        torch = _torch()
+        key = (flat.data_ptr(), flat.numel(), flat.dtype)
+        if self._views_of[0] != key:
+            views, off = [], 0
+            for shape in self.shapes:
+                n = int(np.prod(shape, dtype=np.int64))
+                views.append(flat[off:off + n].view(shape))
+                off += n
+            self._views_of = (key, views)
+        views = self._views_of[1]
+        total = torch.nn.utils.get_total_norm(views)
+        coef = torch.clamp(self.clip_norm / (total + 1e-6), max=1.0)   # torch's clip_grads_with_norm_
+        flat.mul_(coef.to(flat.device))
 
     def after(self, out, sp):
         """Momentum-factor masking on the exchanged gradient ``out`` (not after a dense step); drop
@@ -183,18 +285,7 @@ class TrainingOptions:
 
     def _check(self, d):
         """``(step, stage)`` of ``d`` after the local checks (raises on a dict that cannot load)."""
-        step = int(d["step"])
-        stage = d.get("stage") if self.stages else None
-        if stage is not None and not 0 <= int(stage) < len(self.stages):
-            raise ValueError(f"the dict is in density_warmup stage {stage}, this optimizer has "
-                             f"{len(self.stages)} stages")
-        for key in ("velocity",) + (("carry",) if self.stages else ()):
-            v = d.get(key)
-            if v is not None and tuple(v.shape) != (self.numel,):
-                raise ValueError(f"exdyna_options.{key} has shape {tuple(v.shape)}, the model {self.numel} elements")
-            if v is not None and not bool(_torch().isfinite(v).all()):
-                raise ValueError(f"exdyna_options.{key} holds non-finite values")
-        return step, stage
+        return check_state(d, self.recipe, self.numel)
 
     def load_state_dict(self, d):
         """Collective (the live stage's sparsifier is made and loaded on every rank), all or nothing:
@@ -208,10 +299,10 @@ class TrainingOptions:
         got = self._exchange.agree([1 if problem else 0, step, -1 if stage is None else int(stage)])
         if got[:, 0].any():
             msgs = self._exchange.gather_objects(problem)
-            raise ValueError("DistributedOptimizer.load_state_dict refused: " +
+            raise exdyna_mpi.CollectiveError(f"{self.who}.load_state_dict refused: " +
                              "; ".join(f"rank {r}: {m}" for r, m in enumerate(msgs) if m))
         if (got[:, 1:] != got[0, 1:]).any():   # else ranks would build different sparsifiers and hang
-            raise ValueError("DistributedOptimizer.load_state_dict: ranks hold different recipe steps/stages "
+            raise exdyna_mpi.CollectiveError(f"{self.who}.load_state_dict: ranks hold different recipe steps/stages "
                              f"{got[:, 1:].tolist()} (checkpoints of different steps?)")
         self.step = step
         v = d["velocity"]
@@ -227,9 +318,25 @@ class TrainingOptions:
             self.carry = None if c is None else c.detach().clone()
 
 
-def _density_stages(stages, steps, density):
+def check_state(d, recipe: Recipe, numel: int):
+    """``(step, stage)`` of a ``TrainingOptions.state_dict()`` output after this rank's checks (no
+    communication). Raises ``KeyError``/``TypeError``/``ValueError`` on a dict that cannot load."""
+    step = int(d["step"])
+    stage = d.get("stage") if recipe.stages else None
+    if stage is not None and not 0 <= int(stage) < len(recipe.stages):
+        raise ValueError(f"the dict is in density_warmup stage {stage}, this optimizer has "
+                         f"{len(recipe.stages)} stages")
+    for key in ("velocity",) + (("carry",) if recipe.stages else ()):
+        v = d.get(key)
+        if v is not None and tuple(v.shape) != (numel,):
+            raise ValueError(f"exdyna_options.{key} has shape {tuple(v.shape)}, the model {numel} elements")
+        if v is not None and not bool(_torch().isfinite(v).all()):
+            raise ValueError(f"exdyna_options.{key} holds non-finite values")
+    return step, None if stage is None else int(stage)
+
+
+def _density_stages(stages, steps, density, who):
     """``(tuple of stage densities, steps per stage)`` after the checks; ``((), None)`` when off."""
-    who = "DistributedOptimizer"
     if stages is None:
         if steps is not None:
             raise ValueError(f"{who}: density_warmup_steps={steps!r} given without density_warmup")

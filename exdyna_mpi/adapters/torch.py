@@ -31,7 +31,7 @@ import exdyna_mpi
 from ._torch_common import _broadcast_model, _flat_layout, _torch, _wrap, _wrapped_params, broadcast_parameters
 from ._torch_adam import ADAM_KEY, MODES as ADAM_MODES, FrozenVarianceAdam, is_adam
 from ._torch_hook import ExDynaHookState, exdyna_hook
-from ._torch_options import OPTIONS_KEY, TrainingOptions, auto_momentum, auto_options, move_momentum
+from ._torch_options import OPTIONS_KEY, TrainingOptions, move_momentum, recipe_for
 from .torch_wagma import FlatParams, GroupAveragingOptimizer
 
 if TYPE_CHECKING:
@@ -294,24 +294,16 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
                          f"give warmup_steps >= 1, got {warmup_steps!r}")
     grads = FlatGrad(params)
     adam_path = FrozenVarianceAdam(optimizer, grads.params, adam) if adam != "live" else None
-    auto = isinstance(momentum_correction, str) and momentum_correction == "auto"
-    moved = False   # whether "auto" moves the optimizer's momentum before the exchange
-    if auto:   # the rule decides; where it moves the momentum, ExDyna's quotas come with it
-        momentum_correction = auto_momentum(optimizer, sparsifier, density)
-        moved = momentum_correction > 0
-        if moved:
-            options = auto_options(options)
-    recipe = TrainingOptions(grads.params, grads.numel, comm, clip_norm=clip_norm, warmup_steps=warmup_steps,
-                             momentum_correction=momentum_correction, momentum_masking=momentum_masking,
-                             density_warmup=density_warmup, density_warmup_steps=density_warmup_steps,
-                             sparsifier=sparsifier, density=density, sparsifier_options=options)
-    if not auto:
-        recipe.check_optimizer(optimizer)
+    recipe = recipe_for(optimizer, sparsifier, density, options, who="DistributedOptimizer", clip_norm=clip_norm,
+                        warmup_steps=warmup_steps, momentum_correction=momentum_correction,
+                        momentum_masking=momentum_masking, density_warmup=density_warmup,
+                        density_warmup_steps=density_warmup_steps)
+    opts = TrainingOptions(recipe, [p.shape for p in grads.params], grads.numel, comm)
     if broadcast:
         _broadcast_model(model, grads.params, comm)
-    sp = exdyna_mpi.make(sparsifier, grads.numel, density, comm, **options)
-    if moved:   # only now, once nothing above can refuse: a refusal leaves the optimizer as it was
+    sp = exdyna_mpi.make(sparsifier, grads.numel, density, comm, **recipe.options)
+    if recipe.moves_momentum:   # only now, once nothing above can refuse: a refusal leaves the optimizer as it was
         move_momentum(optimizer)
     return _wrap(optimizer, _DistributedMixin, "Distributed", _exdyna_grads=grads, sparsifier=sp,
-                 _exdyna_options=recipe, _exdyna_moved_momentum=moved, _exdyna_adam=adam_path)
+                 _exdyna_options=opts, _exdyna_moved_momentum=recipe.moves_momentum, _exdyna_adam=adam_path)
 

@@ -19,7 +19,7 @@ JOB = os.path.join(ROOT, "jobs", "e2e.py")
 TINY = ["--d-model", "32", "--layers", "1", "--heads", "2", "--context", "16", "--batch", "4", "--val-windows", "64"]
 ALL = ["ddp", "ddp-powersgd", "ddp-bf16", "dense", "exdyna", "topk", "oktopk", "micro", "exdyna-q",
        "exdyna-deadline", "wagma", "exdyna-bf16", "dense-bf16", "exdyna-mc", "exdyna-q02", "exdyna-dw",
-       "exdyna-mcq", "exdyna-plain", "exdyna-mcq02", "ddp-bv", "ddp-accum", "diloco-h16"]
+       "exdyna-mcq", "exdyna-plain", "exdyna-mcq02", "ddp-bv", "ddp-accum", "diloco-h16", "ddp-exdyna"]
 #: the methods' arithmetic as before the AdamW protocol: momentum SGD, constant rate, no clipping
 SGD = ["--optimizer", "sgd", "--lr", "0.05", "--clip", "0", "--schedule", "constant", "--lr-warmup", "20"]
 REQUIRED = {"method", "ranks", "rate_mbit", "params", "steps", "step_s", "comm_share", "bytes_per_step",
@@ -60,6 +60,15 @@ def test_every_method_writes_a_record(every_method):
         assert r["params_identical"], r["method"]
         assert r["step_s"] > 0 and 0 <= r["comm_share"] < 1
         assert r["evals"][0][2] == runs[0]["evals"][0][2]        # same initial weights everywhere
+
+
+def test_the_hook_trains_as_the_optimizer(every_method):
+    """``ddp-exdyna`` (DDP + the hook with ``optimizer=``) runs ``exdyna``'s recipe: the same losses,
+    to the last bit, under momentum SGD (the recipe moves the momentum before the exchange)."""
+    _, recs = every_method
+    runs = {r["method"]: r for r in recs if r["kind"] == "run"}
+    losses = {m: [(e[0], e[2]) for e in runs[m]["evals"]] for m in ("ddp-exdyna", "exdyna", "ddp")}
+    assert losses["ddp-exdyna"] == losses["exdyna"] != losses["ddp"]
 
 
 def test_the_target_is_ddps_final_loss(every_method):

@@ -1,0 +1,250 @@
+"""The DDP hook with ``optimizer=``: the same training recipe as ``DistributedOptimizer``, bit for bit.
+
+- SGD with momentum (``momentum_correction="auto"`` moves the momentum before the exchange and adds
+  ExDyna's quotas), the same with clipping, a dense warm-up and a density warm-up, a bfloat16 model,
+  and AdamW (no recipe runs; also with bfloat16 values on the wire): after every step, the DDP
+  model's parameters equal those of the same model trained by ``DistributedOptimizer`` with the same
+  options, on every rank, with several DDP buckets and DDP's rebuild after the first iteration;
+- resume through the hook in the middle of the warm-ups: the same bits as the straight run;
+- refusals: recipe options without ``optimizer=``, ``scope="bucket"`` with it, a dict without the
+  recipe's state (or with it, into a state without a recipe), a corrupt velocity on one rank (the
+  same error on every rank, state unchanged), pickling, and an optimizer that does not hold DDP's
+  parameters (``backward()`` raises on every rank).
+"""
+import pickle
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from tests.conftest import init_gloo, mpi_assert, require, same_error_everywhere
+
+torch = require("torch")
+dist = pytest.importorskip("torch.distributed")
+
+import exdyna_mpi  # noqa: E402
+from exdyna_mpi.adapters.torch import DistributedOptimizer, ExDynaHookState, exdyna_hook  # noqa: E402
+
+pytestmark = pytest.mark.mpi
+
+BUCKET_MB = 0.001   # ~1 KB buckets: several per iteration, and DDP rebuilds them after the first
+
+
+@pytest.fixture(scope="module", autouse=True)
+def gloo():
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    yield init_gloo()
+    dist.destroy_process_group()
+
+
+def _model(seed=0, width=24):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Tanh(), torch.nn.Linear(width, width),
+                               torch.nn.Tanh(), torch.nn.Linear(width, 4))
+
+
+def _batch(step, rank):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(16, 8, generator=g) * (1 + step % 3), torch.randint(0, 4, (16,), generator=g)
+
+
+def _params(model):
+    return torch.cat([p.detach().float().reshape(-1) for p in model.parameters()]).numpy().copy()
+
+
+def _bits(model):
+    """The parameters' own bits (bfloat16 included, which NumPy has no dtype for)."""
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return flat.view(torch.int16 if flat.element_size() == 2 else torch.int32).numpy().copy()
+
+
+def _content(d):
+    """A state dict as bytes of its values (a pickled tensor also holds its storage's address)."""
+    if isinstance(d, dict):
+        return {k: _content(v) for k, v in d.items()}
+    if isinstance(d, (list, tuple)):
+        return [_content(v) for v in d]
+    if isinstance(d, torch.Tensor):
+        return (str(d.dtype), tuple(d.shape), d.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return d
+
+
+#: name -> (optimizer factory, density, recipe options[, parameter dtype, sparsifier options])
+CASES = {
+    "sgd-momentum-auto": (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), 0.01, {}),
+    "sgd-bf16": (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), 0.01, dict(clip_norm=0.5), torch.bfloat16),
+    "adamw-wire16": (lambda ps: torch.optim.AdamW(ps, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1), 0.02, {},
+                     torch.float32, dict(wire_dtype="bfloat16")),
+    "sgd-clip-warmups": (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-4), 0.01,
+                         dict(clip_norm=0.5, warmup_steps=2, density_warmup=(0.25, 0.05), density_warmup_steps=2)),
+    "sgd-own-momentum": (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), 0.01, dict(momentum_correction=0)),
+    "adamw-clip": (lambda ps: torch.optim.AdamW(ps, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1), 0.02,
+                   dict(clip_norm=1.0)),
+    "adamw": (lambda ps: torch.optim.AdamW(ps, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1), 0.02, {}),
+}
+
+
+def _case(case):
+    """(optimizer factory, density, recipe options, dtype, sparsifier options) of ``case``."""
+    make_opt, density, recipe, *rest = CASES[case]
+    dtype, options = (rest + [torch.float32, {}][len(rest):])[:2]
+    return make_opt, density, recipe, dtype, options
+
+
+def _typed_model(case, seed):
+    return _model(seed=seed).to(_case(case)[3])
+
+
+def _hook_run(case, model):
+    make_opt, density, recipe, _, options = _case(case)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=BUCKET_MB)
+    opt = make_opt(model.parameters())
+    state = ExDynaHookState("exdyna", density, optimizer=opt, **recipe, **options)
+    ddp.register_comm_hook(state, exdyna_hook)
+    return ddp, opt, state
+
+
+def _step(net, opt, step):
+    x, y = _batch(step, MPI.COMM_WORLD.Get_rank())
+    x = x.to(next(net.parameters()).dtype)
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(net(x), y).backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_hook_with_optimizer_equals_distributed_optimizer(case):
+    comm = MPI.COMM_WORLD
+    make_opt, density, recipe, _, options = _case(case)
+    plain = _typed_model(case, comm.Get_rank())   # both entry points start from rank 0's parameters
+    wrapped = DistributedOptimizer(make_opt(plain.parameters()), plain, sparsifier="exdyna", density=density,
+                                   **recipe, **options)
+    hooked = _typed_model(case, comm.Get_rank())
+    torch.nn.parallel.DistributedDataParallel(hooked)   # broadcast rank 0's parameters, as the wrapper did
+    ddp, opt, state = _hook_run(case, hooked)
+    start = _params(hooked)
+    try:
+        for s in range(8):
+            _step(plain, wrapped, s)
+            _step(ddp, opt, s)
+            same = np.array_equal(_bits(plain), _bits(hooked))
+            mpi_assert(same, f"{case} step {s}: the hook's parameters differ from DistributedOptimizer's "
+                             f"(max diff {np.abs(_params(plain) - _params(hooked)).max():.3g})")
+    finally:
+        state.close()
+    mpi_assert(not np.array_equal(start, _params(hooked)), f"{case}: training changed nothing")
+    digests = comm.allgather(_params(hooked).tobytes())
+    mpi_assert(len(set(digests)) == 1, f"{case}: parameters differ between ranks")
+    mpi_assert(state.step == 8 and isinstance(state.stats, exdyna_mpi.Stats), f"step {state.step}")
+    moved = case in ("sgd-momentum-auto", "sgd-clip-warmups", "sgd-bf16")
+    mpi_assert(all(g["momentum"] == (0.0 if moved else 0.9) for g in opt.param_groups if "momentum" in g),
+               f"{case}: the optimizer's momentum {[g.get('momentum') for g in opt.param_groups]}")
+    if case == "sgd-momentum-auto":
+        mpi_assert(state.options.get("max_imbalance") == 0.2, f"auto quotas missing: {state.options}")
+
+
+@pytest.mark.parametrize("case", ["sgd-clip-warmups", "sgd-bf16", "adamw-wire16"])
+@pytest.mark.parametrize("at", [1, 3, 5])
+def test_resume_through_the_hook_is_bit_exact(case, at):
+    """``at`` falls in the dense warm-up (1), the density warm-up (3) and after it (5)."""
+    steps = 8
+    model = _typed_model(case, 7)
+    ddp, opt, state = _hook_run(case, model)
+    try:
+        for s in range(steps):
+            _step(ddp, opt, s)
+    finally:
+        state.close()
+    straight = _bits(model)
+
+    model = _typed_model(case, 7)
+    ddp, opt, state = _hook_run(case, model)
+    try:
+        for s in range(at):
+            _step(ddp, opt, s)
+        ckpt = pickle.dumps({"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()})
+    finally:
+        state.close()
+    del model, ddp, opt, state
+
+    ckpt = pickle.loads(ckpt)
+    model = _typed_model(case, 99)
+    model.load_state_dict(ckpt["model"])
+    ddp, opt, state = _hook_run(case, model)
+    opt.load_state_dict(ckpt["opt"])
+    state.load_state_dict(ckpt["hook"])
+    try:
+        for s in range(at, steps):
+            _step(ddp, opt, s)
+    finally:
+        state.close()
+    mpi_assert(np.array_equal(straight, _bits(model)), f"{case} resumed at {at}: parameters differ from the "
+                                                       "straight run")
+    mpi_assert(state.step == steps, f"step {state.step}")
+
+
+def test_recipe_options_need_the_optimizer_and_the_model_scope():
+    with pytest.raises(ValueError, match="optimizer="):
+        ExDynaHookState("exdyna", 0.01, clip_norm=1.0)
+    with pytest.raises(ValueError, match="optimizer="):
+        ExDynaHookState("exdyna", 0.01, momentum_correction=0.9)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(ValueError, match="scope='model'"):
+        ExDynaHookState("exdyna", 0.01, scope="bucket", optimizer=opt)
+    with pytest.raises(ValueError, match="clip_norm"):
+        ExDynaHookState("exdyna", 0.01, optimizer=opt, clip_norm=-1.0)
+    with pytest.raises(ValueError, match="momentum counts twice"):
+        ExDynaHookState("exdyna", 0.01, optimizer=opt, momentum_correction=0.5)
+    mpi_assert(opt.param_groups[0]["momentum"] == 0.9, "a refused state moved the optimizer's momentum")
+    state = ExDynaHookState("exdyna", 0.01, optimizer=opt)
+    with pytest.raises(TypeError, match="pickled"):
+        pickle.dumps(state)
+
+
+def test_a_dict_without_the_recipe_or_with_a_bad_velocity_is_refused_everywhere():
+    comm = MPI.COMM_WORLD
+    model = _model(seed=3)
+    ddp, opt, state = _hook_run("sgd-momentum-auto", model)
+    plain = ExDynaHookState("exdyna", 0.01)
+    try:
+        for s in range(3):
+            _step(ddp, opt, s)
+        saved = state.state_dict()
+        before = pickle.dumps(_content(saved))
+        msg = same_error_everywhere(lambda: state.load_state_dict({k: v for k, v in saved.items() if k != "recipe"}))
+        mpi_assert("no training-recipe state" in msg, msg)
+        msg = same_error_everywhere(lambda: plain.load_state_dict(saved))
+        mpi_assert("runs no recipe" in msg, msg)
+        bad = comm.Get_size() - 1
+        d = pickle.loads(pickle.dumps(saved))
+        if comm.Get_rank() == bad:
+            d["recipe"]["velocity"] = d["recipe"]["velocity"][:-1]
+        msg = same_error_everywhere(lambda: state.load_state_dict(d))
+        mpi_assert(f"rank {bad}" in msg and "velocity" in msg and "state unchanged" in msg, msg)
+        mpi_assert(pickle.dumps(_content(state.state_dict())) == before, "a refused load changed the state")
+        _step(ddp, opt, 3)   # nobody waits in a collective
+        mpi_assert(state.step == 4 and state.error is None, f"step {state.step}, error {state.error!r}")
+    finally:
+        state.close()
+        plain.close()
+
+
+def test_an_optimizer_without_ddps_parameters_fails_backward_everywhere():
+    model = _model()
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=BUCKET_MB)
+    opt = torch.optim.SGD(model[0].parameters(), lr=0.1)   # the first layer only
+    state = ExDynaHookState("exdyna", 0.01, optimizer=opt)
+    ddp.register_comm_hook(state, exdyna_hook)
+    raised = ""
+    try:
+        x, y = _batch(0, MPI.COMM_WORLD.Get_rank())
+        try:
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        except RuntimeError as e:
+            raised = str(e)
+    finally:
+        state.close()
+    msgs = MPI.COMM_WORLD.allgather("optimizer's parameters" in raised)
+    mpi_assert(all(msgs), f"backward did not raise on every rank: {raised!r}")
