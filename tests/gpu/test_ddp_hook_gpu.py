@@ -5,6 +5,7 @@ and the transport stages them or hands them to a CUDA-aware MPI (``EXDYNA_CUDA_A
 CuPy sees a CUDA device and torch was built with CUDA (the lane runs it serially and under
 ``mpiexec -n 2``), over a gloo process group that spans the MPI ranks.
 """
+import copy
 import hashlib
 
 import numpy as np
@@ -86,3 +87,67 @@ def test_dense_hook_on_cuda_equals_ddp_allreduce():
     got, want = _params(model), _params(ref_model)
     mpi_assert(np.allclose(got, want, rtol=1e-5, atol=1e-6),
                f"dense hook differs from DDP's allreduce by {np.abs(got - want).max():.3g}", comm)
+
+
+def _steps(net, opt, start, stop):
+    rank = MPI.COMM_WORLD.Get_rank()
+    for step in range(start, stop):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x, y = torch.randn(64, 32, generator=g).cuda(), torch.randint(0, 10, (64,), generator=g).cuda()
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+    torch.cuda.synchronize()
+
+
+#: optimizer factory, density, recipe options: momentum SGD under the default recipe (momentum moved,
+#: quotas) with clipping and a dense warm-up; AdamW with clipping
+RECIPES = {
+    "sgd": (lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9), 0.01, dict(clip_norm=1.0, warmup_steps=1)),
+    "adamw": (lambda ps: torch.optim.AdamW(ps, lr=1e-3, betas=(0.9, 0.95)), 0.01, dict(clip_norm=1.0)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RECIPES))
+def test_cuda_hook_with_optimizer_equals_distributed_optimizer_and_resumes(case):
+    """The hook with ``optimizer=`` and ``DistributedOptimizer`` on CUDA: the same parameters after
+    every step; a resume through the hook's state dict (the recipe's velocity comes back from the
+    CPU) reaches the straight run's bits."""
+    from exdyna_mpi.adapters.torch import DistributedOptimizer
+
+    comm = MPI.COMM_WORLD
+    make_opt, density, recipe = RECIPES[case]
+    plain = _model()
+    wrapped = DistributedOptimizer(make_opt(plain.parameters()), plain, sparsifier="exdyna", density=density,
+                                   **recipe)
+    hooked = _model()
+    ddp = torch.nn.parallel.DistributedDataParallel(hooked, bucket_cap_mb=0.1)
+    opt = make_opt(hooked.parameters())
+    state = ExDynaHookState("exdyna", density, optimizer=opt, **recipe)
+    ddp.register_comm_hook(state, exdyna_hook)
+    try:
+        for s in range(3):
+            _steps(plain, wrapped, s, s + 1)
+            _steps(ddp, opt, s, s + 1)
+            mpi_assert(np.array_equal(_params(plain).view(np.uint32), _params(hooked).view(np.uint32)),
+                       f"{case} step {s}: the hook differs from DistributedOptimizer", comm)
+        saved = copy.deepcopy({"model": hooked.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()})
+        _steps(ddp, opt, 3, 6)
+    finally:
+        state.close()
+    straight = _params(hooked).copy()
+
+    resumed = _model(seed=5)
+    resumed.load_state_dict(saved["model"])
+    ddp = torch.nn.parallel.DistributedDataParallel(resumed, bucket_cap_mb=0.1)
+    opt = make_opt(resumed.parameters())
+    state = ExDynaHookState("exdyna", density, optimizer=opt, **recipe)
+    opt.load_state_dict(saved["opt"])
+    state.load_state_dict(saved["hook"])
+    ddp.register_comm_hook(state, exdyna_hook)
+    try:
+        _steps(ddp, opt, 3, 6)
+    finally:
+        state.close()
+    mpi_assert(np.array_equal(straight.view(np.uint32), _params(resumed).view(np.uint32)),
+               f"{case}: the resumed run differs from the straight one", comm)
