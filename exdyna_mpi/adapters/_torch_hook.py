@@ -30,11 +30,6 @@ calls on ``comm`` never meet them.
 """
 from __future__ import annotations
 
-import atexit
-import queue
-import sys
-import threading
-import traceback
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -42,7 +37,6 @@ import numpy as np
 
 import exdyna_mpi
 from exdyna_mpi import transport
-from exdyna_mpi.transport import watchdog
 from exdyna_mpi.transport.group import GroupTransport
 
 from ._torch_common import _flat_layout, _torch
@@ -61,26 +55,6 @@ _RECIPE_DEFAULTS = dict(clip_norm=None, warmup_steps=0, momentum_correction="aut
                         density_warmup=None, density_warmup_steps=None)
 Key = tuple[int, ...]
 Layout = list[tuple[int, tuple[int, ...]]]
-
-
-#: states whose worker thread is running, for the exit hook below
-_LIVE: weakref.WeakSet[ExDynaHookState] = weakref.WeakSet()
-#: how long interpreter exit waits for a worker to finish its queued exchanges
-EXIT_JOIN_S = 60.0
-
-
-@atexit.register
-def _stop_workers_at_exit() -> None:  # pragma: no cover - exercised by a launched job (test_ddp_hook)
-    """A process that ends without ``close()`` on every state: end their worker threads here.
-
-    atexit runs handlers last-registered first, and this module imports mpi4py before it registers
-    this one, so it runs before MPI is finalized. A worker thread still alive when the
-    interpreter finalizes is stopped wherever it stands, which aborted such processes ("terminate
-    called without an active exception", exit code 6, about half the runs with three states at
-    P=3). Nothing collective happens here (the ranks need not exit together): the private
-    communicators are left to ``MPI_Finalize``."""
-    for state in list(_LIVE):
-        state._stop_worker(EXIT_JOIN_S)
 
 
 class _LayoutError(ValueError):
@@ -207,9 +181,7 @@ class ExDynaHookState:
         self._new_total = 0
         self._iter_dtype: Any = None
         # worker thread
-        self._comm: MPI.Comm | None = None
-        self._queue: queue.SimpleQueue | None = None
-        self._thread: threading.Thread | None = None
+        self._worker = transport.Worker("exdyna-ddp-hook")       # the thread and the private communicator
         self._to_load: dict[str, Any] | None = None   # sparsifier states waiting for the worker
         self._after_load = False
         self._iter_started = False
@@ -240,43 +212,25 @@ class ExDynaHookState:
             raise RuntimeError("ExDynaHookState.comm: set it before the first iteration (or after close())")
         self._user_comm = comm
 
+    @property
+    def _comm(self) -> MPI.Comm | None:
+        """The worker's private communicator (None before the first iteration or load)."""
+        return self._worker.comm
+
     def _submit(self, fn: Callable[[], None] | None) -> None:
-        if self._thread is None:
-            self._queue = queue.SimpleQueue()
-            self._thread = threading.Thread(target=_worker_loop, args=(self._queue,), daemon=True,
-                                            name="exdyna-ddp-hook")
-            self._thread.start()
-            weakref.finalize(self, self._queue.put, None)   # a state dropped without close(): end its worker
-            _LIVE.add(self)
-        self._queue.put(fn)
+        self._worker.submit(fn)
 
     def _call(self, fn: Callable[[], Any]) -> Any:
         """``fn()`` on the worker after the work queued so far (directly when there is no worker);
         its exception is raised here."""
-        if self._thread is None:
-            return fn()
-        done, box = threading.Event(), {}
-
-        def job():
-            try:
-                box["value"] = fn()
-            except BaseException as e:   # noqa: BLE001 - handed to the caller
-                box["error"] = e
-            done.set()
-
-        self._submit(job)
-        with watchdog.waiting("ExDynaHookState: the worker's queued exchanges", self.comm):
-            done.wait()
-        if "error" in box:
-            raise box["error"]
-        return box.get("value")
+        return self._worker.call(fn, self.comm, "ExDynaHookState: the worker's queued exchanges")
 
     def close(self) -> None:
         """Stop the worker after the work queued so far, close the sparsifiers (a deadline
         exchange completes its late messages) and free the private communicator (collective once
         an iteration has run or a state was loaded). The state stays usable: the next iteration
         restarts the worker and rebuilds the sparsifiers from their state. Idempotent."""
-        if self._thread is None and self._comm is None:
+        if not self._worker.running and self._comm is None:
             return
 
         def stop():
@@ -287,23 +241,10 @@ class ExDynaHookState:
             if self._recipe is not None:
                 self._recipe.close()
             self._sp, self._sps, self._owner, self._flat, self._recipe = None, {}, {}, None, None
-            if self._comm is not None:
-                self._comm.Free()
-                self._comm = None
+            self._worker.free()
 
         self._call(stop)
-        self._stop_worker(None)
-
-    def _stop_worker(self, timeout: float | None) -> None:
-        """End the worker thread after its queued work (not collective)."""
-        thread, q = self._thread, self._queue
-        if thread is None:
-            return
-        q.put(None)
-        thread.join(timeout)
-        if not thread.is_alive():
-            self._thread = self._queue = None
-            _LIVE.discard(self)
+        self._worker.stop(None)
 
     # ------------------------------------------------------------------ checkpoints
     def _snapshot(self) -> dict[str, Any]:
@@ -403,8 +344,8 @@ class ExDynaHookState:
         if parts:
             raise exdyna_mpi.CollectiveError("ExDynaHookState.load_state_dict refused on all ranks, state "
                                              "unchanged: " + "; ".join(parts))
-        if (got["state"] or self._recipe_config is not None) and self._comm is None:
-            self._comm = self.comm.Dup()
+        if got["state"] or self._recipe_config is not None:
+            self._worker.open(self.comm)
         try:
             built = self._built(got["state"], layout) if got["state"] else []
             try:
@@ -416,7 +357,7 @@ class ExDynaHookState:
         except exdyna_mpi.CollectiveError:
             raise
         except BaseException as e:   # noqa: BLE001 - one rank's failure: the others may wait in a collective
-            _abort(self.comm, e, "loading a state dict")
+            transport.abort_job(self.comm, e, "ExDynaHookState", "loading a state dict")
         old = [sp for sp in [self._sp, *self._sps.values()] if sp is not None]
         old_recipe, self._recipe = self._recipe, recipe
         if old_recipe is not None:
@@ -575,7 +516,7 @@ class ExDynaHookState:
             if not j.fut.done():
                 j.fut.set_exception(e)
         if not collective:
-            _abort(self.comm, e, "the exchange")
+            transport.abort_job(self.comm, e, "ExDynaHookState", "the exchange")
 
     def _make(self, numel: int) -> Any:
         return exdyna_mpi.make(self.sparsifier, numel, self.density, self._comm, **self.options)
@@ -604,8 +545,7 @@ class ExDynaHookState:
             self._finish(job)
 
     def _start_iteration(self, job: _Job) -> None:
-        if self._comm is None:
-            self._comm = self.comm.Dup()
+        self._worker.open(self.comm)
         if self._to_load is not None:
             # an unpickled or closed state (keys checked when it was taken in); on a refusal nothing is
             # installed and it stays to load: the next iteration retries
@@ -766,25 +706,6 @@ class ExDynaHookState:
                     self._flat[o:o + n].copy_(v[pos:pos + n])
                     pos += n
                 self.stats[key] = sp.stats
-
-
-def _worker_loop(q: queue.SimpleQueue) -> None:
-    while True:
-        fn = q.get()
-        if fn is None:
-            return
-        fn()
-
-
-def _abort(comm: MPI.Comm, e: BaseException, where: str) -> None:
-    """End the job for an error on this rank alone (not agreed): the other ranks may be waiting
-    for this one in a collective, and would wait for ever."""
-    # one write: the launcher may drop what a rank writes after another rank's abort began
-    sys.stderr.write("".join(traceback.format_exception(type(e), e, e.__traceback__))
-                     + f"ExDynaHookState: a non-collective error in {where} on rank {comm.Get_rank()}: "
-                       "aborting the job\n")
-    sys.stderr.flush()
-    comm.Abort(1)
 
 
 def _close(sp: Any) -> None:

@@ -296,14 +296,11 @@ class TrainingOptions:
             step, stage = self._check(d)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             problem, step, stage = f"exdyna_options is malformed ({e})", -1, None
-        got = self._exchange.agree([1 if problem else 0, step, -1 if stage is None else int(stage)])
-        if got[:, 0].any():
-            msgs = self._exchange.gather_objects(problem)
-            raise exdyna_mpi.CollectiveError(f"{self.who}.load_state_dict refused: " +
-                             "; ".join(f"rank {r}: {m}" for r, m in enumerate(msgs) if m))
-        if (got[:, 1:] != got[0, 1:]).any():   # else ranks would build different sparsifiers and hang
+        got = transport.agree_problems(self._exchange, problem, f"{self.who}.load_state_dict refused",
+                                       [step, -1 if stage is None else int(stage)])
+        if (got != got[0]).any():   # else ranks would build different sparsifiers and hang
             raise exdyna_mpi.CollectiveError(f"{self.who}.load_state_dict: ranks hold different recipe steps/stages "
-                             f"{got[:, 1:].tolist()} (checkpoints of different steps?)")
+                                             f"{got.tolist()} (checkpoints of different steps?)")
         self.step = step
         v = d["velocity"]
         self.velocity = None if v is None else v.detach().clone()

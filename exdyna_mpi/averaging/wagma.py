@@ -169,13 +169,10 @@ class GroupAverager:
         elif mode == "wait_avoiding" and P > 1 and not GroupTransport.thread_multiple():
             errors.append("mode='wait_avoiding' needs MPI initialised with MPI_THREAD_MULTIPLE")
         config = f"numel={numel!r} group_size={group_size!r} sync_every={sync_every!r} mode={mode!r}"
-        got = self.tx.agree([1 if errors else 0, _fingerprint(config)])
-        if got[:, 0].any():
-            msgs = self.tx.allgather_text("; ".join(errors))
-            parts = [f"rank {r}: {m}" for r, m in enumerate(msgs) if m]
-            raise CollectiveError("GroupAverager: bad arguments: " + "; ".join(parts))
-        if (got[:, 1] != got[0, 1]).any():
-            configs = self.tx.allgather_text(config)
+        got = transport.agree_problems(self.tx, "; ".join(errors), "GroupAverager: bad arguments",
+                                       [_fingerprint(config)])
+        if (got[:, 0] != got[0, 0]).any():
+            configs = self.tx.gather_objects(config)
             raise CollectiveError("GroupAverager: ranks disagree on the arguments: "
                              + "; ".join(f"rank {r}: {c}" for r, c in enumerate(configs)))
         self.numel = int(numel)
@@ -429,15 +426,12 @@ class GroupAverager:
                 problem = f"state_dict has dtype={d['dtype']!r}, not a floating-point dtype"
         except (KeyError, TypeError, ValueError) as e:
             problem = problem or f"state_dict is malformed ({e!r})"
-        got = self.tx.agree([1 if problem else 0, it, self.iteration])
-        if got[:, 0].any():
-            msgs = self.tx.allgather_text(problem)
-            parts = [f"rank {r}: {m}" for r, m in enumerate(msgs) if m]
-            raise CollectiveError("GroupAverager: load_state_dict refused on all ranks, state unchanged: "
-                             + "; ".join(parts))
-        if (got[:, 1] != got[0, 1]).any() or (got[:, 2] != got[0, 2]).any():
+        got = transport.agree_problems(self.tx, problem,
+                                       "GroupAverager: load_state_dict refused on all ranks, state unchanged",
+                                       [it, self.iteration])
+        if (got != got[0]).any():
             raise CollectiveError("GroupAverager: load_state_dict refused on all ranks, state unchanged: ranks hold "
-                             f"different iterations (loaded {got[:, 1].tolist()}, current {got[:, 2].tolist()})")
+                                  f"different iterations (loaded {got[:, 0].tolist()}, current {got[:, 1].tolist()})")
         self._stop_thread()
         self.iteration = it
         self._dtype = dtype

@@ -30,7 +30,7 @@ from ..arrays import (ACCEPTED_DTYPES, HALF_DTYPES, as_input, check_vector, comp
 from ..arrays.half import WireFormat
 from ..arrays.ops import cuda_available
 from .._errors import CollectiveError, InputCode
-from ..transport import Exchange, device_exchange, node_ranks, world
+from ..transport import Exchange, agree_problems, device_exchange, node_ranks, world
 from .roles import ErrorFeedback, Selection, Selector, Step, StepWords, agree_arguments, imbalance
 
 NONFINITE_POLICIES = ("raise", "skip")
@@ -474,14 +474,10 @@ class Sparsifier(Selector):
                 self._check_extra_state(d)
         except (KeyError, TypeError, ValueError) as e:
             problem, it = f"state_dict is malformed ({e})", -1
-        got = self.exchange.agree([1 if problem else 0, it])
-        if got[:, 0].any():
-            msgs = self.exchange.gather_objects(problem)
-            parts = [f"rank {r}: {m}" for r, m in enumerate(msgs) if m]
-            raise CollectiveError(f"{self.name}: load_state_dict refused: " + "; ".join(parts))
-        if (got[:, 1] != got[0, 1]).any():
+        got = agree_problems(self.exchange, problem, f"{self.name}: load_state_dict refused", [it])
+        if (got[:, 0] != got[0, 0]).any():
             raise CollectiveError(f"{self.name}: load_state_dict refused: ranks hold different iterations "
-                             f"{got[:, 1].tolist()}")
+                                  f"{got[:, 0].tolist()}")
         self.exchange.reset_counters()
         self.iteration = it
         # an unbound sparsifier (device="auto", no step yet) keeps the residual on the host until

@@ -27,6 +27,7 @@ import numpy as np
 
 from .._errors import CollectiveError, InputCode, StepError, refusal
 from ..arrays import ACCEPTED_DTYPES, DTYPE_NAMES
+from ..transport import agree_problems
 
 
 class ErrorFeedback:
@@ -242,12 +243,9 @@ def _fingerprint(text):
 def agree_arguments(exchange, name, errors, config):
     """Collective: raise the same ``ValueError`` on every rank when any rank has ``errors`` or the
     ranks' ``config`` texts differ."""
-    got = exchange.agree([1 if errors else 0, _fingerprint(config) & 0x7FFFFFFFFFFFFFFF])
-    if got[:, 0].any():
-        msgs = exchange.gather_objects("; ".join(errors))
-        parts = [f"rank {r}: {m}" for r, m in enumerate(msgs) if m]
-        raise CollectiveError(f"{name}: bad arguments: " + "; ".join(parts))
-    if (got[:, 1] != got[0, 1]).any():
+    got = agree_problems(exchange, "; ".join(errors), f"{name}: bad arguments",
+                         [_fingerprint(config) & 0x7FFFFFFFFFFFFFFF])
+    if (got[:, 0] != got[0, 0]).any():
         configs = exchange.gather_objects(config)
         parts = [f"rank {r}: {c}" for r, c in enumerate(configs)]
         raise CollectiveError(f"{name}: ranks disagree on the arguments: " + "; ".join(parts))

@@ -110,8 +110,9 @@ class GroupTransport:
         return got
 
     @watched
-    def allgather_text(self, text):
-        return self.comm.allgather(text)
+    def gather_objects(self, obj):
+        """Every rank's picklable ``obj`` as a list in rank order (error texts; not on the hot path)."""
+        return self.comm.allgather(obj)
 
     def open(self, need_async):
         """Private duplicates of the user's communicator (collective): one for the blocking

@@ -17,8 +17,13 @@ RANK = {"kernels": 0, "_errors": 0, "arrays": 1, "transport": 2, "algorithm": 3,
         "sparsifiers": 4, "averaging": 5, "__init__": 6, "adapters": 7}
 #: the algorithm layer is pure host logic: it imports nothing else of the package
 ONLY = {"algorithm": {"algorithm"}, "kernels": {"kernels"}, "_errors": set()}
+#: a method call on an MPI communicator, request or status: the collectives and point-to-point calls,
+#: and every other capitalised mpi4py method (``Dup``, ``Free``, ``Abort``, ``Get_rank``, ``Wait``, ...)
 MPI_CALL = re.compile(r"\.(Allgatherv?|allgather|Bcast|bcast|Alltoallv?|alltoall|Isend|Irecv|Send|Recv|"
-                      r"Sendrecv|Reduce_scatter|Allreduce|allreduce|Reduce|Barrier|Waitall|Split_type)\(")
+                      r"Sendrecv|Reduce_scatter|Allreduce|allreduce|Reduce|Barrier|Waitall|Split_type|"
+                      r"Dup|Free|Abort|Split|Create\w*|Get_\w+|Set_\w+|Is_\w+|Wait\w*|Test\w*|Cancel|"
+                      r"I?[Pp]robe|I(?:allgatherv?|allreduce|alltoall[vw]?|barrier|bcast|reduce\w*|[sbr]?send|recv|"
+                      r"scatterv?|gatherv?|scan|exscan|mprobe)|Compare|Clone|Start\w*)\(")
 
 
 def _modules():
@@ -106,6 +111,10 @@ def test_the_check_catches_an_upward_import_and_a_stray_mpi_call():
     assert not violations("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from mpi4py import MPI\n", mod)
     assert violations("if TYPE_CHECKING:\n    from ..sparsifiers import base\n", mod)
     assert violations("x = comm.Bcast(buf, root=0)\n", ("exdyna_mpi", "adapters", "torch"))
+    for call in ("self._comm = comm.Dup()", "comm.Free()", "comm.Abort(1)", "r = comm.Get_rank()",
+                 "req.Wait()", "MPI.Request.Waitall(reqs)", "comm.Iallreduce(a, b)", "req.Test()"):
+        assert violations(call + "\n", ("exdyna_mpi", "adapters", "_torch_hook")), call
+    assert not violations("done.wait()\nx.get_rank()\n", ("exdyna_mpi", "adapters", "_torch_hook"))
     assert violations("from ..arrays import ops_for\n", ("exdyna_mpi", "algorithm", "layout"))
     assert not violations("from ..kernels import cpu\nfrom .dlpack import Input\n", mod)
     assert not violations("from ..arrays import ops_for\n", ("exdyna_mpi", "sparsifiers", "base"))
