@@ -108,11 +108,18 @@ DEFAULT_METHODS = ("ddp", "ddp-bv", "ddp-accum", "ddp-bf16", "ddp-powersgd", "di
 ALL_METHODS = DEFAULT_METHODS + ("dense", "ddp-exdyna", "topk", "oktopk", "micro", "exdyna-q", "exdyna-deadline",
                                  "wagma", "ddp-exdyna-bucket", "exdyna-bf16", "dense-bf16", "exdyna-mc",
                                  "exdyna-q02", "exdyna-dw", "exdyna-mcq", "exdyna-plain", "exdyna-mcq02",
-                                 "exdyna-adam", "exdyna-adam-g")
+                                 "exdyna-adam", "exdyna-adam-g", "diloco-exdyna-h16", "diloco-exdyna-h64",
+                                 "diloco-exdyna-bf16-h16", "diloco-dense-h16")
 DDP_METHODS = ("ddp", "ddp-bv", "ddp-accum", "ddp-powersgd", "ddp-bf16")
 #: DiLoCo (Douillard et al. 2023; torchft): H local steps of the inner optimiser, then the averaged
 #: parameter delta applied by an outer Nesterov SGD (lr 0.7, momentum 0.9, the paper's values)
 DILOCO = {"diloco-h16": 16, "diloco-h64": 64}
+#: the library's ``DiLoCo`` (exdyna_mpi.adapters.torch): (H, sparsifier, its options); the outer delta
+#: exchanged by ExDyna at ``--density`` with error feedback (``-bf16``: 16-bit values on the wire), or
+#: densely (``diloco-dense-h16``: the library's exact mean, against torchft's recipe above)
+DILOCO_LIB = {"diloco-exdyna-h16": (16, "exdyna", {}), "diloco-exdyna-h64": (64, "exdyna", {}),
+              "diloco-exdyna-bf16-h16": (16, "exdyna", {"wire_dtype": "bfloat16"}),
+              "diloco-dense-h16": (16, "dense", {})}
 #: methods that only exist for momentum SGD (they move SGD's momentum in front of the exchange)
 SGD_ONLY = ("exdyna-mc", "exdyna-mcq", "exdyna-mcq02")
 HOOK_METHODS = {"ddp-exdyna": "model", "ddp-exdyna-bucket": "bucket"}   # DDP + exdyna_hook, by scope
@@ -338,6 +345,34 @@ class DiLoCoOuter:
                     p.copy_(x)
 
 
+class GlobalView:
+    """Evaluation of the library's ``DiLoCo`` on its global parameters (``DiLoCoOuter``'s interface)."""
+
+    def __init__(self, opt):
+        self.opt = opt
+
+    def after_inner_step(self):
+        pass
+
+    @contextlib.contextmanager
+    def global_model(self):
+        import torch
+
+        params = self.opt.params
+        with torch.no_grad():
+            local = [p.detach().clone() for p in params]
+            off = 0
+            for p in params:
+                p.copy_(self.opt.global_params[off:off + p.numel()].view_as(p))
+                off += p.numel()
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, x in zip(params, local):
+                    p.copy_(x)
+
+
 def make_optimizer(params, args, lr, momentum=None):
     """The run's optimiser: AdamW with betas (0.9, 0.95) (GPT practice) or SGD with momentum."""
     import torch
@@ -363,6 +398,8 @@ def collectives(method, numel, stride=1):
     five (counts, controller, indices, the two halves of the value sum), DiLoCo one per ``h`` steps."""
     if method in DILOCO:
         return 1.0 / DILOCO[method]
+    if method in DILOCO_LIB:
+        return (2.0 if DILOCO_LIB[method][1] == "dense" else 5.0) / DILOCO_LIB[method][0]
     if method == "ddp-powersgd":
         return 3.0
     if method in DDP_METHODS or method in HOOK_METHODS:
@@ -415,6 +452,15 @@ def build(method, wl, args, comm, numel):
     if method in DILOCO:
         return Method(model, model, make_optimizer(model.parameters(), args, lr),
                       outer=DiLoCoOuter(model, DILOCO[method]), collectives=n)
+    if method in DILOCO_LIB:
+        from exdyna_mpi.adapters.torch import DiLoCo
+
+        h, name, options = DILOCO_LIB[method]
+        opt = DiLoCo(make_optimizer(model.parameters(), args, lr), model, sync_every=h, sparsifier=name,
+                     density=args.density, comm=comm, **options)
+        # stats of the step that just took an outer step (bytes per outer step), None between them
+        return Method(model, model, opt, stats=lambda: opt.stats if opt.inner_steps == 0 else None,
+                      outer=GlobalView(opt), collectives=n)
     if method == "wagma":
         # WAGMA-SGD as its authors run it: a local step, then the model averaged within rotating
         # groups of 2, wait-avoiding, a global average every 10 steps.
@@ -574,12 +620,13 @@ def train(method, wl, args, comm, numel, target, log):
            "final_loss": evals[-1][2], "loss_at_steps": loss_at_steps, "target": target,
            "time_to_target_s": None if hit is None else hit[1], "steps_to_target": None if hit is None else hit[0],
            "evals": evals, "params_identical": len(set(hashes)) == 1, "collectives_per_step": m.collectives,
-           "density": None if method in DDP_METHODS or method in DILOCO or method.startswith("dense")
+           "density": None if method in DDP_METHODS or method in DILOCO or method.startswith(("dense", "diloco-dense"))
            else args.density}
     if wire.path is not None:
         rec["bytes_per_step"], rec["bytes_source"] = float(w) / m.stride, "wire"
     elif lib_bytes:
-        rec["bytes_per_step"] = float(np.mean(comm.allgather(float(np.mean(lib_bytes)))))
+        per_outer = DILOCO_LIB[method][0] if method in DILOCO_LIB else 1   # lib_bytes: one per outer step
+        rec["bytes_per_step"] = float(np.mean(comm.allgather(float(np.mean(lib_bytes))))) / per_outer
         rec["bytes_source"] = "model"
     else:
         per = {"ddp": 4, "ddp-bv": 4, "ddp-accum": 4 / m.stride, "ddp-bf16": 2}.get(method)

@@ -7,7 +7,8 @@ never pulls in torch, JAX or TensorFlow:
   buffer, sparsified in place before ``optimizer.step()``), ``broadcast_parameters``, ``FlatGrad``;
   ``ExDynaHookState`` / ``exdyna_hook`` (the DDP communication hook, ``_torch_hook.py``); and
   ``GroupAveragingOptimizer`` / ``FlatParams`` (WAGMA-SGD model averaging), defined in
-  ``torch_wagma.py``. What both share (parameter checks, rank 0's broadcast, the wrapped optimizer
+  ``torch_wagma.py``; ``DiLoCo`` (local steps, then a sparse outer step on the parameter delta),
+  in ``torch_diloco.py``. What they share (parameter checks, rank 0's broadcast, the wrapped optimizer
   class) is in ``_torch_common.py``, which imports neither: no import cycle.
 - JAX and TensorFlow need no adapter: pass a flat gradient to ``Sparsifier.step`` (see
   ``docs/training.md`` and ``jobs/examples/``).

@@ -22,6 +22,34 @@ def _torch():
     return torch
 
 
+def _to_torch(obj):
+    """NumPy arrays and scalars inside ``obj`` as torch tensors and Python numbers (``weights_only`` safe)."""
+    import numpy as np
+
+    torch = _torch()
+    if isinstance(obj, dict):
+        return {k: _to_torch(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_torch(v) for v in obj)
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(np.array(obj, copy=True))
+    if isinstance(obj, np.generic):
+        return obj.item()
+    return obj
+
+
+def _from_torch(obj):
+    """Inverse of ``_to_torch``: tensors back to NumPy arrays (host copies)."""
+    torch = _torch()
+    if isinstance(obj, dict):
+        return {k: _from_torch(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_from_torch(v) for v in obj)
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().numpy().copy()
+    return obj
+
+
 def _unique_params(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     seen, out = set(), []
     for p in params:

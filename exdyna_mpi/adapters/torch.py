@@ -28,17 +28,19 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import exdyna_mpi
 
-from ._torch_common import _broadcast_model, _flat_layout, _torch, _wrap, _wrapped_params, broadcast_parameters
+from ._torch_common import (_broadcast_model, _flat_layout, _from_torch, _to_torch, _torch, _wrap, _wrapped_params,
+                            broadcast_parameters)
 from ._torch_adam import ADAM_KEY, MODES as ADAM_MODES, FrozenVarianceAdam, is_adam
 from ._torch_hook import ExDynaHookState, exdyna_hook
 from ._torch_options import OPTIONS_KEY, TrainingOptions, move_momentum, recipe_for
+from .torch_diloco import DiLoCo
 from .torch_wagma import FlatParams, GroupAveragingOptimizer
 
 if TYPE_CHECKING:
     import torch
     from mpi4py import MPI
 
-__all__ = ["DistributedOptimizer", "ExDynaHookState", "FlatGrad", "FlatParams", "GroupAveragingOptimizer",
+__all__ = ["DiLoCo", "DistributedOptimizer", "ExDynaHookState", "FlatGrad", "FlatParams", "GroupAveragingOptimizer",
            "broadcast_parameters", "exdyna_hook"]
 
 
@@ -81,34 +83,6 @@ class FlatGrad:
 
 
 _SPARSIFIER_KEY = "exdyna_sparsifier"
-
-
-def _to_torch(obj):
-    """NumPy arrays and scalars inside ``obj`` as torch tensors and Python numbers (``weights_only`` safe)."""
-    import numpy as np
-
-    torch = _torch()
-    if isinstance(obj, dict):
-        return {k: _to_torch(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_torch(v) for v in obj)
-    if isinstance(obj, np.ndarray):
-        return torch.from_numpy(np.array(obj, copy=True))
-    if isinstance(obj, np.generic):
-        return obj.item()
-    return obj
-
-
-def _from_torch(obj):
-    """Inverse of ``_to_torch``: tensors back to NumPy arrays (host copies)."""
-    torch = _torch()
-    if isinstance(obj, dict):
-        return {k: _from_torch(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_from_torch(v) for v in obj)
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu().numpy().copy()
-    return obj
 
 
 def _from_torch_keep_tensors(d):

@@ -1,0 +1,257 @@
+"""DiLoCo for PyTorch: local steps, then an outer step on the averaged parameter delta, exchanged
+by any sparsifier of ``exdyna_mpi.available()`` with error feedback.
+
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
+    opt = DiLoCo(inner, model, sync_every=64, sparsifier="exdyna", density=0.01)
+    for x, y in batches:
+        opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
+
+How it runs (DiLoCo, Douglas et al. 2023; torchft's ``DiLoCo``):
+
+1. ``step()`` runs the inner optimizer on this rank's own gradient: no communication.
+2. Every ``sync_every`` inner steps, the outer step: the pseudo-gradient ``delta = global - local``
+   (one flat vector in the optimizer's parameter order) is averaged over the ranks by the
+   sparsifier. ``"dense"`` is DiLoCo as published (the exact mean); ``"exdyna"`` and the others send
+   a sparse part and keep the rest in their error-feedback residual, which joins the next outer
+   step's delta (SparseLoCo's recipe). ``wire_dtype="bfloat16"`` among ``options`` sends 16-bit
+   values, the rounding kept by the sender.
+3. The averaged delta is the gradient of the global parameters, and the outer optimizer (Nesterov
+   SGD, lr 0.7, momentum 0.9 by default, as in the paper) steps them; the local model restarts
+   from the new global parameters. The inner optimizer keeps its state across outer steps.
+
+Every rank holds the same global parameters, and after each outer step the same model, bit for
+bit: the averaged delta is bit-identical on every rank and the outer step is elementwise. Buffers
+(BatchNorm statistics) stay local, as in torchft. With DDP inside a node, wrap the inner optimizer
+of the DDP model and pass a ``comm`` over all ranks: the ranks of a node hold the same delta.
+
+Construction broadcasts rank 0's parameters and buffers. ``state_dict()`` holds the inner
+optimizer's state, the global parameters, the outer optimizer's momentum, the position in the
+period and the sparsifier's residual, so a run resumed between any two inner steps (with the
+model's own ``state_dict()``) continues bit for bit.
+"""
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+import exdyna_mpi
+from exdyna_mpi import transport
+
+from ._torch_common import _broadcast_model, _flat_layout, _from_torch, _to_torch, _torch, _wrapped_params
+
+if TYPE_CHECKING:
+    import torch
+    from mpi4py import MPI
+
+__all__ = ["DiLoCo"]
+
+_KEY = "diloco"
+_VERSION = 1
+
+
+def nesterov_sgd(params: Iterable[torch.Tensor], lr: float = 0.7, momentum: float = 0.9) -> torch.optim.Optimizer:
+    """DiLoCo's outer optimizer: ``torch.optim.SGD(params, lr, momentum, nesterov=True)``."""
+    return _torch().optim.SGD(params, lr=lr, momentum=momentum, nesterov=True)
+
+
+class DiLoCo:
+    """Local steps of ``optimizer``, then an outer step on the sparsely averaged parameter delta.
+
+    Args:
+        optimizer: the inner optimizer (any ``torch.optim`` optimizer over the model's parameters).
+        model: the ``torch.nn.Module`` whose parameters and buffers are broadcast from rank 0;
+            without it, the optimizer's parameters.
+        sync_every: inner steps per outer step (DiLoCo's H), an integer >= 1.
+        sparsifier: any name of ``exdyna_mpi.available()``; ``"dense"`` (the default) is DiLoCo's
+            exact average.
+        density: the sparsifier's density (ignored by ``"dense"``).
+        comm: the ranks that average (default ``MPI.COMM_WORLD``).
+        outer_optimizer: a factory ``params -> torch.optim.Optimizer`` for the global parameters;
+            default ``nesterov_sgd`` (lr 0.7, momentum 0.9).
+        broadcast: broadcast rank 0's model at construction (default True).
+        **options: the sparsifier's options (``wire_dtype="bfloat16"``, ``max_imbalance``, ...).
+
+    Raises:
+        ValueError: a bad ``sync_every`` or parameters of mixed dtypes or devices (on every rank:
+            the check is agreed).
+
+    Attributes:
+        sparsifier: the sparsifier of the outer exchange; ``stats`` its last stats (``bytes_sent``
+            per outer step), None before the first.
+        inner_steps: inner steps since the last outer step; ``outer_steps``: outer steps taken.
+
+    Example::
+
+        >>> inner = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
+        >>> opt = DiLoCo(inner, model, sync_every=16, sparsifier="exdyna", density=0.03,
+        ...              wire_dtype="bfloat16")
+        >>> for x, y in batches:
+        ...     opt.zero_grad()
+        ...     loss_fn(model(x), y).backward()
+        ...     opt.step()                       # an outer step every 16 calls
+        >>> opt.stats.bytes_sent                 # of the last outer step
+        >>> torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, f"ckpt.{rank}")
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None, *,
+                 sync_every: int, sparsifier: str = "dense", density: float = 0.01, comm: MPI.Comm | None = None,
+                 outer_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] = nesterov_sgd,
+                 broadcast: bool = True, **options: Any) -> None:
+        torch = _torch()
+        comm, params = _wrapped_params(optimizer, model, comm, "DiLoCo")
+        self._exchange = transport.Exchange(comm)
+        problem = None
+        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+            problem = f"sync_every must be an integer >= 1, got {sync_every!r}"
+        transport.agree_problems(self._exchange, problem, "DiLoCo: bad arguments")
+        self.params, self.numel = _flat_layout(params, "DiLoCo")
+        if broadcast:
+            _broadcast_model(model, self.params, comm)
+        self.optimizer = optimizer
+        self.sync_every = sync_every
+        self.sparsifier = exdyna_mpi.make(sparsifier, self.numel, 1.0 if sparsifier == "dense" else density, comm,
+                                          **options)
+        with torch.no_grad():
+            self.global_params = torch.nn.Parameter(self._local_flat())
+        self.outer = outer_optimizer([self.global_params])
+        self.inner_steps = 0
+        self.outer_steps = 0
+        self.stats: exdyna_mpi.Stats | None = None
+
+    # ------------------------------------------------------------------ training
+    def _local_flat(self) -> torch.Tensor:
+        return _torch().cat([p.detach().reshape(-1) for p in self.params])
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The inner optimizer's parameter groups (set ``"lr"`` there for a schedule, or give the
+        inner optimizer itself to a ``torch.optim.lr_scheduler``)."""
+        return self.optimizer.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The inner optimizer's ``zero_grad``."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: None = None) -> exdyna_mpi.Stats | None:
+        """The inner optimizer's step; every ``sync_every``-th call, then the outer step (collective).
+
+        Returns:
+            The outer exchange's stats when this call took an outer step, else None.
+        """
+        if closure is not None:
+            raise ValueError("DiLoCo.step: closures are not supported")
+        self.optimizer.step()
+        self.inner_steps += 1
+        if self.inner_steps >= self.sync_every:
+            return self.sync()
+        return None
+
+    def sync(self) -> exdyna_mpi.Stats:
+        """The outer step now (collective): average ``global - local`` through the sparsifier (error
+        feedback in its residual), step the global parameters with the outer optimizer, restart the
+        local model from them. A refused exchange (``StepError``: a non-finite delta on some rank)
+        raises on every rank and changes nothing.
+
+        Returns:
+            The sparsifier's stats of this exchange.
+        """
+        torch = _torch()
+        with torch.no_grad():
+            delta = self.global_params.detach() - self._local_flat()
+            self.sparsifier.step(delta, out=delta)
+            self.global_params.grad = delta
+            self.outer.step()
+            self.global_params.grad = None
+            off = 0
+            for p in self.params:
+                n = p.numel()
+                p.copy_(self.global_params[off:off + n].view_as(p))
+                off += n
+        self.inner_steps = 0
+        self.outer_steps += 1
+        self.stats = self.sparsifier.stats
+        return self.stats
+
+    def close(self) -> None:
+        """Close the sparsifier (collective in deadline mode). Idempotent."""
+        self.sparsifier.close()
+
+    def __enter__(self) -> DiLoCo:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state: the inner optimizer's (``"inner"``) and the outer step's (``"diloco"``:
+        global parameters, outer optimizer, position in the period, the sparsifier's state), as
+        tensors and plain values (``torch.save`` / ``torch.load(weights_only=True)`` round-trip it).
+        Save the model's own ``state_dict()`` beside it: between outer steps it holds the local model."""
+        return {"inner": self.optimizer.state_dict(),
+                _KEY: {"version": _VERSION, "sync_every": self.sync_every, "inner_steps": self.inner_steps,
+                       "outer_steps": self.outer_steps, "global": self.global_params.detach().clone(),
+                       "outer": copy.deepcopy(self.outer.state_dict()),
+                       "sparsifier": _to_torch(self.sparsifier.state_dict())}}
+
+    def _check(self, d: Any) -> tuple[str | None, dict[str, Any] | None]:
+        """This rank's problem with ``d`` (None: none) and its outer part."""
+        torch = _torch()
+        try:
+            own = d[_KEY]
+            if own["version"] != _VERSION:
+                return f"version {own['version']!r}, this DiLoCo writes {_VERSION}", None
+            if own["sync_every"] != self.sync_every:
+                return f"the dict has sync_every={own['sync_every']!r}, this DiLoCo {self.sync_every}", None
+            inner_steps, outer_steps = int(own["inner_steps"]), int(own["outer_steps"])
+            if not 0 <= inner_steps <= self.sync_every or outer_steps < 0:
+                return f"inner_steps={inner_steps}, outer_steps={outer_steps} out of range", None
+            g = own["global"]
+            want = self.global_params.dtype
+            if not isinstance(g, torch.Tensor) or tuple(g.shape) != (self.numel,) or g.dtype != want:
+                return (f"global parameters of shape {tuple(getattr(g, 'shape', ()))} and dtype "
+                        f"{getattr(g, 'dtype', None)}, the model has ({self.numel},) {self.global_params.dtype}"), None
+            if not bool(torch.isfinite(g).all()):
+                return "the global parameters hold non-finite values", None
+            for st in own["outer"]["state"].values():
+                for v in st.values():
+                    if isinstance(v, torch.Tensor) and v.dim() and tuple(v.shape) != (self.numel,):
+                        return f"the outer optimizer's state has a tensor of shape {tuple(v.shape)}", None
+            d["inner"]   # noqa: B018 - present
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
+            return f"not a DiLoCo.state_dict() output ({e!r})", None
+        return None, own
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        """Restore ``state_dict()`` output (this rank's); with the model's own state, the run goes on
+        bit for bit. Collective and all or nothing: every rank checks its dict, the ranks agree
+        once, then the sparsifier loads its state (it checks and agrees again); any rank's problem
+        raises the same ``CollectiveError`` on every rank and nothing changes.
+
+        Raises:
+            CollectiveError: naming each rank's problem.
+        """
+        problem, own = self._check(d)
+        inner_before = copy.deepcopy(self.optimizer.state_dict())
+        outer_before = copy.deepcopy(self.outer.state_dict())
+        if problem is None:
+            try:   # torch's own checks of the inner and outer optimizers' dicts, on this rank
+                self.optimizer.load_state_dict(d["inner"])
+                self.outer.load_state_dict(own["outer"])
+            except (KeyError, TypeError, ValueError, RuntimeError) as e:
+                problem = f"an optimizer refused its state ({e})"
+        words = [-1, -1] if own is None else [int(own["inner_steps"]), int(own["outer_steps"])]
+        try:
+            got = transport.agree_problems(self._exchange, problem,
+                                           "DiLoCo.load_state_dict refused on all ranks, state unchanged", words)
+            if (got != got[0]).any():
+                raise exdyna_mpi.CollectiveError("DiLoCo.load_state_dict refused on all ranks, state unchanged: "
+                                                 f"ranks hold different positions {got.tolist()}")
+            self.sparsifier.load_state_dict(_from_torch(own["sparsifier"]))
+        except exdyna_mpi.CollectiveError:
+            self.optimizer.load_state_dict(inner_before)
+            self.outer.load_state_dict(outer_before)
+            raise
+        with _torch().no_grad():
+            self.global_params.copy_(own["global"])
+        self.inner_steps, self.outer_steps = int(own["inner_steps"]), int(own["outer_steps"])
