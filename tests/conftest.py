@@ -47,6 +47,18 @@ def init_gloo(comm=MPI.COMM_WORLD):
                             world_size=comm.Get_size())
 
 
+@pytest.fixture(scope="module")
+def gloo():
+    """One gloo process group over the MPI ranks for a whole test module (``usefixtures("gloo")``);
+    skips where torch.distributed is not available."""
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    init_gloo()
+    yield
+    dist.destroy_process_group()
+
+
 def mpi_assert(ok, msg="", comm=MPI.COMM_WORLD):
     """Assert ``ok`` on every rank: all ranks fail together if any rank's ``ok`` is false."""
     flags = comm.allgather(bool(ok))

@@ -13,26 +13,19 @@ import pytest
 from mpi4py import MPI
 
 from exdyna_mpi.arrays import gpu_available
-from tests.conftest import init_gloo, mpi_assert
+from tests.conftest import mpi_assert
 
 torch = pytest.importorskip("torch")
-dist = pytest.importorskip("torch.distributed")
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.mpi(min_size=1),
+    pytest.mark.usefixtures("gloo"),
     pytest.mark.skipif(not gpu_available() or not torch.cuda.is_available(),
                        reason="needs a CUDA device visible to CuPy and a torch built with CUDA"),
 ]
 
 from exdyna_mpi.adapters.torch import ExDynaHookState, exdyna_hook  # noqa: E402
-
-
-@pytest.fixture(scope="module", autouse=True)
-def gloo():
-    init_gloo()
-    yield
-    dist.destroy_process_group()
 
 
 def _model(seed=0):
@@ -42,15 +35,7 @@ def _model(seed=0):
 
 
 def _train(ddp, steps):
-    rank = MPI.COMM_WORLD.Get_rank()
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-    for step in range(steps):
-        g = torch.Generator().manual_seed(1000 * step + rank)
-        x, y = torch.randn(64, 32, generator=g).cuda(), torch.randint(0, 10, (64,), generator=g).cuda()
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(ddp(x), y).backward()
-        opt.step()
-    torch.cuda.synchronize()
+    _steps(ddp, torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9), 0, steps)
 
 
 def _params(model):

@@ -33,19 +33,10 @@ dist = pytest.importorskip("torch.distributed")
 import exdyna_mpi  # noqa: E402
 from exdyna_mpi.adapters.torch import ExDynaHookState, exdyna_hook  # noqa: E402
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.usefixtures("gloo")]
 
 DENSITY = 0.05
 BUCKET_MB = 0.001   # ~1 KB buckets: the small model below spreads over several
-
-
-@pytest.fixture(scope="module", autouse=True)
-def gloo():
-    """One gloo process group over the MPI ranks for the whole module (rank 0 picks the port)."""
-    if not dist.is_available():
-        pytest.skip("torch.distributed is not available")
-    yield init_gloo()
-    dist.destroy_process_group()
 
 
 def _model(width=16, seed=0):

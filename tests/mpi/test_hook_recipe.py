@@ -17,25 +17,16 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from tests.conftest import init_gloo, mpi_assert, require, same_error_everywhere
+from tests.conftest import mpi_assert, require, same_error_everywhere
 
 torch = require("torch")
-dist = pytest.importorskip("torch.distributed")
 
 import exdyna_mpi  # noqa: E402
 from exdyna_mpi.adapters.torch import DistributedOptimizer, ExDynaHookState, exdyna_hook  # noqa: E402
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.usefixtures("gloo")]
 
 BUCKET_MB = 0.001   # ~1 KB buckets: several per iteration, and DDP rebuilds them after the first
-
-
-@pytest.fixture(scope="module", autouse=True)
-def gloo():
-    if not dist.is_available():
-        pytest.skip("torch.distributed is not available")
-    yield init_gloo()
-    dist.destroy_process_group()
 
 
 def _model(seed=0, width=24):
