@@ -506,9 +506,11 @@ def bf16_compress_hook_gloo(state, bucket):
 def prime_library(method, wl, args, comm, numel):
     """One untimed step of ``method`` on a throwaway model: Numba compiles the sparsifier's kernels on
     first use (seconds), a cost paid once per process, not per training step."""
-    if method in LIBRARY or method in HOOK_METHODS:
+    if method in LIBRARY or method in HOOK_METHODS or method in DILOCO_LIB:
         m = build(method, wl, args, comm, numel)
         m.step(wl, 0, args.clip)
+        if method in DILOCO_LIB:
+            m.opt.sync()   # the outer exchange, whose kernels the first step did not reach
         m.close()
 
 
@@ -555,6 +557,8 @@ def train(method, wl, args, comm, numel, target, log):
     """
     from mpi4py import MPI
 
+    import exdyna_mpi
+
     P = comm.Get_size()
     prime_library(method, wl, args, comm, numel)
     m = build(method, wl, args, comm, numel)
@@ -577,6 +581,7 @@ def train(method, wl, args, comm, numel, target, log):
         return res["val_loss"]
 
     every = max(1, args.eval_every or args.steps // 10)
+    diverged = False
     comm.Barrier()
     loss = evaluate(0)
     reached = target is not None and loss <= target
@@ -586,7 +591,15 @@ def train(method, wl, args, comm, numel, target, log):
             g["lr"] = lr * lr_factor(step, args)
         b0 = wire.read()
         t0 = time.perf_counter()
-        m.step(wl, step, args.clip)
+        try:
+            m.step(wl, step, args.clip)
+        except exdyna_mpi.StepError as e:
+            # raised on every rank together (a library method refusing a non-finite gradient or delta):
+            # the run diverged; DDP's would go on with NaN, which the records also count as diverged
+            log(f"{method}: diverged at step {step} ({e})")
+            evals.append([step, round(comm.allreduce(elapsed, op=MPI.MAX), 4), float("nan")])
+            diverged = True
+            break
         dt = time.perf_counter() - t0
         wire_bytes.append(wire.read() - b0)
         step_times.append(dt)
@@ -608,7 +621,7 @@ def train(method, wl, args, comm, numel, target, log):
                 break
     times = max_over_ranks(comm, step_times)
     budget = [e for e in evals if e[0] >= args.steps]
-    loss_at_steps = budget[0][2] if budget else None
+    loss_at_steps = float("nan") if diverged else budget[0][2] if budget else None
     hit = next((e for e in evals if target is not None and e[2] <= target), None)
     hashes = comm.allgather(m.param_hash())
     w = np.mean(comm.allgather(float(np.mean(wire_bytes[args.warmup:] or wire_bytes))))
@@ -619,7 +632,8 @@ def train(method, wl, args, comm, numel, target, log):
            "steps_run": step, "stride": m.stride, "step_s": per_step / m.stride,
            "final_loss": evals[-1][2], "loss_at_steps": loss_at_steps, "target": target,
            "time_to_target_s": None if hit is None else hit[1], "steps_to_target": None if hit is None else hit[0],
-           "evals": evals, "params_identical": len(set(hashes)) == 1, "collectives_per_step": m.collectives,
+           "evals": evals, "params_identical": len(set(hashes)) == 1, "diverged": diverged,
+           "collectives_per_step": m.collectives,
            "density": None if method in DDP_METHODS or method in DILOCO or method.startswith(("dense", "diloco-dense"))
            else args.density}
     if wire.path is not None:
@@ -893,7 +907,7 @@ def tune(args, wl, comm, numel, setup, path, log):
             tune_rec = {"kind": "tune", "launch": setup["launch"], "workload": args.workload, "method": method,
                         "lr": lr, "seed": args.seed, "steps": args.steps, "loss_at_steps": rec["loss_at_steps"],
                         "final_loss": rec["final_loss"], "step_s": rec["step_s"], "evals": rec["evals"],
-                        "params_identical": rec["params_identical"]}
+                        "params_identical": rec["params_identical"], "diverged": rec["diverged"]}
             if comm.Get_rank() == 0:
                 common.append_json_line(path, tune_rec)
             log(f"tune {method} lr {lr:g}: loss at {args.steps} {rec['loss_at_steps']}")

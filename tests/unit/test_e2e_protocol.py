@@ -213,3 +213,15 @@ def test_untuned_methods_are_refused(tmp_path):
     p = subprocess.run([sys.executable, JOB, "--tuned", str(path), "--workload", "cnn", "--out", str(tmp_path)],
                        cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "is for workload 'lm'" in p.stderr, p.stderr[-2000:]
+
+
+def test_a_library_method_that_diverges_is_recorded_and_the_search_goes_on(tmp_path):
+    """A learning rate that blows the model up makes the library refuse the step on every rank
+    (``StepError``); the harness records that run as diverged and searches on."""
+    out = tmp_path / "tune"
+    recs = e2e(out, "--steps", "4", "--eval-every", "2", "--tune-lrs", "1e-3,2e-3,1e6", "--clip", "0",
+               "--optimizer", "sgd", "--methods", "exdyna")
+    tunes = {r["lr"]: r for r in recs if r["kind"] == "tune"}
+    assert tunes[1e6]["diverged"] and not tunes[1e-3]["diverged"], {lr: r["diverged"] for lr, r in tunes.items()}
+    assert math.isnan(tunes[1e6]["loss_at_steps"]) and math.isnan(tunes[1e6]["evals"][-1][2])
+    assert json.loads((out / "tuned.json").read_text())["lr_of"]["exdyna"] in (1e-3, 2e-3)
