@@ -40,7 +40,7 @@ from exdyna_mpi import transport
 from exdyna_mpi.transport.group import GroupTransport
 
 from ._torch_common import _flat_layout, _torch
-from ._torch_options import Recipe, TrainingOptions, check_state, move_momentum, recipe_for
+from ._torch_options import RECIPE_DEFAULTS, Recipe, TrainingOptions, check_state, move_momentum, recipe_for
 
 if TYPE_CHECKING:
     import torch
@@ -50,9 +50,6 @@ __all__ = ["ExDynaHookState", "exdyna_hook"]
 
 SCOPES = ("model", "bucket")
 _VERSION = 1
-#: the recipe options' defaults (as ``DistributedOptimizer``'s); without ``optimizer=`` none may differ
-_RECIPE_DEFAULTS = dict(clip_norm=None, warmup_steps=0, momentum_correction="auto", momentum_masking=True,
-                        density_warmup=None, density_warmup_steps=None)
 Key = tuple[int, ...]
 Layout = list[tuple[int, tuple[int, ...]]]
 
@@ -147,7 +144,7 @@ class ExDynaHookState:
                            density_warmup_steps=density_warmup_steps)
         recipe, params = None, None
         if optimizer is None:
-            given = [k for k, v in recipe_args.items() if v != _RECIPE_DEFAULTS[k]]
+            given = [k for k, v in recipe_args.items() if v != RECIPE_DEFAULTS[k]]   # none may differ
             if given:
                 raise ValueError(f"ExDynaHookState: {', '.join(given)} belong to the training recipe, which runs "
                                  "only with optimizer= (the optimizer that steps on the hook's gradients)")
@@ -313,8 +310,7 @@ class ExDynaHookState:
                 return "the dict has no training-recipe state (saved without optimizer=)", None, None
             if got["recipe"] is not None:
                 try:
-                    got["recipe_at"] = check_state(_recipe_to_torch(got["recipe"]), self._recipe_config,
-                                                   self._offsets[-1])
+                    got["recipe_at"] = check_state(got["recipe"], self._recipe_config, self._offsets[-1])
                 except (KeyError, TypeError, ValueError, AttributeError) as e:
                     return f"malformed training-recipe state ({e})", None, None
         if self.scope == "bucket" and got["state"]:
@@ -347,22 +343,13 @@ class ExDynaHookState:
         if got["state"] or self._recipe_config is not None:
             self._worker.open(self.comm)
         try:
-            built = self._built(got["state"], layout) if got["state"] else []
-            try:
-                recipe = self._loaded_recipe(got["recipe"])
-            except BaseException:
-                for _, sp in built:
-                    _close(sp)
-                raise
+            built, recipe = self._rebuilt(got, layout)
         except exdyna_mpi.CollectiveError:
             raise
         except BaseException as e:   # noqa: BLE001 - one rank's failure: the others may wait in a collective
             transport.abort_job(self.comm, e, "ExDynaHookState", "loading a state dict")
         old = [sp for sp in [self._sp, *self._sps.values()] if sp is not None]
-        old_recipe, self._recipe = self._recipe, recipe
-        if old_recipe is not None:
-            old_recipe.close()
-        self._install(built)
+        self._install(built, recipe)
         if layout is not None and self.layout is None:
             self._set_layout(layout)
         self.step = got["step"]
@@ -370,6 +357,17 @@ class ExDynaHookState:
         self._after_load = True
         for sp in old:
             _close(sp)
+
+    def _rebuilt(self, d: dict[str, Any], layout: Layout) -> tuple[list[tuple[Key | None, Any]], Any]:
+        """(``_built`` of ``d["state"]``, the recipe loaded with ``d["recipe"]``), collective; on any
+        failure whatever was built is closed and nothing is kept."""
+        built = self._built(d["state"], layout) if d["state"] else []
+        try:
+            return built, self._loaded_recipe(d.get("recipe"))
+        except BaseException:
+            for _, sp in built:
+                _close(sp)
+            raise
 
     def _built(self, state: Any, layout: Layout) -> list[tuple[Key | None, Any]]:
         """(bucket key or None, sparsifier) for each entry of a dict's ``state``, each loaded with its
@@ -387,8 +385,12 @@ class ExDynaHookState:
             raise
         return built
 
-    def _install(self, built: list[tuple[Key | None, Any]]) -> None:
-        """Hold ``built`` (``_built`` output) in place of the sparsifiers held so far."""
+    def _install(self, built: list[tuple[Key | None, Any]], recipe: Any) -> None:
+        """Hold ``built`` and ``recipe`` (``_rebuilt`` output) in place of the sparsifiers held so far
+        (closing the recipe held so far; the caller closes the old sparsifiers)."""
+        if self._recipe is not None:
+            self._recipe.close()
+        self._recipe = recipe
         self._sp, self._sps, self._owner, self._flat = None, {}, {}, None
         for key, sp in built:
             if key is None:
@@ -549,15 +551,7 @@ class ExDynaHookState:
         if self._to_load is not None:
             # an unpickled or closed state (keys checked when it was taken in); on a refusal nothing is
             # installed and it stays to load: the next iteration retries
-            built = self._built(self._to_load["state"], self.layout) if self._to_load["state"] else []
-            try:
-                recipe = self._loaded_recipe(self._to_load.get("recipe"))
-            except BaseException:
-                for _, sp in built:
-                    _close(sp)
-                raise
-            self._install(built)
-            self._recipe = recipe
+            self._install(*self._rebuilt(self._to_load, self.layout))
             self._to_load = None
         if self._recipe_config is not None and self._recipe is None:
             self._recipe = self._loaded_recipe(None)
@@ -637,7 +631,7 @@ class ExDynaHookState:
                                  self._comm, who="ExDynaHookState")
         if d is not None:
             try:
-                recipe.load_state_dict(_recipe_to_torch(d))
+                recipe.load_state_dict(d)
             except BaseException:
                 recipe.close()
                 raise
@@ -719,14 +713,6 @@ def _recipe_to_host(d: dict[str, Any]) -> dict[str, Any]:
     """A ``TrainingOptions.state_dict()`` as host values: tensors as CPU copies (bfloat16 has no
     NumPy dtype), the sparsifiers' states as they are (NumPy)."""
     return {k: v.detach().cpu().clone() if isinstance(v, _torch().Tensor) else v for k, v in d.items()}
-
-
-def _recipe_to_torch(d: Any) -> Any:
-    """The inverse for loading: NumPy vectors (velocity, carry) as tensors."""
-    if not isinstance(d, dict):
-        return d
-    return {k: _torch().from_numpy(np.array(v)) if k in ("velocity", "carry") and isinstance(v, np.ndarray) else v
-            for k, v in d.items()}
 
 
 def _as_layout(raw: Any) -> Layout:

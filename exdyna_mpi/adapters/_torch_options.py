@@ -54,6 +54,7 @@ option off the state dict is unchanged.
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from numbers import Real
 from typing import Any
@@ -173,6 +174,11 @@ def recipe_for(optimizer, sparsifier, density, options, *, who, clip_norm=None, 
                   sparsifier=sparsifier, density=density, options=dict(options), moves_momentum=moves)
 
 
+#: the recipe options and their defaults (as ``recipe_for`` takes them, and both entry points)
+RECIPE_DEFAULTS = {name: p.default for name, p in inspect.signature(recipe_for).parameters.items()
+                   if p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is not inspect.Parameter.empty}
+
+
 class TrainingOptions:
     """The state and logic of a ``Recipe`` over one flat gradient (see the module docstring).
 
@@ -283,17 +289,13 @@ class TrainingOptions:
                      carry=None if self.carry is None else self.carry.clone())
         return d
 
-    def _check(self, d):
-        """``(step, stage)`` of ``d`` after the local checks (raises on a dict that cannot load)."""
-        return check_state(d, self.recipe, self.numel)
-
     def load_state_dict(self, d):
         """Collective (the live stage's sparsifier is made and loaded on every rank), all or nothing:
         every rank checks its dict before one agreement; a problem on any rank raises the same
         ``ValueError`` on every rank, naming it, and nothing changes."""
         problem = None
         try:
-            step, stage = self._check(d)
+            step, stage = check_state(d, self.recipe, self.numel)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             problem, step, stage = f"exdyna_options is malformed ({e})", -1, None
         got = transport.agree_problems(self._exchange, problem, f"{self.who}.load_state_dict refused",
