@@ -349,28 +349,10 @@ class GlobalView:
     """Evaluation of the library's ``DiLoCo`` on its global parameters (``DiLoCoOuter``'s interface)."""
 
     def __init__(self, opt):
-        self.opt = opt
+        self.global_model = opt.global_model
 
     def after_inner_step(self):
         pass
-
-    @contextlib.contextmanager
-    def global_model(self):
-        import torch
-
-        params = self.opt.params
-        with torch.no_grad():
-            local = [p.detach().clone() for p in params]
-            off = 0
-            for p in params:
-                p.copy_(self.opt.global_params[off:off + p.numel()].view_as(p))
-                off += p.numel()
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for p, x in zip(params, local):
-                    p.copy_(x)
 
 
 def make_optimizer(params, args, lr, momentum=None):

@@ -31,8 +31,9 @@ model's own ``state_dict()``) continues bit for bit.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import exdyna_mpi
 from exdyna_mpi import transport
@@ -122,6 +123,29 @@ class DiLoCo:
     def _local_flat(self) -> torch.Tensor:
         return _torch().cat([p.detach().reshape(-1) for p in self.params])
 
+    def _set_local(self, flat: torch.Tensor) -> None:
+        """Copy ``flat`` (the optimizer's parameter order) into the model's parameters."""
+        with _torch().no_grad():
+            for p, v in zip(self.params, flat.split([p.numel() for p in self.params])):
+                p.copy_(v.view_as(p))
+
+    @contextlib.contextmanager
+    def global_model(self) -> Iterator[None]:
+        """A context in which the model holds the global parameters (to evaluate them in the middle
+        of a period); the local ones come back on exit. Not collective.
+
+        Example::
+
+            >>> with opt.global_model():
+            ...     val_loss = evaluate(model)
+        """
+        local = self._local_flat()
+        self._set_local(self.global_params.detach())
+        try:
+            yield
+        finally:
+            self._set_local(local)
+
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         """The inner optimizer's parameter groups (set ``"lr"`` there for a schedule, or give the
@@ -157,16 +181,13 @@ class DiLoCo:
         """
         torch = _torch()
         with torch.no_grad():
-            delta = self.global_params.detach() - self._local_flat()
+            delta = self._local_flat()
+            torch.sub(self.global_params.detach(), delta, out=delta)   # global - local, in the same buffer
             self.sparsifier.step(delta, out=delta)
             self.global_params.grad = delta
             self.outer.step()
             self.global_params.grad = None
-            off = 0
-            for p in self.params:
-                n = p.numel()
-                p.copy_(self.global_params[off:off + n].view_as(p))
-                off += n
+        self._set_local(self.global_params.detach())
         self.inner_steps = 0
         self.outer_steps += 1
         self.stats = self.sparsifier.stats

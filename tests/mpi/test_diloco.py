@@ -227,3 +227,16 @@ def test_a_non_finite_delta_raises_everywhere_and_changes_nothing(wcomm):
         raised = str(e)
     mpi_assert("non-finite" in raised, f"no StepError: {raised!r}", wcomm)
     mpi_assert(torch.equal(glob, opt.global_params.detach()) and opt.outer_steps == 0, "state changed", wcomm)
+
+
+def test_global_model_holds_the_global_parameters_and_gives_the_local_back(wcomm):
+    rank = wcomm.Get_rank()
+    model = _model()
+    opt = DiLoCo(_inner(model), model, sync_every=H, sparsifier="exdyna", density=0.05, comm=wcomm)
+    for s in range(H + 1):   # one step into the second period: local and global differ
+        _step(model, opt, rank, s)
+    local, glob = _flat(model), opt.global_params.detach().numpy().copy()
+    mpi_assert(not np.array_equal(local, glob), "test premise: local equals global", wcomm)
+    with opt.global_model():
+        mpi_assert(np.array_equal(_flat(model), glob), "the model does not hold the global parameters", wcomm)
+    mpi_assert(np.array_equal(_flat(model), local), "the local parameters did not come back", wcomm)
