@@ -59,6 +59,18 @@ def gloo():
     dist.destroy_process_group()
 
 
+def backward_error(net, x, y):
+    """The text of the ``RuntimeError`` that ``backward()`` of ``net``'s cross-entropy on ``(x, y)``
+    raises (DDP wraps a communication hook's error in one), or ``""`` when it raises none."""
+    import torch
+
+    try:
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+    except RuntimeError as e:
+        return str(e)
+    return ""
+
+
 def mpi_assert(ok, msg="", comm=MPI.COMM_WORLD):
     """Assert ``ok`` on every rank: all ranks fail together if any rank's ``ok`` is false."""
     flags = comm.allgather(bool(ok))

@@ -14,6 +14,7 @@ from mpi4py import MPI
 
 from exdyna_mpi.arrays import gpu_available
 from tests.conftest import mpi_assert
+from tests.gpu import cuda_steps
 
 torch = pytest.importorskip("torch")
 
@@ -35,7 +36,7 @@ def _model(seed=0):
 
 
 def _train(ddp, steps):
-    _steps(ddp, torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9), 0, steps)
+    cuda_steps(ddp, torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9), 0, steps)
 
 
 def _params(model):
@@ -74,17 +75,6 @@ def test_dense_hook_on_cuda_equals_ddp_allreduce():
                f"dense hook differs from DDP's allreduce by {np.abs(got - want).max():.3g}", comm)
 
 
-def _steps(net, opt, start, stop):
-    rank = MPI.COMM_WORLD.Get_rank()
-    for step in range(start, stop):
-        g = torch.Generator().manual_seed(1000 * step + rank)
-        x, y = torch.randn(64, 32, generator=g).cuda(), torch.randint(0, 10, (64,), generator=g).cuda()
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(net(x), y).backward()
-        opt.step()
-    torch.cuda.synchronize()
-
-
 #: optimizer factory, density, recipe options: momentum SGD under the default recipe (momentum moved,
 #: quotas) with clipping and a dense warm-up; AdamW with clipping
 RECIPES = {
@@ -112,12 +102,12 @@ def test_cuda_hook_with_optimizer_equals_distributed_optimizer_and_resumes(case)
     ddp.register_comm_hook(state, exdyna_hook)
     try:
         for s in range(3):
-            _steps(plain, wrapped, s, s + 1)
-            _steps(ddp, opt, s, s + 1)
+            cuda_steps(plain, wrapped, s, s + 1)
+            cuda_steps(ddp, opt, s, s + 1)
             mpi_assert(np.array_equal(_params(plain).view(np.uint32), _params(hooked).view(np.uint32)),
                        f"{case} step {s}: the hook differs from DistributedOptimizer", comm)
         saved = copy.deepcopy({"model": hooked.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()})
-        _steps(ddp, opt, 3, 6)
+        cuda_steps(ddp, opt, 3, 6)
     finally:
         state.close()
     straight = _params(hooked).copy()
@@ -131,7 +121,7 @@ def test_cuda_hook_with_optimizer_equals_distributed_optimizer_and_resumes(case)
     state.load_state_dict(saved["hook"])
     ddp.register_comm_hook(state, exdyna_hook)
     try:
-        _steps(ddp, opt, 3, 6)
+        cuda_steps(ddp, opt, 3, 6)
     finally:
         state.close()
     mpi_assert(np.array_equal(straight.view(np.uint32), _params(resumed).view(np.uint32)),

@@ -12,6 +12,7 @@ from mpi4py import MPI
 
 from exdyna_mpi.arrays import gpu_available
 from tests.conftest import mpi_assert
+from tests.gpu import cuda_steps
 
 torch = pytest.importorskip("torch")
 
@@ -38,17 +39,6 @@ def _build(name, options, seed=0):
     return model, DiLoCo(inner, model, sync_every=H, sparsifier=name, density=0.05, **options)
 
 
-def _steps(model, opt, start, stop):
-    rank = MPI.COMM_WORLD.Get_rank()
-    for s in range(start, stop):
-        g = torch.Generator().manual_seed(1000 * s + rank)
-        x, y = torch.randn(64, 32, generator=g).cuda(), torch.randint(0, 10, (64,), generator=g).cuda()
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-    torch.cuda.synchronize()
-
-
 def _flat(model):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu().numpy()
 
@@ -57,13 +47,13 @@ def _flat(model):
 def test_cuda_diloco_ranks_identical_and_resume_bit_exact(name, options):
     comm = MPI.COMM_WORLD
     model, opt = _build(name, options)
-    _steps(model, opt, 0, 3 * H)
+    cuda_steps(model, opt, 0, 3 * H)
     straight = _flat(model)
     digests = comm.allgather(straight.tobytes())
     mpi_assert(len(set(digests)) == 1 and opt.outer_steps == 3, f"{name}: ranks differ after the outer steps")
 
     model, opt = _build(name, options)
-    _steps(model, opt, 0, H + 1)   # one step into the second period
+    cuda_steps(model, opt, 0, H + 1)   # one step into the second period
     buf = io.BytesIO()
     torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
     buf.seek(0)
@@ -71,6 +61,6 @@ def test_cuda_diloco_ranks_identical_and_resume_bit_exact(name, options):
     model, opt = _build(name, options, seed=5)
     model.load_state_dict(ckpt["model"])
     opt.load_state_dict(ckpt["opt"])
-    _steps(model, opt, H + 1, 3 * H)
+    cuda_steps(model, opt, H + 1, 3 * H)
     mpi_assert(np.array_equal(straight.view(np.uint32), _flat(model).view(np.uint32)),
                f"{name} {options}: the resumed run differs from the straight one")
