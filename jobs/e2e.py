@@ -57,7 +57,10 @@ Methods (``--methods``, run one after another in one launch, ``ddp`` first and, 
   SGD's momentum and run with ``--optimizer sgd`` only. ``exdyna-adam``: ``adam="frozen"``
   (``--adam-warmup`` dense Adam steps, then the second moment frozen, the gradient divided by it
   before ExDyna's selection and error feedback); ``exdyna-adam-g``: ``adam="frozen-gradient"`` (the
-  division after the exchange); both with ``--optimizer adamw`` only.
+  division after the exchange); ``exdyna-adam-u``: ``adam="update"`` (Adam's moments on each rank,
+  its update exchanged by ExDyna with error feedback, the average applied); ``dense-adam-u``: the
+  same update averaged densely (what the per-rank moments cost without sparsity); all four with
+  ``--optimizer adamw`` only.
 - ``ddp-exdyna``: DDP (default buckets) with the library's hook, ``exdyna_hook`` and
   ``ExDynaHookState("exdyna", density, optimizer=opt)``: one sparsifier over the whole model, exchanged
   on the hook's worker thread once the last bucket is ready, inside the same training recipe as
@@ -108,8 +111,8 @@ DEFAULT_METHODS = ("ddp", "ddp-bv", "ddp-accum", "ddp-bf16", "ddp-powersgd", "di
 ALL_METHODS = DEFAULT_METHODS + ("dense", "ddp-exdyna", "topk", "oktopk", "micro", "exdyna-q", "exdyna-deadline",
                                  "wagma", "ddp-exdyna-bucket", "exdyna-bf16", "dense-bf16", "exdyna-mc",
                                  "exdyna-q02", "exdyna-dw", "exdyna-mcq", "exdyna-plain", "exdyna-mcq02",
-                                 "exdyna-adam", "exdyna-adam-g", "diloco-exdyna-h16", "diloco-exdyna-h64",
-                                 "diloco-exdyna-bf16-h16", "diloco-dense-h16")
+                                 "exdyna-adam", "exdyna-adam-g", "exdyna-adam-u", "dense-adam-u", "diloco-exdyna-h16",
+                                 "diloco-exdyna-h64", "diloco-exdyna-bf16-h16", "diloco-dense-h16")
 DDP_METHODS = ("ddp", "ddp-bv", "ddp-accum", "ddp-powersgd", "ddp-bf16")
 #: DiLoCo (Douillard et al. 2023; torchft): H local steps of the inner optimiser, then the averaged
 #: parameter delta applied by an outer Nesterov SGD (lr 0.7, momentum 0.9, the paper's values)
@@ -132,9 +135,10 @@ LIBRARY = {"dense": ("dense", {}), "exdyna": ("exdyna", {}), "topk": ("topk", {}
            "exdyna-dw": ("exdyna", {"momentum_correction": 0.0}),
            "exdyna-mcq": ("exdyna", {"max_imbalance": 0.05}), "exdyna-mcq02": ("exdyna", {"max_imbalance": 0.2}),
            "exdyna-plain": ("exdyna", {"momentum_correction": 0.0, "max_imbalance": None}),
-           "exdyna-adam": ("exdyna", {"adam": "frozen"}), "exdyna-adam-g": ("exdyna", {"adam": "frozen-gradient"})}
-#: Adam's frozen-variance paths (``DistributedOptimizer(adam=...)``); AdamW runs only
-ADAM_ONLY = ("exdyna-adam", "exdyna-adam-g")
+           "exdyna-adam": ("exdyna", {"adam": "frozen"}), "exdyna-adam-g": ("exdyna", {"adam": "frozen-gradient"}),
+           "exdyna-adam-u": ("exdyna", {"adam": "update"}), "dense-adam-u": ("dense", {"adam": "update"})}
+#: Adam's own paths (``DistributedOptimizer(adam=...)``): the update exchanged, the variance frozen; AdamW only
+ADAM_ONLY = ("exdyna-adam", "exdyna-adam-g", "exdyna-adam-u", "dense-adam-u")
 #: the training recipe's options, set from the run's arguments in _build: momentum correction with the
 #: run's momentum (the wrapped SGD then runs without it); DGC's density warm-up, 25 %, 6.25 %, 1.5625 %,
 #: each stage an eighth of the step budget (an epoch of the CNN's)
@@ -761,7 +765,7 @@ def parse_args(argv=None):
             ap.error(f"{sgd_only} move SGD's momentum; they run with --optimizer sgd only")
     elif any(m in ADAM_ONLY for m in args.methods):
         adam_only = [m for m in args.methods if m in ADAM_ONLY]
-        ap.error(f"{adam_only} freeze Adam's variance; they run with --optimizer adamw only")
+        ap.error(f"{adam_only} are Adam paths; they run with --optimizer adamw only")
     if args.adam_warmup is None:
         args.adam_warmup = max(1, args.lr_warmup)
     args.clip = args.clip or None

@@ -1,4 +1,5 @@
-"""Adam under sparse exchange: a dense warm-up, then a frozen second moment (``adam="frozen"``).
+"""Adam under sparse exchange: ``adam="update"`` (Adam on each rank, its update exchanged with error
+feedback) and ``adam="frozen"`` (a dense warm-up, then a frozen second moment).
 
 Error feedback keeps the *sum* of the applied gradients right only for an optimiser that is linear
 in the gradient. Adam is not: it divides each coordinate by a second moment that the sparse bursts
@@ -21,7 +22,31 @@ same idea makes error feedback sound here:
    ``torch.optim.Adam``'s coupled decay adds ``wd * theta / denom`` to ``p_avg`` after the
    exchange (parameters are identical on every rank, so it needs no communication).
 
-What is exact: the warm-up steps are torch's Adam bit for bit. After it the update is Adam with
+``adam="update"`` makes the exchanged quantity Adam's *update* instead of the gradient, so that
+the parameters are linear in what is exchanged and error feedback is sound with live moments:
+
+1. Each rank runs Adam's moment arithmetic on its own gradient (after the recipe's clipping):
+   ``m_r = beta1 m_r + (1 - beta1) g_r``, ``v_r = beta2 v_r + (1 - beta2) g_r**2`` (``torch.optim.Adam``'s
+   coupled decay adds ``wd * theta`` to ``g_r`` first), and its update at unit learning rate,
+   ``u_r = (m_r / (1 - beta1**t)) / (sqrt(v_r / (1 - beta2**t)) + eps)``.
+2. The sparsifier exchanges ``u_r`` with error feedback: what a rank does not send this step stays
+   in its residual, in update units, and is sent later. Selection ranks coordinates by the size of
+   the step Adam wants to make (close to SCAPE's first-moment masks), not by the raw gradient.
+3. Every rank applies the same averaged update: AdamW's decay ``theta *= 1 - lr * wd``, then
+   ``theta -= lr * u_avg``, with ``lr`` read from the param group at that step (schedulers work).
+
+What changes from Adam: the moments are each rank's own (its ``1/P`` of the batch), so ``v_r``
+holds each rank's gradient noise and the update is the mean of ``P`` per-rank Adam steps rather than
+one Adam step on the mean gradient (with ``P = 1`` and the dense exchange it is Adam). This is
+DiLoCo's inner step with one local step and no outer optimiser, and what error feedback over a
+compressed *update* analyses: the parameters move by the sum of what the ranks' Adam steps ask,
+less what the residuals still hold. The moments differ between ranks and live in each rank's
+``opt.state_dict()`` under ``"exdyna_adam"``; the parameters are bit-identical on every rank. The
+new moments are committed only once the exchange succeeds, so a refused or skipped step
+(``nonfinite="skip"``) leaves them as they were. No warm-up is needed (``warmup_steps`` still gives
+dense exchanges of ``u_r`` first).
+
+What is exact in ``"frozen"``: the warm-up steps are torch's Adam bit for bit. After it the update is Adam with
 the second moment of step ``warmup_steps`` held fixed; with a dense exchange that differs from
 Adam only by the frozen variance. Every rank holds the same bits (the exchanged average is
 bit-identical and everything after it is elementwise). ``amsgrad``, ``maximize`` and complex
@@ -36,7 +61,7 @@ from typing import Any
 from ._torch_common import _torch
 
 ADAM_KEY = "exdyna_adam"
-MODES = ("live", "frozen", "frozen-gradient")
+MODES = ("live", "update", "frozen", "frozen-gradient")
 
 
 def is_adam(optimizer) -> bool:
@@ -45,13 +70,27 @@ def is_adam(optimizer) -> bool:
     return isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
 
 
-class FrozenVarianceAdam:
-    """The state and arithmetic of ``adam="frozen"`` / ``"frozen-gradient"`` (module docstring).
+def make_adam_path(optimizer, params, mode: str) -> "AdamPath | None":
+    """The path ``DistributedOptimizer(adam=mode)`` runs: None for ``"live"`` (the wrapped optimizer
+    steps on the exchanged gradient), else ``LocalUpdateAdam`` or ``FrozenVarianceAdam``."""
+    if mode == "live":
+        return None
+    return LocalUpdateAdam(optimizer, params, mode) if mode == "update" else FrozenVarianceAdam(optimizer, params, mode)
+
+
+class AdamPath:
+    """What the Adam paths share: the checks, the flat layout over the optimizer's param groups, and
+    the protocol ``DistributedOptimizer`` drives each step: ``prepare`` (this rank's gradient into
+    the exchanged units), the exchange, then ``update`` when ``owns_step`` (else the wrapped
+    optimizer steps).
 
     Args:
         optimizer: the wrapped ``torch.optim.Adam`` or ``AdamW``.
         params: the parameters in the flat gradient's order (``FlatGrad.params``).
-        mode: ``"frozen"`` (precondition before the exchange) or ``"frozen-gradient"`` (after it).
+        mode: one of ``MODES`` but ``"live"``.
+
+    Raises:
+        ValueError: ``amsgrad``, ``maximize`` or complex parameters (not supported).
     """
 
     def __init__(self, optimizer, params, mode: str) -> None:
@@ -60,9 +99,9 @@ class FrozenVarianceAdam:
             raise ValueError(f"DistributedOptimizer: adam must be one of {MODES}, got {mode!r}")
         for g in optimizer.param_groups:
             if g.get("amsgrad") or g.get("maximize"):
-                raise ValueError("DistributedOptimizer: adam='frozen' does not support amsgrad or maximize")
+                raise ValueError(f"DistributedOptimizer: adam={mode!r} does not support amsgrad or maximize")
         if any(torch.is_complex(p) for p in params):
-            raise ValueError("DistributedOptimizer: adam='frozen' does not support complex parameters")
+            raise ValueError(f"DistributedOptimizer: adam={mode!r} does not support complex parameters")
         self.mode = mode
         self.decoupled = isinstance(optimizer, torch.optim.AdamW)
         group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
@@ -72,6 +111,124 @@ class FrozenVarianceAdam:
             self.slices.append((p, group_of[id(p)], off, p.numel()))
             off += p.numel()
         self.numel = off
+
+    @property
+    def owns_step(self) -> bool:
+        """Whether ``update`` (not the wrapped optimizer) steps the parameters this step."""
+        raise NotImplementedError
+
+    def prepare(self, optimizer, flat, dense: bool) -> None:
+        """This rank's gradient ``flat`` into the exchanged units, in place (``dense``: a warm-up step)."""
+        raise NotImplementedError
+
+    def update(self, flat, skipped: bool) -> None:
+        """Step every parameter with the exchanged average ``flat``; identical on every rank."""
+        raise NotImplementedError
+
+    def _check_mode(self, d) -> None:
+        if not isinstance(d, dict) or d.get("mode") != self.mode:
+            mode = d.get("mode") if isinstance(d, dict) else None
+            raise ValueError(f"DistributedOptimizer.load_state_dict: the dict is of adam={mode!r}, "
+                             f"this optimizer runs adam={self.mode!r}")
+
+    def _check_vectors(self, d, keys) -> None:
+        torch = _torch()
+        for key in keys:
+            v = d.get(key)
+            if v is None or v.numel() != self.numel:
+                raise ValueError(f"DistributedOptimizer.load_state_dict: exdyna_adam.{key} has "
+                                 f"{None if v is None else v.numel()} elements, the model {self.numel}")
+            if not bool(torch.isfinite(v).all()):
+                raise ValueError(f"DistributedOptimizer.load_state_dict: exdyna_adam.{key} holds non-finite values")
+
+
+class LocalUpdateAdam(AdamPath):
+    """The state and arithmetic of ``adam="update"`` (module docstring): this rank's Adam moments,
+    its update exchanged with error feedback, the average applied on every rank."""
+
+    def __init__(self, optimizer, params, mode: str = "update") -> None:
+        super().__init__(optimizer, params, mode)
+        self.step = 0            # Adam's t: steps completed
+        self.m = None            # this rank's first and second moments (flat, allocated at the first step)
+        self.v = None
+        self._next = None        # (m, v) of the step in flight, committed by ``update``
+
+    @property
+    def owns_step(self) -> bool:
+        return True
+
+    def prepare(self, optimizer, flat, dense: bool) -> None:
+        torch = _torch()
+        if self.m is None:
+            self.m, self.v = torch.zeros_like(flat), torch.zeros_like(flat)
+        elif self.m.device != flat.device:   # loaded from a host copy
+            self.m, self.v = self.m.to(flat.device), self.v.to(flat.device)
+        if self._next is None or self._next[0].device != flat.device:
+            self._next = (torch.empty_like(flat), torch.empty_like(flat))
+        m2, v2 = self._next
+        t = self.step + 1
+        with torch.no_grad():
+            for p, g, off, n in self.slices:
+                beta1, beta2 = g["betas"]
+                eps, wd = g["eps"], float(g["weight_decay"])
+                gv = flat[off:off + n]
+                if wd and not self.decoupled:
+                    gv.add_(p.detach().reshape(-1), alpha=wd)
+                mv, vv = m2[off:off + n], v2[off:off + n]
+                torch.mul(self.m[off:off + n], beta1, out=mv).add_(gv, alpha=1 - beta1)
+                torch.mul(self.v[off:off + n], beta2, out=vv).addcmul_(gv, gv, value=1 - beta2)
+                # u = (m / bc1) / (sqrt(v / bc2) + eps), written over this rank's gradient
+                torch.sqrt(vv, out=gv).div_((1 - beta2 ** t) ** 0.5).add_(eps)
+                torch.div(mv, gv, out=gv).div_(1 - beta1 ** t)
+
+    def update(self, flat, skipped: bool) -> None:
+        torch = _torch()
+        if skipped:   # the exchange skipped the step everywhere: moments and parameters stay
+            return
+        self.m, self.v, self._next = self._next[0], self._next[1], (self.m, self.v)
+        self.step += 1
+        with torch.no_grad():
+            for p, g, off, n in self.slices:
+                lr, wd = float(g["lr"]), float(g["weight_decay"])
+                if wd and self.decoupled:
+                    p.mul_(1 - lr * wd)
+                p.add_(flat[off:off + n].view_as(p), alpha=-lr)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"mode": self.mode, "step": self.step,
+                "m": None if self.m is None else self.m.clone(),
+                "v": None if self.v is None else self.v.clone()}
+
+    def check(self, d: dict[str, Any]) -> None:
+        """Raise ``ValueError`` if ``d`` cannot be loaded (another mode, wrong lengths, non-finite
+        moments); changes nothing."""
+        self._check_mode(d)
+        if int(d.get("step", -1)) < 0:
+            raise ValueError(f"DistributedOptimizer.load_state_dict: exdyna_adam.step is {d.get('step')!r}")
+        if d["step"] > 0:
+            self._check_vectors(d, ("m", "v"))
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        """Load a dict that ``check`` accepted."""
+        self.step = int(d["step"])
+        fresh = self.step == 0 or d.get("m") is None
+        self.m = None if fresh else d["m"].detach().clone()
+        self.v = None if fresh else d["v"].detach().clone()
+
+
+class FrozenVarianceAdam(AdamPath):
+    """The state and arithmetic of ``adam="frozen"`` / ``"frozen-gradient"`` (module docstring).
+
+    Args:
+        optimizer: the wrapped ``torch.optim.Adam`` or ``AdamW``.
+        params: the parameters in the flat gradient's order (``FlatGrad.params``).
+        mode: ``"frozen"`` (precondition before the exchange) or ``"frozen-gradient"`` (after it).
+    """
+
+    def __init__(self, optimizer, params, mode: str) -> None:
+        if mode == "update":
+            raise ValueError("FrozenVarianceAdam runs adam='frozen' or 'frozen-gradient'")
+        super().__init__(optimizer, params, mode)
         self.frozen = False
         self.step = 0            # Adam's t: the warm-up's steps, then one per frozen step
         self.m = None            # first moment in preconditioned units (flat)
@@ -100,13 +257,21 @@ class FrozenVarianceAdam:
                 torch.div(st["exp_avg"].reshape(-1), d, out=m[off:off + n])
         self.m, self.denom, self.step, self.frozen = m, denom, int(step), True
 
-    def before(self, flat) -> None:
-        """This rank's gradient into the exchanged units (``"frozen"``: divided by ``denom``)."""
+    @property
+    def owns_step(self) -> bool:
+        return self.frozen   # the warm-up's steps are the wrapped optimizer's
+
+    def prepare(self, optimizer, flat, dense: bool) -> None:
+        """Freeze at the first sparse step; then this rank's gradient into the exchanged units
+        (``"frozen"``: divided by ``denom``)."""
+        if dense:
+            return
+        if not self.frozen:
+            self.freeze(optimizer, flat)
         if self.mode == "frozen":
             flat.div_(self.denom)
 
-    def update(self, flat) -> None:
-        """Step every parameter with the exchanged average ``flat``; identical on every rank."""
+    def update(self, flat, skipped: bool) -> None:
         torch = _torch()
         with torch.no_grad():
             if self.mode == "frozen-gradient":
@@ -132,16 +297,9 @@ class FrozenVarianceAdam:
 
     def check(self, d: dict[str, Any]) -> None:
         """Raise ``ValueError`` if ``d`` cannot be loaded (another mode, wrong lengths); changes nothing."""
-        if not isinstance(d, dict) or d.get("mode") != self.mode:
-            mode = d.get("mode") if isinstance(d, dict) else None
-            raise ValueError(f"DistributedOptimizer.load_state_dict: the dict is of adam={mode!r}, "
-                             f"this optimizer runs adam={self.mode!r}")
+        self._check_mode(d)
         if bool(d.get("frozen")):
-            for key in ("m", "denom"):
-                v = d.get(key)
-                if v is None or v.numel() != self.numel:
-                    raise ValueError(f"DistributedOptimizer.load_state_dict: exdyna_adam.{key} has "
-                                     f"{None if v is None else v.numel()} elements, the model {self.numel}")
+            self._check_vectors(d, ("m", "denom"))
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         """Load a dict that ``check`` accepted."""

@@ -30,7 +30,7 @@ import exdyna_mpi
 
 from ._torch_common import (_broadcast_model, _flat_layout, _from_torch, _to_torch, _torch, _wrap, _wrapped_params,
                             broadcast_parameters)
-from ._torch_adam import ADAM_KEY, MODES as ADAM_MODES, FrozenVarianceAdam, is_adam
+from ._torch_adam import ADAM_KEY, MODES as ADAM_MODES, is_adam, make_adam_path
 from ._torch_hook import ExDynaHookState, exdyna_hook
 from ._torch_options import OPTIONS_KEY, TrainingOptions, move_momentum, recipe_for
 from .torch_diloco import DiLoCo
@@ -102,19 +102,19 @@ class _DistributedMixin:
         torch = _torch()
         self._exdyna_grads.attach()
         flat, opts = self._exdyna_grads.flat, self._exdyna_options
+        adam = self._exdyna_adam
         with torch.no_grad():
-            if not opts.active:
+            if not opts.active and adam is None:
                 self.sparsifier.step(flat, out=flat)
                 return self.sparsifier.stats
-            sp = opts.sparsifier(self.sparsifier)   # recipe options: _torch_options.py
-            opts.before(flat)
-            adam = self._exdyna_adam
-            if adam is not None and sp is not opts.dense:   # adam="frozen": _torch_adam.py
-                if not adam.frozen:
-                    adam.freeze(self, flat)
-                adam.before(flat)
+            sp = opts.sparsifier(self.sparsifier) if opts.active else self.sparsifier   # _torch_options.py
+            if opts.active:
+                opts.before(flat)
+            if adam is not None:   # adam="update" / "frozen": _torch_adam.py
+                adam.prepare(self, flat, dense=sp is opts.dense)
             sp.step(flat, out=flat)
-            opts.after(flat, sp)
+            if opts.active:
+                opts.after(flat, sp)
             self._exdyna_last = sp
         return sp.stats
 
@@ -123,10 +123,10 @@ class _DistributedMixin:
         if closure is not None:
             raise ValueError("DistributedOptimizer.step: closures are not supported "
                              "(the gradient exchange must happen once per step)")
-        self.synchronize()
+        stats = self.synchronize()
         adam = self._exdyna_adam
-        if adam is not None and adam.frozen:
-            adam.update(self._exdyna_grads.flat)
+        if adam is not None and adam.owns_step:
+            adam.update(self._exdyna_grads.flat, stats.skipped)
             return None
         return super().step()
 
@@ -242,7 +242,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
 
     ``adam`` (for ``torch.optim.Adam``/``AdamW``; see ``_torch_adam.py``): ``"live"`` (the default)
     exchanges the raw gradient and lets the wrapped optimizer update its moments from the sparse
-    average; ``"frozen"`` runs ``warmup_steps`` (required, >= 1) dense steps of exact Adam, then
+    average; ``"update"`` runs Adam's moments on each rank's own gradient and exchanges the update
+    they give, with error feedback, then applies the average on every rank (the wrapped optimizer's
+    ``lr``, betas, eps and weight decay; its own ``state`` is not used); ``"frozen"`` runs ``warmup_steps`` (required, >= 1) dense steps of exact Adam, then
     freezes the second moment, exchanges the gradient divided by it (selection by update size) with
     error feedback and applies Adam with the frozen variance; ``"frozen-gradient"`` the same with
     the division after the exchange.
@@ -263,11 +265,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
     if adam != "live" and not is_adam(optimizer):
         raise ValueError(f"DistributedOptimizer: adam={adam!r} needs torch.optim.Adam or AdamW, "
                          f"got {type(optimizer).__name__}")
-    if adam != "live" and not (isinstance(warmup_steps, int) and warmup_steps >= 1):
+    if adam.startswith("frozen") and not (isinstance(warmup_steps, int) and warmup_steps >= 1):
         raise ValueError(f"DistributedOptimizer: adam={adam!r} freezes the variance after a dense warm-up: "
                          f"give warmup_steps >= 1, got {warmup_steps!r}")
     grads = FlatGrad(params)
-    adam_path = FrozenVarianceAdam(optimizer, grads.params, adam) if adam != "live" else None
+    adam_path = make_adam_path(optimizer, grads.params, adam)
     recipe = recipe_for(optimizer, sparsifier, density, options, who="DistributedOptimizer", clip_norm=clip_norm,
                         warmup_steps=warmup_steps, momentum_correction=momentum_correction,
                         momentum_masking=momentum_masking, density_warmup=density_warmup,
