@@ -244,10 +244,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
     exchanges the raw gradient and lets the wrapped optimizer update its moments from the sparse
     average; ``"update"`` runs Adam's moments on each rank's own gradient and exchanges the update
     they give, with error feedback, then applies the average on every rank (the wrapped optimizer's
-    ``lr``, betas, eps and weight decay; its own ``state`` is not used); ``"frozen"`` runs ``warmup_steps`` (required, >= 1) dense steps of exact Adam, then
-    freezes the second moment, exchanges the gradient divided by it (selection by update size) with
-    error feedback and applies Adam with the frozen variance; ``"frozen-gradient"`` the same with
-    the division after the exchange.
+    ``lr``, betas, eps and weight decay; its own ``state`` is not used); ``"frozen"`` runs
+    ``warmup_steps`` (required, >= 1) dense steps of exact Adam, then freezes the second moment,
+    exchanges the gradient divided by it (selection by update size) with error feedback and applies
+    Adam with the frozen variance; ``"frozen-gradient"`` the same with the division after the
+    exchange.
 
     Example::
 
