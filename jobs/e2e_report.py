@@ -830,25 +830,45 @@ def _tuning_section(records, workload, labels):
     return out
 
 
+def _launch_glob(labels):
+    """The record files of a row's launches, one pattern per rate (``lm_200_s*/e2e.jsonl``)."""
+    import re
+
+    return ", ".join(dict.fromkeys(re.sub(r"s\d+(?=[/.])", "s*", x, count=1) for x in labels))
+
+
 def _readme_block(records, workloads, page, readme):
+    """A row per workload and headline method, a column per link rate: time to target against DDP
+    (mean and min–max over the launches; how many reached), the loss at the budget against DDP's
+    (mean over every launch), and the record files. A rate a workload was not run at reads "—"."""
     from common import markdown_table
 
+    rates = sorted({r for wl in workloads for r in _rates(records, wl)}, key=_rate_key)
     body = []
     for wl in workloads:
+        cells, loss, recs, first = {}, {}, {}, {}
         for rate in _rates(records, wl):
-            rows = sorted((r for r in summary(records, wl, rate)[0] if r["method"] in HEADLINE),
-                          key=lambda r: HEADLINE.index(r["method"]))
-            for r in rows:
+            for r in summary(records, wl, rate)[0]:
+                if r["method"] not in HEADLINE:
+                    continue
+                name = _best_name(r)
                 ttt = "not reached" if r["reached"] == 0 else _ratio_cell(r["vs"].get("ddp"))
                 if 0 < r["reached"] < r["n"]:
-                    ttt += f" (reached {r['reached']}/{r['n']})"
-                body.append([wl, _rate_label(rate), _best_name(r), ttt, _pct_cell(r["loss_vs_ddp_pct"]),
-                             ", ".join(str(s) for s in r["seeds"]), _records_cell(r["records"])])
+                    ttt += f", reached {r['reached']}/{r['n']}"
+                cells.setdefault(name, {})[rate] = ttt
+                first.setdefault(name, r["method"])
+                if isinstance(r["loss_vs_ddp_pct"], (int, float)):
+                    loss.setdefault(name, []).append(r["loss_vs_ddp_pct"])
+                recs.setdefault(name, []).extend(r["records"])
+        for name in sorted(cells, key=lambda n: HEADLINE.index(first[n])):
+            body.append([wl, name, *(cells[name].get(rate, "—") for rate in rates),
+                         _pct_cell(_mean(loss.get(name, []))), _launch_glob(recs[name])])
     link = os.path.relpath(os.path.abspath(page), os.path.dirname(os.path.abspath(readme)))
-    return (f"Time to target against DDP (>1: sooner; mean and min–max over seeds, each ratio within one launch). "
-            f"Full tables: [{link}]({link}).\n\n" +
-            markdown_table(["workload", "rate", "method", "time to target vs ddp", "loss at budget vs ddp",
-                            "seeds", "records"], body))
+    return ("Time to target against DDP (>1: sooner; mean and min–max over the held-out seeds, each ratio "
+            f"within one launch; loss at the step budget against DDP's, mean over the launches). Full tables: "
+            f"[{link}]({link}).\n\n" +
+            markdown_table(["workload", "method", *(_rate_label(r) for r in rates), "loss at budget vs ddp",
+                            "records"], body))
 
 
 def write_docs(records, path, readme=None, header="", plot=True, max_lines=400):

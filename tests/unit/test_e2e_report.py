@@ -247,13 +247,16 @@ def test_write_docs_page_and_readme_block(tmp_path):
     assert new.startswith(before + er.README_BEGIN + "\n") and new.endswith(er.README_END + after)
     block = new[len(before):-len(after)]
     assert "old table" not in block and "(docs/results.md)" in block
-    rows = [line for line in block.splitlines() if line.startswith("| lm | 1000 Mbit/s |")]
-    assert [r.split(" | ")[2] for r in rows] == ["exdyna", "ddp-bf16", "ddp-powersgd", "diloco (best) (diloco-h16)",
+    head = next(line for line in block.splitlines() if line.startswith("| workload |"))
+    assert head.split(" | ")[2:5] == ["100 Mbit/s", "1000 Mbit/s", "10000 Mbit/s"]
+    rows = [line for line in block.splitlines() if line.startswith("| lm |")]
+    assert [r.split(" | ")[1] for r in rows] == ["exdyna", "ddp-bf16", "ddp-powersgd", "diloco (best) (diloco-h16)",
                                                  "ddp-accum"]
-    # seeds s: ddp (100 + s + 110) / 2 over 80 + s; the mean over seeds 1..3
+    # seeds s: ddp (100 + s + 110) / 2 over 80 + s; the mean over seeds 1..3, the same at each rate here
     mean = sum((100 + s + 110) / 2 / (80 + s) for s in (1, 2, 3)) / 3
-    assert rows[0].split(" | ")[3].startswith(f"{mean:.2f}x (")
-    assert "lm-1000-s1.jsonl, lm-1000-s2.jsonl, lm-1000-s3.jsonl" in rows[0]
+    assert all(c.startswith(f"{mean:.2f}x (") for c in rows[0].split(" | ")[2:5])
+    assert rows[0].rstrip(" |").split(" | ")[-1] == "lm-100-s*.jsonl, lm-1000-s*.jsonl, lm-10000-s*.jsonl"
+    assert len([line for line in block.splitlines() if line.startswith("| cnn |")]) == 5
     # every row of every summary table names the record files of its launches
     lines = text.splitlines()
     heads = [i for i, line in enumerate(lines) if line.startswith("| method | seeds |")]
