@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite: sets up the venv (jobs/env.sh), then runs every lane and fails if any fails.
-#   lint        `ruff check .` (the [tool.ruff] rules of pyproject.toml)
+#   lint        `ruff check .` (the [tool.ruff] rules of pyproject.toml), then `python -m mypy exdyna_mpi`
+#               (lint-types: the [tool.mypy] section)
 #   serial      unit tests and the MPI tests at P=1
 #   cudasim     CUDA kernels under the Numba CUDA simulator, and the contract's device backend at
 #               P=2 (DeviceExchange's staged collectives, bit for bit and byte for byte vs the CPU)
@@ -36,6 +37,7 @@ rm -rf "$out" && mkdir -p "$out"
 start=$SECONDS
 if wanted lint; then
     lane lint ruff check .
+    lane lint-types python -m mypy exdyna_mpi
 fi
 if wanted serial; then
     # shellcheck disable=SC2086

@@ -93,7 +93,7 @@ def _wrap(optimizer: torch.optim.Optimizer, mixin: type, prefix: str, **attrs: A
     """An instance of ``mixin`` + the optimizer's class sharing the optimizer's state (so LR
     schedulers accept it), with ``attrs`` set on it."""
     base = optimizer.__class__
-    cls = type(f"{prefix}{base.__name__}", (mixin, base), {})
+    cls: Any = type(f"{prefix}{base.__name__}", (mixin, base), {})
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)
     wrapped.__dict__.update(attrs)
@@ -107,7 +107,7 @@ def broadcast_parameters(tensors: Iterable[torch.Tensor], comm: MPI.Comm | None 
     """
     torch = _torch()
     comm = transport.world() if comm is None else comm
-    by_dtype = {}
+    by_dtype: dict[Any, list[Any]] = {}   # dtype -> its tensors
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
     for dtype in sorted(by_dtype, key=str):

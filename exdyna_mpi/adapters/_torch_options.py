@@ -208,7 +208,7 @@ class TrainingOptions:
         self.stage = None        # the live density warm-up sparsifier, and its index in ``stages``
         self.stage_index = None
         self.carry = None        # a residual not yet handed to the sparsifier that follows
-        self._views_of = (None, [])
+        self._views_of: tuple[Any, list] = (None, [])
 
     def close(self) -> None:
         """Close the sparsifiers this object made (collective in deadline mode)."""

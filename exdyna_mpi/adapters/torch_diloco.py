@@ -191,6 +191,7 @@ class DiLoCo:
         self.inner_steps = 0
         self.outer_steps += 1
         self.stats = self.sparsifier.stats
+        assert self.stats is not None   # the step above set them
         return self.stats
 
     def close(self) -> None:
@@ -252,10 +253,11 @@ class DiLoCo:
         Raises:
             CollectiveError: naming each rank's problem.
         """
-        problem, own = self._check(d)
+        problem, own = self._check(d)   # own: None only with a problem
         inner_before = copy.deepcopy(self.optimizer.state_dict())
         outer_before = copy.deepcopy(self.outer.state_dict())
         if problem is None:
+            assert own is not None
             try:   # torch's own checks of the inner and outer optimizers' dicts, on this rank
                 self.optimizer.load_state_dict(d["inner"])
                 self.outer.load_state_dict(own["outer"])
@@ -268,6 +270,7 @@ class DiLoCo:
             if (got != got[0]).any():
                 raise exdyna_mpi.CollectiveError("DiLoCo.load_state_dict refused on all ranks, state unchanged: "
                                                  f"ranks hold different positions {got.tolist()}")
+            assert own is not None   # agree_problems raised on every rank otherwise
             self.sparsifier.load_state_dict(_from_torch(own["sparsifier"]))
         except exdyna_mpi.CollectiveError:
             self.optimizer.load_state_dict(inner_before)

@@ -16,7 +16,7 @@ the wrapped optimizer (momentum, weight decay act on the local gradient), then a
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Literal
 
 import exdyna_mpi
 
@@ -44,14 +44,24 @@ class FlatParams:
                 off += n
 
 
-class _GroupAveragingMixin:
+if TYPE_CHECKING:   # the mixin sits before a torch optimizer class (``_wrap``); object at run time
+    _Optimizer = torch.optim.Optimizer
+else:
+    _Optimizer = object
+
+
+class _GroupAveragingMixin(_Optimizer):
+    averager: exdyna_mpi.GroupAverager   # set by ``_wrap``
+    _wagma_params: FlatParams
+
     def average(self) -> exdyna_mpi.Stats:
         """Average the model as the schedule says for this call (in place). Collective."""
         with _torch().no_grad():
             self.averager.step(self._wagma_params.flat, out=self._wagma_params.flat)
+        assert self.averager.stats is not None   # set by the step
         return self.averager.stats
 
-    def step(self, closure: None = None) -> Any:
+    def step(self, closure: None = None) -> Any:   # type: ignore[override]  # no closures
         """The wrapped optimizer's local step, then the model average."""
         if closure is not None:
             raise ValueError("GroupAveragingOptimizer.step: closures are not supported")
@@ -65,7 +75,7 @@ class _GroupAveragingMixin:
             self.averager.average_all(self._wagma_params.flat, out=self._wagma_params.flat)
 
     @property
-    def stats(self) -> exdyna_mpi.Stats:
+    def stats(self) -> exdyna_mpi.Stats | None:   # None before the first step
         return self.averager.stats
 
     @property
@@ -101,7 +111,8 @@ class _GroupAveragingMixin:
 
 
 def GroupAveragingOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None, *,
-                            group_size: int = 2, sync_every: int = 10, mode: str = "sync",
+                            group_size: int = 2, sync_every: int = 10,
+                            mode: Literal["sync", "wait_avoiding"] = "sync",
                             comm: MPI.Comm | None = None, broadcast: bool = True) -> torch.optim.Optimizer:
     """Wrap a torch optimizer so ``step()`` is a local step followed by WAGMA model averaging.
 

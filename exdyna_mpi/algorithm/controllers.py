@@ -33,7 +33,7 @@ def target_count(density, numel):
     return max(1, int(density * numel))
 
 
-_EDGES = {}   # (dtype char, shift, key0, nb) -> _edges(...), read-only
+_EDGES: dict = {}   # (dtype char, shift, key0, nb) -> _edges(...), read-only
 _I32, _F32, _I64, _F64 = (struct.Struct(f) for f in ("<i", "<f", "<q", "<d"))   # an edge's bits
 
 
@@ -318,7 +318,7 @@ class MeasuredController(Controller):
         j = rising.shape[0] - 1 - int(np.searchsorted(rising, self.k))
         return (j if j >= 1 else 0), above
 
-    def _pick(self, above, j, edge):
+    def _pick(self, above, j, edge) -> tuple[float, int]:
         """Edge j (count >= k) or edge j + 1 (count < k), whichever is nearer to k in ratio; never
         an edge that selects nothing when the other selects something. ``edge(j)``: edge j's level."""
         a, b = int(above[j]), int(above[j + 1])
@@ -333,7 +333,7 @@ class MeasuredController(Controller):
             return math.inf
         return self.FINE_TOL if shift <= mb - self.FINE_BITS else self.TOL
 
-    def fine_pick(self, plan, words):
+    def fine_pick(self, plan, words) -> tuple[float, int] | None:
         """What ``resolve`` settles on from the fine window alone, with no zoom: ``(threshold,
         count)``, or None (no fine window, the k-th value outside it, or the nearest edge's count
         further than ``_tol`` from k). ``kernels.cuda._resolve_fine`` computes the same on the device,
@@ -365,11 +365,12 @@ class MeasuredController(Controller):
         zoom whose exact counts put the k-th value outside it starts again from the wide window, exact.
         """
         words = np.asarray(sums, dtype=np.int64)
-        zooms = []   # the words of each zoom's Allreduce
+        zooms: list[int] = []   # the words of each zoom's Allreduce
         picked = self.fine_pick(plan, words)
         if picked is not None:   # the common case, in one look (what the loop below does first)
             return self._done(plan, *picked, zooms, settled_fine=True)
         dtype, mb = plan.dtype, self._mantissa_bits(plan.dtype)
+        assert plan.hist is not None      # a measuring plan (``plan``) has its window
         nb = plan.hist[0]
         spec, hist, exact = plan.hist, words[:nb] * plan.stride, plan.stride == 1
         if plan.fine is not None:
@@ -378,7 +379,7 @@ class MeasuredController(Controller):
                 spec, hist, exact = plan.fine, words[nb:], True
         wide_spec = self.wide_spec(dtype)
         wide = spec == wide_spec
-        best = None
+        best: tuple[float, int] | None = None
         for _ in range(self.MAX_ZOOMS):
             n, shift, key0 = spec
             j, above = self._locate(hist)
@@ -392,8 +393,10 @@ class MeasuredController(Controller):
                     continue
                 if j == 0 and above[1] == 0:     # (nearly) nothing above 2**-40: select what is there
                     return self._done(plan, float(edges[1]), 0, zooms)
+                assert best is not None           # exact here: picked above
                 return self._done(plan, *best, zooms)
             if exact:
+                assert best is not None
                 thr, count = best
                 if abs(count / self.k - 1.0) <= self._tol(shift, mb):
                     return self._done(plan, thr, count, zooms)
@@ -404,6 +407,7 @@ class MeasuredController(Controller):
             spec = Window(((b - a) << z) + 2, shift - z, ((key0 + a) << z) - 1)   # below | sub-buckets | above
             wide, exact = False, True
             hist = self._zoom(owned, spec, zooms)
+        assert best is not None                   # every pass after the first is exact
         return self._done(plan, *best, zooms)
 
     def mark(self, plan):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast, runtime_checkable
 
 import numpy as np
 
@@ -34,6 +34,10 @@ class Marks:
     """
 
     __slots__ = ("_index_buf", "_value_buf", "acc", "lo", "hi", "level", "index", "value")
+    acc: np.ndarray | None
+    level: float | None
+    index: np.ndarray | None
+    value: np.ndarray | None
 
     def __init__(self):
         self._index_buf = self._value_buf = None
@@ -57,7 +61,8 @@ class Marks:
         """``(level, indices, values)`` of the pass over ``x[lo:hi]``, else None."""
         if self.acc is not x or self.lo != lo or self.hi != hi:
             return None
-        return self.level, self.index, self.value
+        # held (``hold``): the level and the marks are set
+        return cast("tuple[float, np.ndarray, np.ndarray]", (self.level, self.index, self.value))
 
     def clear(self) -> None:
         self.acc, self.lo, self.hi, self.level, self.index, self.value = None, 0, 0, None, None, None

@@ -69,7 +69,7 @@ def _one_refusal(rank, err, numel):
 
 
 # ---------------------------------------------------------------------- schedule (pure)
-def is_pow2(n: object) -> bool:
+def is_pow2(n: object) -> bool | np.bool_:   # np.bool_ for a NumPy integer
     return isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 1 and (n & (n - 1)) == 0
 
 
@@ -124,7 +124,7 @@ def _fingerprint(text):
     return (zlib.crc32(text.encode()) | (zlib.adler32(text.encode()) << 32)) & 0x7FFFFFFFFFFFFFFF
 
 
-_LIVE = weakref.WeakSet()
+_LIVE: weakref.WeakSet[GroupAverager] = weakref.WeakSet()
 
 
 @atexit.register
@@ -184,10 +184,10 @@ class GroupAverager:
         self.tx.open(self._threaded)
         self.tx.reset_counters()
         self.iteration = 0
-        self._dtype = None
+        self._dtype: Any = None  # np.dtype, fixed by the first step (or a loaded state)
         self._checked = False  # the first step after construction/load checks collectively
-        self._rounds = None
-        self._msgs = {}
+        self._rounds: AsyncRounds | None = None
+        self._msgs: dict[int, tuple[Message, Message]] = {}
         self._closed = False
         self.stats: Stats | None = None
         _LIVE.add(self)
@@ -299,6 +299,7 @@ class GroupAverager:
                                 f"{self.rank} only (wait-avoiding group step), state unchanged: "
                                 + _one_refusal(self.rank, err, self.numel))
             tw = time.perf_counter()
+            assert self._rounds is not None  # wait-avoiding on a group of two or more: started above
             self._rounds.publish(a, t)
             self._rounds.arrive(t)
             r = self._rounds.take(t)

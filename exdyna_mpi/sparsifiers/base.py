@@ -21,7 +21,7 @@ The roles are in ``roles.py``; the controller protocol in ``algorithm/controller
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Literal, Mapping
 
 import numpy as np
 
@@ -107,6 +107,7 @@ class Sparsifier(Selector):
 
     iteration: int               # the next step's index
     stats: Stats | None          # what the last step did (None before the first)
+    ops: Any                     # the per-element ops of the device (None until it is bound)
 
     def __init__(self, numel: int, density: float, comm: Any = None, *, device: str = "auto",
                  nonfinite: str = "raise", **options: Any) -> None:
@@ -264,7 +265,7 @@ class Sparsifier(Selector):
         g = inp.array
         step = Step(self.iteration, dtype, out)
         sec = step.sec
-        sel = None
+        sel: Any = None   # the Selection, whenever err is None
         if err is None:
             self._bind(inp)
             t0 = time.perf_counter()
@@ -439,7 +440,7 @@ class Sparsifier(Selector):
     def __enter__(self) -> Sparsifier:
         return self
 
-    def __exit__(self, *exc: object) -> bool:
+    def __exit__(self, *exc: object) -> Literal[False]:
         self.close()
         return False
 

@@ -279,7 +279,7 @@ class DeadlineOption:
 
     #: the deadline exchange, built on the first step when ``deadline_ms`` is set
     deadline = None
-    _deadline_state = {"history": []}
+    _deadline_state: dict = {"history": []}
 
     def _deadline_mode(self):
         """The deadline exchange (built on first use, collectively), or None in exact mode."""

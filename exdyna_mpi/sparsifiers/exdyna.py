@@ -225,7 +225,7 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
         st.local = st.sums = hist
         return st
 
-    def choose(self, step, sel: ExDynaStep, sums):
+    def choose(self, step, sel: ExDynaStep, sums):   # type: ignore[override]  # its own select's
         """The threshold from the summed histograms (the controller may zoom: owned-range reads and
         small Allreduces), then select in the owned range (an O(N/P) read)."""
         st = sel
@@ -253,9 +253,10 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
         st.words = ()
         return st
 
-    def combine(self, step, sel: ExDynaStep, words):
+    def combine(self, step, sel: ExDynaStep, words):   # type: ignore[override]  # its own select's
         t, st = step.t, sel
         plan = st.plan   # resolved by choose (a measuring plan), else the one the pass selected with
+        assert plan is not None
         counts = words[:, 0].copy()
         bounds = self.layout.bounds()   # this step's, before any rebalancing
         bound = self._quota_bound() if plan.measure else None

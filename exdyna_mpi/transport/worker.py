@@ -108,6 +108,7 @@ class Worker:
             self._thread.start()
             weakref.finalize(self, self._queue.put, None)   # a worker dropped without stop(): end its thread
             _LIVE.add(self)
+        assert self._queue is not None        # made with the thread
         self._queue.put(fn)
 
     def call(self, fn: Callable[[], Any], comm: MPI.Comm, what: str) -> Any:
@@ -146,6 +147,7 @@ class Worker:
         thread, q = self._thread, self._queue
         if thread is None:
             return
+        assert q is not None                  # made with the thread
         q.put(None)
         thread.join(timeout)
         if not thread.is_alive():

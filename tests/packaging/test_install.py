@@ -89,6 +89,7 @@ def test_the_wheel_holds_every_module_and_the_license(dists):
     py = {n for n in names if n.endswith(".py")}
     assert py == _sources(), f"missing {sorted(_sources() - py)}, extra {sorted(py - _sources())}"
     assert f"{info}/licenses/LICENSE" in names
+    assert "exdyna_mpi/py.typed" in names   # PEP 561
     assert meta["License-Expression"] == "BSD-3-Clause"
     assert meta["Version"] == _version() and meta["Name"] == "exdyna_mpi"
     assert not any(n.startswith(("tests/", "jobs/")) for n in names)
@@ -97,7 +98,8 @@ def test_the_wheel_holds_every_module_and_the_license(dists):
 def test_the_sdist_holds_the_sources_the_license_and_the_metadata(dists):
     with tarfile.open(dists["sdist"]) as t:
         names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
-    for f in ("pyproject.toml", "README.md", "LICENSE", "exdyna_mpi/_version.py", "kernels/cpu.py"):
+    for f in ("pyproject.toml", "README.md", "LICENSE", "exdyna_mpi/_version.py", "exdyna_mpi/py.typed",
+              "kernels/cpu.py"):
         assert f in names, f"{f} is not in the sdist"
 
 
