@@ -56,9 +56,12 @@ path's state (``m``, ``denom``, the step count) is in ``opt.state_dict()`` under
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._torch_common import _torch
+
+if TYPE_CHECKING:
+    import torch
 
 ADAM_KEY = "exdyna_adam"
 MODES = ("live", "update", "frozen", "frozen-gradient")
@@ -149,9 +152,10 @@ class LocalUpdateAdam(AdamPath):
     def __init__(self, optimizer, params, mode: str = "update") -> None:
         super().__init__(optimizer, params, mode)
         self.step = 0            # Adam's t: steps completed
-        self.m = None            # this rank's first and second moments (flat, allocated at the first step)
-        self.v = None
-        self._next = None        # (m, v) of the step in flight, committed by ``update``
+        # this rank's first and second moments (flat, allocated at the first step)
+        self.m: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self._next: tuple[torch.Tensor, torch.Tensor] | None = None   # (m, v) of the step in flight
 
     @property
     def owns_step(self) -> bool:
@@ -159,12 +163,13 @@ class LocalUpdateAdam(AdamPath):
 
     def prepare(self, optimizer, flat, dense: bool) -> None:
         torch = _torch()
-        if self.m is None:
+        if self.m is None or self.v is None:
             self.m, self.v = torch.zeros_like(flat), torch.zeros_like(flat)
         elif self.m.device != flat.device:   # loaded from a host copy
             self.m, self.v = self.m.to(flat.device), self.v.to(flat.device)
         if self._next is None or self._next[0].device != flat.device:
             self._next = (torch.empty_like(flat), torch.empty_like(flat))
+        m, v = self.m, self.v
         m2, v2 = self._next
         t = self.step + 1
         with torch.no_grad():
@@ -175,16 +180,17 @@ class LocalUpdateAdam(AdamPath):
                 if wd and not self.decoupled:
                     gv.add_(p.detach().reshape(-1), alpha=wd)
                 mv, vv = m2[off:off + n], v2[off:off + n]
-                torch.mul(self.m[off:off + n], beta1, out=mv).add_(gv, alpha=1 - beta1)
-                torch.mul(self.v[off:off + n], beta2, out=vv).addcmul_(gv, gv, value=1 - beta2)
+                torch.mul(m[off:off + n], beta1, out=mv).add_(gv, alpha=1 - beta1)
+                torch.mul(v[off:off + n], beta2, out=vv).addcmul_(gv, gv, value=1 - beta2)
                 # u = (m / bc1) / (sqrt(v / bc2) + eps), written over this rank's gradient
                 torch.sqrt(vv, out=gv).div_((1 - beta2 ** t) ** 0.5).add_(eps)
                 torch.div(mv, gv, out=gv).div_(1 - beta1 ** t)
 
     def update(self, flat, skipped: bool) -> None:
         torch = _torch()
-        if skipped:   # the exchange skipped the step everywhere: moments and parameters stay
+        if skipped or self._next is None:   # the exchange skipped the step everywhere: nothing changes
             return
+        # the step's moments become the state; the old buffers are the next step's scratch
         self.m, self.v, self._next = self._next[0], self._next[1], (self.m, self.v)
         self.step += 1
         with torch.no_grad():
@@ -231,15 +237,15 @@ class FrozenVarianceAdam(AdamPath):
         super().__init__(optimizer, params, mode)
         self.frozen = False
         self.step = 0            # Adam's t: the warm-up's steps, then one per frozen step
-        self.m = None            # first moment in preconditioned units (flat)
-        self.denom = None        # sqrt(v_hat) + eps at the freeze (flat)
+        self.m: torch.Tensor | None = None       # first moment in preconditioned units (flat)
+        self.denom: torch.Tensor | None = None   # sqrt(v_hat) + eps at the freeze (flat)
 
     def freeze(self, optimizer, flat_like) -> None:
         """Read the wrapped optimizer's moments at the end of the warm-up and freeze them."""
         torch = _torch()
         m = torch.zeros_like(flat_like)
         denom = torch.empty_like(flat_like)
-        step = None
+        step: int | None = None
         with torch.no_grad():
             for p, g, off, n in self.slices:
                 st = optimizer.state.get(p, {})
@@ -255,7 +261,8 @@ class FrozenVarianceAdam(AdamPath):
                 d = denom[off:off + n]
                 d.copy_(st["exp_avg_sq"].reshape(-1)).sqrt_().div_((1 - beta2 ** t) ** 0.5).add_(eps)
                 torch.div(st["exp_avg"].reshape(-1), d, out=m[off:off + n])
-        self.m, self.denom, self.step, self.frozen = m, denom, int(step), True
+        assert step is not None   # FlatGrad refuses an empty parameter list
+        self.m, self.denom, self.step, self.frozen = m, denom, step, True
 
     @property
     def owns_step(self) -> bool:
@@ -273,18 +280,20 @@ class FrozenVarianceAdam(AdamPath):
 
     def update(self, flat, skipped: bool) -> None:
         torch = _torch()
+        m, denom = self.m, self.denom
+        assert m is not None and denom is not None   # owns_step: called only once frozen
         with torch.no_grad():
             if self.mode == "frozen-gradient":
-                flat.div_(self.denom)
+                flat.div_(denom)
             self.step += 1
             t = self.step
             for p, g, off, n in self.slices:
                 beta1 = g["betas"][0]
                 lr, wd = float(g["lr"]), float(g["weight_decay"])
                 pv = flat[off:off + n].view_as(p)
-                mv = self.m[off:off + n].view_as(p)
+                mv = m[off:off + n].view_as(p)
                 if wd and not self.decoupled:
-                    pv.addcdiv_(p, self.denom[off:off + n].view_as(p), value=wd)
+                    pv.addcdiv_(p, denom[off:off + n].view_as(p), value=wd)
                 if wd and self.decoupled:
                     p.mul_(1 - lr * wd)
                 mv.mul_(beta1).add_(pv, alpha=1 - beta1)
