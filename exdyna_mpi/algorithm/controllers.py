@@ -98,6 +98,7 @@ class Controller:
     name = "base"
     balance_rule = "faithful"    # what balance=True means with this controller
     threshold = 0.0
+    picks_fine = False           # has fine_pick/fine_tol: picks the threshold from a fine window's words
 
     def plan(self, t: int, dtype) -> PassPlan:
         return PassPlan(t, dtype, self.threshold)
@@ -240,6 +241,7 @@ class MeasuredController(Controller):
     union of indices (no extra words), set next step's partition boundaries.
     """
 
+    picks_fine = True
     name = "measured"
     balance_rule = "blocks"
     N_COARSE, COARSE_BITS = 64, 3     # 8 octaves around the previous threshold

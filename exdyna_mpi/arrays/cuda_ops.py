@@ -76,6 +76,7 @@ class CudaOps:
         >>> count, bad = ops.accumulate_select(residual, grad, acc, lo, hi, thr, idx)
     """
 
+    finishes_ahead = True   # accumulate_measure_finish, finish_settled (DEVICE_ONLY)
     device = "cuda"
     xp = BACKEND.xp
 

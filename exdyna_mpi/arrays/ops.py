@@ -5,8 +5,8 @@ One protocol, two implementations: ``HostOps`` runs the ``@njit`` kernels (``ker
 on CUDA buffers, bit-identical. Sparsifiers call these methods only, never a
 kernel directly, so one sparsifier body serves both devices. tests/unit/test_layers.py checks that
 both implement every method of ``Ops`` with the same signature. A device backend may add the methods
-of ``DEVICE_ONLY`` (work it queues ahead of the host; ``CudaOps`` documents them); callers test for
-them with ``hasattr``.
+of ``DEVICE_ONLY`` (work it queues ahead of the host; ``CudaOps`` documents them) and says so with
+``finishes_ahead = True``; callers read that flag, never probe for the methods.
 """
 from __future__ import annotations
 
@@ -94,6 +94,7 @@ class Ops(Protocol):
 
     device: str   # "cpu" or "cuda"
     xp: object    # the array namespace of the buffers (NumPy or CuPy)
+    finishes_ahead: bool   # has the DEVICE_ONLY methods (a one-rank step finished behind its pass)
 
     def empty(self, n, dtype): ...
 
@@ -173,6 +174,7 @@ class HostOps:
 
     device = "cpu"
     xp = np
+    finishes_ahead = False
 
     @staticmethod
     def empty(n, dtype):

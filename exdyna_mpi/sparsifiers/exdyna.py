@@ -307,7 +307,7 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
         host's resolve and launches after that wait were a third of a 100M-element step."""
         ops = self.ops
         if (self.nranks != 1 or not plan.measure or plan.fine is None or st.mark is None
-                or not hasattr(ops, "accumulate_measure_finish") or not hasattr(self.controller, "fine_pick")
+                or not ops.finishes_ahead or not self.controller.picks_fine
                 or self._deadline_mode() is not None or self.numel >= 2**31):
             return None
         out = out if out is not None else ops.empty(self.numel, plan.dtype)

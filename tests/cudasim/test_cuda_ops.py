@@ -18,6 +18,7 @@ def test_same_interface_as_hostops():
 
     host, dev = _public(HostOps), _public(CudaOps)
     assert set(host) == set(dev) - set(DEVICE_ONLY) and set(DEVICE_ONLY) <= set(dev)
+    assert CudaOps.finishes_ahead is True and HostOps.finishes_ahead is False
     for name, fn in host.items():
         if isinstance(fn, staticmethod):
             assert isinstance(dev[name], staticmethod), name

@@ -313,3 +313,20 @@ def test_host_ops_implements_the_ops_protocol():
 
     assert isinstance(HostOps, Ops) and HostOps.device == "cpu"
     assert not ops_signature_problems(HostOps), ops_signature_problems(HostOps)
+
+
+def test_capability_flags_say_what_the_class_has():
+    """Callers read ``Ops.finishes_ahead`` and ``Controller.picks_fine`` instead of probing with
+    ``hasattr``: each flag must be true exactly where the methods it stands for exist."""
+    from exdyna_mpi.algorithm import controllers
+    from exdyna_mpi.arrays import HostOps
+    from exdyna_mpi.arrays.ops import DEVICE_ONLY
+
+    assert HostOps.finishes_ahead is False and not any(hasattr(HostOps, m) for m in DEVICE_ONLY)
+    classes = [c for c in vars(controllers).values()
+               if isinstance(c, type) and issubclass(c, controllers.Controller)]
+    assert len(classes) >= 5
+    for cls in classes:
+        has = hasattr(cls, "fine_pick") and hasattr(cls, "fine_tol")
+        assert cls.picks_fine is has, f"{cls.__name__}.picks_fine is {cls.picks_fine}, fine_pick present: {has}"
+    assert controllers.MeasuredController.picks_fine
