@@ -1,7 +1,7 @@
 """Algorithm layer: pure host logic, deterministic and identical on every rank.
 
 - ``layout``: ExDyna's block partitions, their rotation (``partition_of``, ``owners``) and
-  rebalancing (``BlockLayout``, ``EqualLayout`` for MiCRO).
+  rebalancing (``BlockLayout``, ``EqualLayout`` for MiCRO; ``Rebalancing``, the rule chosen at construction).
 - ``quota``: per-rank selection quotas that bound one step's load imbalance (``max_imbalance``).
 - ``controllers``: the threshold-controller protocol (``Controller``, ``PassPlan``, ``Window``,
   ``OwnedRange``) and its implementations (``measured``, the default; ``faithful``, ``symmetric``;
@@ -10,8 +10,8 @@
 Touches no per-element data and makes no MPI call.
 """
 from .controllers import CONTROLLERS, Controller, OwnedRange, PassPlan, Window, make_controller, target_count
-from .layout import BlockLayout, EqualLayout, owners, partition_of
+from .layout import BlockLayout, EqualLayout, Rebalancing, owners, partition_of
 from .quota import quotas
 
-__all__ = ["CONTROLLERS", "BlockLayout", "Controller", "EqualLayout", "OwnedRange", "PassPlan", "Window",
-           "make_controller", "owners", "partition_of", "quotas", "target_count"]
+__all__ = ["CONTROLLERS", "BlockLayout", "Controller", "EqualLayout", "OwnedRange", "PassPlan", "Rebalancing",
+           "Window", "make_controller", "owners", "partition_of", "quotas", "target_count"]

@@ -4,7 +4,33 @@ Pure host logic on small integer lists. Every rank runs it on the same inputs (t
 counts), so every rank computes the same bounds with no communication. Faithful to the authors'
 code (kljp/exdyna, cnn-lstm/gradient_reducers.py) except where their code crashes (P = 1, a zero mean count).
 """
+import enum
+
 import numpy as np
+
+
+class Rebalancing(enum.Enum):
+    """How the partition boundaries move after a step: ``ExDyna(balance=...)`` resolved once, at
+    construction, against the controller (``balance=True`` means the controller's ``balance_rule``).
+
+    - ``OFF``: the boundaries stay (``balance=False``).
+    - ``FAITHFUL``: the authors' one-block neighbour moves from the gathered counts
+      (``BlockLayout.rebalance_faithful``), after the controller's update.
+    - ``ADAPTIVE``: moves sized by the imbalance (``rebalance_adaptive``), after the update.
+    - ``BLOCKS``: boundaries set from exact per-block counts of this step's union
+      (``rebalance_blocks``), before the average; the measured controller's rule.
+    """
+    OFF = "off"
+    FAITHFUL = "faithful"
+    ADAPTIVE = "adaptive"
+    BLOCKS = "blocks"
+
+    @classmethod
+    def of(cls, balance, rule: "Rebalancing") -> "Rebalancing":
+        """``balance`` as ``ExDyna`` takes it (``True``, ``False`` or a name), ``True`` meaning ``rule``."""
+        if isinstance(balance, (bool, np.bool_)):
+            return rule if balance else cls.OFF
+        return cls(balance)
 
 
 def block_size(numel, n_blocks, block_align):

@@ -10,7 +10,7 @@ import numpy as np
 
 from .._errors import CollectiveError
 from ..algorithm.controllers import CONTROLLERS, PassPlan, Window, make_controller
-from ..algorithm.layout import BlockLayout, EqualLayout, owners, partition_of
+from ..algorithm.layout import BlockLayout, EqualLayout, Rebalancing, owners, partition_of
 from ..algorithm.quota import quotas
 from ..arrays import threshold_for
 from ..arrays.ops import Marks
@@ -29,8 +29,9 @@ def _is_bool(v):
 
 
 def _balance(v):
-    ok = isinstance(v, (bool, np.bool_)) or v in ("faithful", "adaptive", "blocks")
-    return None if ok else "must be True, False, 'faithful', 'adaptive' or 'blocks'"
+    names = [r.value for r in Rebalancing if r is not Rebalancing.OFF]
+    ok = isinstance(v, (bool, np.bool_)) or (isinstance(v, str) and v in names)
+    return None if ok else "must be True, False, " + ", ".join(repr(n) for n in names)
 
 
 def _max_imbalance(v):
@@ -165,6 +166,7 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
         """What the selector keeps across steps (after the arguments were agreed)."""
         self.layout = self._make_layout()
         self.controller = make_controller(self.options["controller"], self.numel, self.density, self.nranks)
+        self.rebalancing = Rebalancing.of(self.options.get("balance", False), self.controller.balance_rule)
         self._index_dtype = np.dtype(np.int32) if self.numel < 2**31 else np.dtype(np.int64)
         self._idx = None
         self._marks = Marks()   # the host's marks of each measuring pass, passed to the select and zooms
@@ -273,10 +275,8 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
         spans = np.stack((bounds[own], bounds[own + 1]), axis=1)
         union, report = self.gather_union(t, st.acc, idx, counts, lambda: self.gather_selection(idx, counts, spans))
         step.sec["indices"] = time.perf_counter() - t0
-        bal = self.options.get("balance", False)
-        if bal is True:   # True: the controller's own partner rule; the authors' for theirs
-            bal = self.controller.balance_rule
-        if bal == "blocks" and self.layout.moves_blocks():   # exact per-block counts of this step, from
+        bal = self.rebalancing
+        if bal is Rebalancing.BLOCKS and self.layout.moves_blocks():   # exact per-block counts of this step, from
             t0 = time.perf_counter()                          # the union, where it lives (KBs move, not k)
             counts_blk = self.ops.to_host(self.layout.block_counts(union, self.ops.xp))
             scale = None
@@ -293,9 +293,9 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
         if report is not None:
             stats["deadline"] = report
         self.controller.update(counts, plan)
-        if bal == "faithful":
+        if bal is Rebalancing.FAITHFUL:
             self.layout.rebalance_faithful(counts, t + 1)
-        elif bal == "adaptive":
+        elif bal is Rebalancing.ADAPTIVE:
             self.layout.rebalance_adaptive(counts, t + 1)
         return res, stats
 
