@@ -128,6 +128,18 @@ class AdamPath:
         """Step every parameter with the exchanged average ``flat``; identical on every rank."""
         raise NotImplementedError
 
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state of the path (tensors and plain values), under ``"exdyna_adam"``."""
+        raise NotImplementedError
+
+    def check(self, d: dict[str, Any]) -> None:
+        """Raise ``ValueError`` if ``d`` cannot be loaded; changes nothing."""
+        raise NotImplementedError
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        """Load a dict that ``check`` accepted."""
+        raise NotImplementedError
+
     def _check_mode(self, d) -> None:
         if not isinstance(d, dict) or d.get("mode") != self.mode:
             mode = d.get("mode") if isinstance(d, dict) else None

@@ -30,7 +30,7 @@ import exdyna_mpi
 
 from ._torch_common import (_broadcast_model, _flat_layout, _from_torch, _to_torch, _torch, _wrap, _wrapped_params,
                             broadcast_parameters)
-from ._torch_adam import ADAM_KEY, MODES as ADAM_MODES, is_adam, make_adam_path
+from ._torch_adam import ADAM_KEY, MODES as ADAM_MODES, AdamPath, is_adam, make_adam_path
 from ._torch_hook import ExDynaHookState, exdyna_hook
 from ._torch_options import OPTIONS_KEY, TrainingOptions, move_momentum, recipe_for
 from .torch_diloco import DiLoCo
@@ -58,7 +58,8 @@ class FlatGrad:
         torch = _torch()
         self.params, self.numel = _flat_layout(params, "FlatGrad")
         self.flat = torch.zeros(self.numel, dtype=self.params[0].dtype, device=self.params[0].device)
-        self._views, self._ptrs = [], []
+        self._views: list[Any] = []
+        self._ptrs: list[int] = []
         off = 0
         for p in self.params:
             n = p.numel()
@@ -94,8 +95,28 @@ def _from_torch_keep_tensors(d):
     return d
 
 
-class _DistributedMixin:
+if TYPE_CHECKING:   # the mixin sits before a torch optimizer class (``_wrap``); object at run time
+    _Optimizer = torch.optim.Optimizer
+else:
+    _Optimizer = object
+
+
+def _stats_of(sp: exdyna_mpi.Sparsifier) -> exdyna_mpi.Stats:
+    """The stats of the step ``sp`` just took (set by every completed or skipped step)."""
+    assert sp.stats is not None
+    return sp.stats
+
+
+class _DistributedMixin(_Optimizer):
     """Methods put in front of the wrapped optimizer's class (see ``DistributedOptimizer``)."""
+
+    # set by ``DistributedOptimizer`` through ``_wrap`` on the wrapped instance
+    _exdyna_grads: FlatGrad
+    sparsifier: exdyna_mpi.Sparsifier
+    _exdyna_options: TrainingOptions
+    _exdyna_moved_momentum: bool
+    _exdyna_adam: AdamPath | None
+    _exdyna_last: exdyna_mpi.Sparsifier
 
     def synchronize(self) -> exdyna_mpi.Stats:
         """Replace the flat gradient by the averaged sparse gradient, in place. Collective."""
@@ -106,7 +127,7 @@ class _DistributedMixin:
         with torch.no_grad():
             if not opts.active and adam is None:
                 self.sparsifier.step(flat, out=flat)
-                return self.sparsifier.stats
+                return _stats_of(self.sparsifier)
             sp = opts.sparsifier(self.sparsifier) if opts.active else self.sparsifier   # _torch_options.py
             if opts.active:
                 opts.before(flat)
@@ -116,9 +137,9 @@ class _DistributedMixin:
             if opts.active:
                 opts.after(flat, sp)
             self._exdyna_last = sp
-        return sp.stats
+        return _stats_of(sp)
 
-    def step(self, closure: None = None) -> Any:
+    def step(self, closure: None = None) -> Any:   # type: ignore[override]  # no closures
         """``synchronize()`` then the wrapped optimizer's step (momentum, weight decay, ...)."""
         if closure is not None:
             raise ValueError("DistributedOptimizer.step: closures are not supported "
@@ -195,6 +216,7 @@ class _DistributedMixin:
                 self._exdyna_options.load_state_dict(_from_torch_keep_tensors(opt_state))
             except ValueError:
                 self._exdyna_options.load_state_dict(opts_before)
+                assert sp_before is not None   # taken whenever the options are active
                 self.sparsifier.load_state_dict(sp_before)
                 super().load_state_dict(before)
                 raise
@@ -203,8 +225,9 @@ class _DistributedMixin:
             adam.load_state_dict({k: v.to(flat.device) if hasattr(v, "to") else v for k, v in adam_state.items()})
 
     @property
-    def stats(self) -> exdyna_mpi.Stats:
-        """The sparsifier's stats for the last step (``counts``, ``density``, ``bytes_sent``, ...)."""
+    def stats(self) -> exdyna_mpi.Stats | None:
+        """The sparsifier's stats for the last step (``counts``, ``density``, ``bytes_sent``, ...);
+        None before the first step."""
         return getattr(self, "_exdyna_last", self.sparsifier).stats
 
     @property
