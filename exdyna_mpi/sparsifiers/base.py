@@ -32,6 +32,7 @@ from ..arrays.ops import cuda_available
 from .._errors import CollectiveError, InputCode
 from ..transport import Exchange, agree_problems, device_exchange, node_ranks, world
 from .roles import ErrorFeedback, Selection, Selector, Step, StepWords, agree_arguments, imbalance
+from .timing import timed
 
 NONFINITE_POLICIES = ("raise", "skip")
 DEVICES = ("auto", "cpu", "cuda")
@@ -268,37 +269,32 @@ class Sparsifier(Selector):
         sel: Any = None   # the Selection, whenever err is None
         if err is None:
             self._bind(inp)
-            t0 = time.perf_counter()
-            if half:
-                g, step.out = self._widen(inp)
-            sel = self.select(step, g, self.memory.take())
-            sec["select"] = time.perf_counter() - t0
+            with timed(sec, "select"):
+                if half:
+                    g, step.out = self._widen(inp)
+                sel = self.select(step, g, self.memory.take())
             if sel.nonfinite:
                 err = (InputCode.NONFINITE, sel.nonfinite)
         acc = sel.acc if sel is not None else None
         n_sum = self.sum_size(step)
         if n_sum:   # a summed first collective: measure, agree, then choose (roles.Selector.sum_size)
-            t0 = time.perf_counter()
-            sums = sel.sums if err is None else np.zeros(n_sum, np.int64)
-            summed = self._host_exchange().sum_words(np.concatenate((StepWords.flags(err, code), sums)),
-                                                     self._word_dtype())
-            sec["sum_words"] = time.perf_counter() - t0
+            with timed(sec, "sum_words"):
+                sums = sel.sums if err is None else np.zeros(n_sum, np.int64)
+                summed = self._host_exchange().sum_words(np.concatenate((StepWords.flags(err, code), sums)),
+                                                         self._word_dtype())
             if not StepWords.flags_ok(summed, self.nranks):
                 words = self.exchange.agree(StepWords.make(0, err, code))   # the error path: details
                 if self._refused(words, acc):
                     return self._skip(inp, out)
                 raise AssertionError("summed flags and gathered words disagree")  # pragma: no cover
-            t0 = time.perf_counter()
-            sel = self.choose(step, sel, summed[3:])
-            sec["choose"] = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            words = self.exchange.agree([sel.count] + list(sel.words))
-            sec["counts"] = time.perf_counter() - t0
+            with timed(sec, "choose"):
+                sel = self.choose(step, sel, summed[3:])
+            with timed(sec, "counts"):
+                words = self.exchange.agree([sel.count] + list(sel.words))
         else:
-            t0 = time.perf_counter()
-            report = list(sel.words) if err is None else [0] * self.report_size(step)
-            words = self.exchange.agree(StepWords.make(sel.count if err is None else 0, err, code) + report)
-            sec["counts"] = time.perf_counter() - t0
+            with timed(sec, "counts"):
+                report = list(sel.words) if err is None else [0] * self.report_size(step)
+                words = self.exchange.agree(StepWords.make(sel.count if err is None else 0, err, code) + report)
             if self._refused(words, acc):
                 return self._skip(inp, out)
         res, st = self.combine(step, sel, words)
@@ -308,9 +304,8 @@ class Sparsifier(Selector):
                            imbalance=imbalance(loads), **st)
         self.iteration = step.t + 1
         if half:
-            t0 = time.perf_counter()
-            res = self._narrow(res, inp.dtype, out)
-            sec["narrow"] = time.perf_counter() - t0
+            with timed(sec, "narrow"):
+                res = self._narrow(res, inp.dtype, out)
         sec["total"] = time.perf_counter() - t_start
         return inp.wrap(res)
 
@@ -380,27 +375,22 @@ class Sparsifier(Selector):
         if done:
             return self.memory.commit(acc, out)
         ops, dtype = self.ops, self._dtype
-        t0 = time.perf_counter()
-        vals = self._vals_buffer(union.shape[0], dtype)
-        ops.gather(acc, union, vals)
-        sec["gather"] = time.perf_counter() - t0
+        with timed(sec, "gather"):
+            vals = self._vals_buffer(union.shape[0], dtype)
+            ops.gather(acc, union, vals)
         if self._wire is not None:
             # 16-bit values: vals becomes what this rank keeps (the rounding it did), means are shared
-            t0 = time.perf_counter()
-            means = self.exchange.mean_wire(vals, self._wire)
-            sec["reduce"] = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            res = self.memory.commit(acc, out)
-            ops.scatter_wire(res, self.memory.residual, union, means, vals, self._wire)
-            sec["scatter"] = time.perf_counter() - t0
+            with timed(sec, "reduce"):
+                means = self.exchange.mean_wire(vals, self._wire)
+            with timed(sec, "scatter"):
+                res = self.memory.commit(acc, out)
+                ops.scatter_wire(res, self.memory.residual, union, means, vals, self._wire)
             return res
-        t0 = time.perf_counter()
-        self.exchange.sum_identical(vals)
-        sec["reduce"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        res = self.memory.commit(acc, out)
-        ops.scatter_mean_zero(res, self.memory.residual, union, vals, dtype.type(self.nranks))
-        sec["scatter"] = time.perf_counter() - t0
+        with timed(sec, "reduce"):
+            self.exchange.sum_identical(vals)
+        with timed(sec, "scatter"):
+            res = self.memory.commit(acc, out)
+            ops.scatter_mean_zero(res, self.memory.residual, union, vals, dtype.type(self.nranks))
         return res
 
     # ------------------------------------------------------------------ state

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -16,6 +15,7 @@ from ..arrays import threshold_for
 from ..arrays.ops import Marks
 from . import deadline as _deadline
 from .base import Selection, Sparsifier
+from .timing import timed
 
 
 def _positive_int(v):
@@ -240,18 +240,17 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
             self.memory.output(st.finish.out, zeroed=True)
             st.words, st.done = (), True
             return st
-        t0 = time.perf_counter()
-        thr = threshold_for(plan.threshold, plan.dtype)
-        idx = self._idx_buffer(st.hi - st.lo)
-        expect = self.controller.local_count(plan, st.local) if st.mark is not None else None
-        st.count = self.ops.select_marked(st.acc, st.lo, st.hi, thr, idx, expect,
-                                          keep=self._quota_bound() is not None, marks=st.marks)
-        if self.ops.device != "cpu":
-            # grad is consumed: the device zeroes the output while the host goes on to the exchange.
-            # Queued after the select, not before the resolve: a zoom's read (or a count the host
-            # must read) would wait behind this O(N) memset (+1 ms a zoom step at 400M on an H100)
-            self.memory.output(step.out)
-        step.sec["select_range"] = time.perf_counter() - t0
+        with timed(step.sec, "select_range"):
+            thr = threshold_for(plan.threshold, plan.dtype)
+            idx = self._idx_buffer(st.hi - st.lo)
+            expect = self.controller.local_count(plan, st.local) if st.mark is not None else None
+            st.count = self.ops.select_marked(st.acc, st.lo, st.hi, thr, idx, expect,
+                                              keep=self._quota_bound() is not None, marks=st.marks)
+            if self.ops.device != "cpu":
+                # grad is consumed: the device zeroes the output while the host goes on to the exchange.
+                # Queued after the select, not before the resolve: a zoom's read (or a count the host
+                # must read) would wait behind this O(N) memset (+1 ms a zoom step at 400M on an H100)
+                self.memory.output(step.out)
         st.words = ()
         return st
 
@@ -264,28 +263,26 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
         bound = self._quota_bound() if plan.measure else None
         moved = 0
         if bound is not None:
-            t0 = time.perf_counter()
-            at_threshold = counts
-            counts = self._meet_quota(step, st, counts, bound, bounds)
-            moved = int(np.abs(counts - at_threshold).sum()) // 2
-            step.sec["quota"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        idx = self._idx[:st.count]
-        own = np.asarray(owners(t, self.nranks))
-        spans = np.stack((bounds[own], bounds[own + 1]), axis=1)
-        union, report = self.gather_union(t, st.acc, idx, counts, lambda: self.gather_selection(idx, counts, spans))
-        step.sec["indices"] = time.perf_counter() - t0
+            with timed(step.sec, "quota"):
+                at_threshold = counts
+                counts = self._meet_quota(step, st, counts, bound, bounds)
+                moved = int(np.abs(counts - at_threshold).sum()) // 2
+        with timed(step.sec, "indices"):
+            idx = self._idx[:st.count]
+            own = np.asarray(owners(t, self.nranks))
+            spans = np.stack((bounds[own], bounds[own + 1]), axis=1)
+            union, report = self.gather_union(t, st.acc, idx, counts,
+                                              lambda: self.gather_selection(idx, counts, spans))
         bal = self.rebalancing
         if bal is Rebalancing.BLOCKS and self.layout.moves_blocks():   # exact per-block counts of this step, from
-            t0 = time.perf_counter()                          # the union, where it lives (KBs move, not k)
-            counts_blk = self.ops.to_host(self.layout.block_counts(union, self.ops.xp))
-            scale = None
-            if moved:   # the load at the threshold, not the quotas' equal shares (docs/controller.md)
-                num, den = np.zeros(self.nranks, np.int64), np.ones(self.nranks, np.int64)
-                num[own], den[own] = at_threshold, np.maximum(counts, 1)
-                scale = (num, den)
-            self.layout.rebalance_blocks(None, t + 1, counts=counts_blk, scale=scale)
-            step.sec["balance"] = time.perf_counter() - t0
+            with timed(step.sec, "balance"):                  # the union, where it lives (KBs move, not k)
+                counts_blk = self.ops.to_host(self.layout.block_counts(union, self.ops.xp))
+                scale = None
+                if moved:   # the load at the threshold, not the quotas' equal shares (docs/controller.md)
+                    num, den = np.zeros(self.nranks, np.int64), np.ones(self.nranks, np.int64)
+                    num[own], den[own] = at_threshold, np.maximum(counts, 1)
+                    scale = (num, den)
+                self.layout.rebalance_blocks(None, t + 1, counts=counts_blk, scale=scale)
         res = self.average_at(st.acc, union, step.out, step.sec, done=st.done)
         selected = int(counts.sum())
         stats = dict(counts=counts, selected=selected, density=selected / self.numel, threshold=plan.threshold,

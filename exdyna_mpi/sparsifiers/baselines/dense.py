@@ -1,9 +1,8 @@
 """Dense allreduce: the average of every rank's gradient (the accuracy and bytes baseline)."""
-import time
-
 import numpy as np
 
 from ..base import Selection, Sparsifier
+from ..timing import timed
 
 
 class DenseAllreduce(Sparsifier):
@@ -31,16 +30,14 @@ class DenseAllreduce(Sparsifier):
     def combine(self, step, sel, words):
         acc = sel.acc
         if self._wire is not None:
-            t0 = time.perf_counter()
-            means = self.exchange.mean_wire(acc, self._wire)   # acc becomes the rounding this rank kept
-            step.sec["reduce"] = time.perf_counter() - t0
+            with timed(step.sec, "reduce"):
+                means = self.exchange.mean_wire(acc, self._wire)   # acc becomes the rounding this rank kept
             res = self.memory.commit(acc, step.out)
             self.ops.widen_half(means, self._wire.name, res)
             return res, dict(counts=words[:, 0].copy(), selected=self.numel, density=1.0, threshold=0.0,
                              bounds=None, owned=None)
-        t0 = time.perf_counter()
-        self.exchange.sum_identical(acc)
-        step.sec["reduce"] = time.perf_counter() - t0
+        with timed(step.sec, "reduce"):
+            self.exchange.sum_identical(acc)
         res = step.out if step.out is not None else self.ops.empty(self.numel, self._dtype)
         np.divide(acc, self._dtype.type(self.nranks), out=res)
         self.memory.keep(acc)   # the residual stays zero; acc is the next step's buffer

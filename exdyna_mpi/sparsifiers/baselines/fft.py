@@ -28,13 +28,13 @@ The per-bin error of the decoded spectrum is bounded by the format: for a part `
 time-domain error is at most ``sqrt(2 / B * sum |dF|^2)`` (tests/mpi/test_baselines.py checks it).
 """
 import dataclasses
-import time
 from typing import Any
 
 import numpy as np
 
 from ..base import Selection, Sparsifier
 from ..roles import StepWords
+from ..timing import timed
 from . import rangefloat
 from ._common import float_to_word, kth_largest_magnitude, positive_int, target_count, word_to_float
 
@@ -131,26 +131,24 @@ class FFTSparsifier(Sparsifier):
         sec, acc, spec, kept = step.sec, sel.acc, sel.spec, sel.kept
         nb = StepWords.N
         counts = words[:, 0].copy()
-        t0 = time.perf_counter()
-        pos = self.exchange.allgatherv(kept, counts)
-        all_codes = self.exchange.allgatherv(sel.codes, 2 * counts)
-        sec["exchange"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        total = np.zeros(self.nbins, dtype=spec.dtype)
-        offs = np.concatenate(([0], np.cumsum(counts)))
-        own = None
-        for r in range(self.nranks):  # P small decodes; each is vectorised over its message
-            a, b = int(offs[r]), int(offs[r + 1])
-            vals = self._decode(all_codes[2 * a: 2 * b], int(words[r, nb + 1]), int(words[r, nb + 2]),
-                                spec.dtype)
-            total[pos[a:b]] += vals
-            if r == self.rank:
-                own = vals
-        mine = np.zeros(self.nbins, dtype=spec.dtype)
-        mine[kept] = own
-        contribution = self._signal(mine).astype(self._dtype, copy=False)
-        avg = self._signal(total).astype(self._dtype, copy=False)
-        sec["decode"] = time.perf_counter() - t0
+        with timed(sec, "exchange"):
+            pos = self.exchange.allgatherv(kept, counts)
+            all_codes = self.exchange.allgatherv(sel.codes, 2 * counts)
+        with timed(sec, "decode"):
+            total = np.zeros(self.nbins, dtype=spec.dtype)
+            offs = np.concatenate(([0], np.cumsum(counts)))
+            own = None
+            for r in range(self.nranks):  # P small decodes; each is vectorised over its message
+                a, b = int(offs[r]), int(offs[r + 1])
+                vals = self._decode(all_codes[2 * a: 2 * b], int(words[r, nb + 1]), int(words[r, nb + 2]),
+                                    spec.dtype)
+                total[pos[a:b]] += vals
+                if r == self.rank:
+                    own = vals
+            mine = np.zeros(self.nbins, dtype=spec.dtype)
+            mine[kept] = own
+            contribution = self._signal(mine).astype(self._dtype, copy=False)
+            avg = self._signal(total).astype(self._dtype, copy=False)
         norm = float(np.linalg.norm(acc))
         res = self.memory.commit(acc, step.out)
         np.divide(avg, self._dtype.type(self.nranks), out=res)

@@ -28,8 +28,6 @@ authors' code) is not done: owners ``Allgatherv`` their own selections, as the r
 Byte accounting: the count exchange, Alltoall, point-to-point and Allgatherv bytes that cross this
 rank's link, the same model for every call; all of it, and every MPI call, in ``transport.Exchange``.
 """
-import time
-
 import math
 
 import numpy as np
@@ -37,6 +35,7 @@ import numpy as np
 from ...arrays import threshold_for
 from ..base import Sparsifier
 from ..roles import StepWords
+from ..timing import timed
 from ._common import (ThresholdSelection, float_to_word, kth_largest_magnitude, nonneg_int, positive_floor,
                       positive_int, target_count, word_to_float)
 
@@ -211,21 +210,18 @@ class OkTopk(Sparsifier):
         counts = words[:, 0].copy()
         bounds = region_bounds(words[:, nb + 1:], self.numel) if repartition else self.bounds
         sel_idx = self._idx[:count]
-        t0 = time.perf_counter()
-        vals = self.ops.empty(count, self._dtype)
-        self.ops.gather(acc, sel_idx, vals)
-        region, touched = self._split_reduce(sel_idx, vals, bounds)
-        sec["split_reduce"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        lo = int(bounds[self.rank])
-        gi, gv, gthr, owner_counts = self._global_select(region, touched, lo, exact, dense)
-        sec["allgatherv"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        res = self.memory.commit(acc, step.out)
-        self.ops.scatter(res, gi, gv / self._dtype.type(self.nranks))
-        both = np.intersect1d(sel_idx, gi, assume_unique=True)
-        self.ops.zero_at(self.memory.residual, both)
-        sec["scatter"] = time.perf_counter() - t0
+        with timed(sec, "split_reduce"):
+            vals = self.ops.empty(count, self._dtype)
+            self.ops.gather(acc, sel_idx, vals)
+            region, touched = self._split_reduce(sel_idx, vals, bounds)
+        with timed(sec, "allgatherv"):
+            lo = int(bounds[self.rank])
+            gi, gv, gthr, owner_counts = self._global_select(region, touched, lo, exact, dense)
+        with timed(sec, "scatter"):
+            res = self.memory.commit(acc, step.out)
+            self.ops.scatter(res, gi, gv / self._dtype.type(self.nranks))
+            both = np.intersect1d(sel_idx, gi, assume_unique=True)
+            self.ops.zero_at(self.memory.residual, both)
 
         # state for the next step (committed only now: a refused step changed nothing)
         k = self.k

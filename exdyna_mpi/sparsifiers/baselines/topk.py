@@ -22,13 +22,13 @@ At ``density = 1`` every method selects everything (threshold 0) and ``out`` is 
 """
 import math
 import statistics
-import time
 
 import numpy as np
 
 from ...arrays import threshold_for
 from ..base import Sparsifier
 from ..deadline import OPTIONS as DEADLINE_OPTIONS, DeadlineOption
+from ..timing import timed
 from ._common import (ThresholdSelection, float_to_word, kth_largest_magnitude, positive_floor, target_count,
                       word_to_float)
 
@@ -83,12 +83,11 @@ class UnionSparsifier(DeadlineOption, Sparsifier):
     def combine(self, step, sel, words):
         self._idx_buffer()
         counts = words[:, 0].copy()
-        t0 = time.perf_counter()
-        gathered, report = self.gather_union(step.t, sel.acc, self._idx[:counts[self.rank]], counts,
-                                             lambda: self._exchange_indices(counts, step.t))
-        # each rank's indices are ascending, so one rank's (or disjoint) lists need no unique
-        union = gathered if np.count_nonzero(counts) <= 1 else np.unique(gathered)
-        step.sec["indices"] = time.perf_counter() - t0
+        with timed(step.sec, "indices"):
+            gathered, report = self.gather_union(step.t, sel.acc, self._idx[:counts[self.rank]], counts,
+                                                 lambda: self._exchange_indices(counts, step.t))
+            # each rank's indices are ascending, so one rank's (or disjoint) lists need no unique
+            union = gathered if np.count_nonzero(counts) <= 1 else np.unique(gathered)
         res = self.average_at(sel.acc, union, step.out, step.sec)
         selected = int(union.shape[0])
         return res, dict(counts=counts, selected=selected, density=selected / self.numel, threshold=float(sel.thr),
