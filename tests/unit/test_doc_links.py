@@ -1,0 +1,50 @@
+"""Every relative link in the Markdown pages (README, CHANGELOG, docs/, results/) points at a file
+or folder that exists, so moving a page cannot leave a dead link behind."""
+import glob
+import os
+import re
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _pages():
+    pages = [os.path.join(ROOT, "README.md"), os.path.join(ROOT, "CHANGELOG.md")]
+    pages += glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True)
+    pages += glob.glob(os.path.join(ROOT, "results", "**", "*.md"), recursive=True)
+    return sorted(p for p in pages if os.path.isfile(p))
+
+
+def dead_links(path):
+    """``[(line number, target)]`` of the relative links in ``path`` (outside code blocks) that do
+    not resolve."""
+    dead, code = [], False
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if line.lstrip().startswith("```"):
+                code = not code
+                continue
+            if code:
+                continue
+            for target in LINK.findall(re.sub(r"`[^`]*`", "", line)):   # not inside inline code
+                if re.match(r"^(https?:|mailto:|#)", target):
+                    continue
+                rel = target.split("#", 1)[0]
+                if not os.path.exists(os.path.normpath(os.path.join(os.path.dirname(path), rel))):
+                    dead.append((i, target))
+    return dead
+
+
+def test_every_relative_link_resolves():
+    pages = _pages()
+    assert len(pages) > 10
+    bad = [f"{os.path.relpath(p, ROOT)}:{i}: {t}" for p in pages for i, t in dead_links(p)]
+    assert not bad, "dead links:\n" + "\n".join(bad)
+
+
+def test_the_check_sees_a_dead_link(tmp_path):
+    page = tmp_path / "page.md"
+    (tmp_path / "there.md").write_text("x")
+    page.write_text("[ok](there.md) [web](https://example.org) [anchor](#a)\n```\n[in code](nowhere.md)\n```\n"
+                    "[gone](nowhere.md#part) `kernel[cfg](*args)`\n")
+    assert dead_links(str(page)) == [(5, "nowhere.md#part")]
