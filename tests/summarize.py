@@ -24,15 +24,18 @@ def counts(path):
 
 
 def main(folder):
+    """Print the totals; 1 if a test failed or lanes with tests ran and none passed (a lane that
+    skipped everything fails), 0 otherwise, also when only lanes without tests (lint) ran."""
     passed = failed = skipped = 0
-    for path in sorted(glob.glob(os.path.join(folder, "*.xml"))):
+    reports = sorted(glob.glob(os.path.join(folder, "*.xml")))
+    for path in reports:
         p, f, s = counts(path)
         for other in sorted(glob.glob(path + ".rank*")):
             f = max(f, counts(other)[1])
         print(f"  {os.path.basename(path)}: {p} passed, {f} failed, {s} skipped")
         passed, failed, skipped = passed + p, failed + f, skipped + s
     print(f"total: {passed} passed, {failed} failed, {skipped} skipped")
-    return 1 if failed or passed == 0 else 0
+    return 1 if failed or (reports and passed == 0) else 0
 
 
 if __name__ == "__main__":
