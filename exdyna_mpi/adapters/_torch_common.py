@@ -104,6 +104,17 @@ def broadcast_parameters(tensors: Iterable[torch.Tensor], comm: MPI.Comm | None 
     """Copy ``root``'s values of ``tensors`` (parameters, buffers) to every rank. Collective.
 
     Packs everything of one dtype into one host buffer and broadcasts it once per dtype.
+
+    Args:
+        tensors: the tensors, in the same order and shapes on every rank (changed in place).
+        comm: the communicator (``MPI.COMM_WORLD`` when None).
+        root: the rank whose values every rank ends with.
+
+    Returns:
+        None.
+
+    Raises:
+        Nothing of its own; an MPI error ends the job.
     """
     torch = _torch()
     comm = transport.world() if comm is None else comm

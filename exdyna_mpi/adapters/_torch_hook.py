@@ -734,6 +734,17 @@ def exdyna_hook(state: ExDynaHookState, bucket):  # -> torch.futures.Future[torc
     say, NaN in one rank's gradient) makes ``backward()`` raise on every rank; any other error in the
     exchange prints its traceback and aborts the MPI job rather than leave other ranks waiting.
 
+    Args:
+        state: the hook's ``ExDynaHookState`` (sparsifiers, recipe, worker thread).
+        bucket: DDP's ``GradBucket``.
+
+    Returns:
+        A ``torch.futures.Future`` of the bucket's averaged gradient.
+
+    Raises:
+        Nothing itself: a refused step sets ``StepError`` on the future (``backward()`` raises it on
+        every rank); any other error aborts the job.
+
     Example::
 
         >>> # xdoctest: +SKIP

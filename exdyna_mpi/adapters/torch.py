@@ -273,6 +273,23 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
     Adam with the frozen variance; ``"frozen-gradient"`` the same with the division after the
     exchange.
 
+    Args:
+        optimizer: the ``torch.optim`` optimizer to wrap (its state is shared, not copied).
+        model: a module whose parameters and buffers rank 0 broadcasts (optional).
+        sparsifier, density, **options: the sparsifier (``exdyna_mpi.make``).
+        comm: the communicator (``MPI.COMM_WORLD`` when None).
+        broadcast: broadcast rank 0's parameters at construction.
+        clip_norm, warmup_steps, momentum_correction, momentum_masking, density_warmup,
+            density_warmup_steps: the training recipe (above; docs/reference.md).
+        adam: the Adam path (above), for ``torch.optim.Adam``/``AdamW`` only.
+
+    Returns:
+        The optimizer, now an instance of a subclass of its class whose ``step()`` exchanges first.
+
+    Raises:
+        ValueError: a recipe option or ``adam`` out of range or not for this optimizer;
+            ``CollectiveError`` (on every rank) when the ranks' arguments disagree.
+
     Example::
 
         >>> opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

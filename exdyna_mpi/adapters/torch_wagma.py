@@ -119,6 +119,21 @@ def GroupAveragingOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Mo
     The result is an instance of a subclass of the optimizer's class sharing its state; use it in
     place of the original. ``opt.averager`` is the ``exdyna_mpi.GroupAverager``; ``opt.stats`` its
     last stats. Collective over ``comm``.
+
+    Args:
+        optimizer: the local ``torch.optim`` optimizer to wrap.
+        model: a module whose parameters and buffers rank 0 broadcasts (optional).
+        group_size: ranks per averaging group.
+        sync_every: steps between global averages.
+        mode: ``"sync"`` or ``"wait_avoiding"`` (docs/wagma.md).
+        comm: the communicator (``MPI.COMM_WORLD`` when None).
+        broadcast: broadcast rank 0's parameters at construction.
+
+    Returns:
+        The optimizer, now an instance of a subclass of its class whose ``step()`` averages after.
+
+    Raises:
+        ValueError: bad arguments (on every rank, through the averager's agreement).
     """
     comm, params = _wrapped_params(optimizer, model, comm, "GroupAveragingOptimizer")
     if broadcast:

@@ -45,8 +45,20 @@ def timeout() -> float:
 
 
 def set_timeout(seconds: float) -> None:
-    """Every later wait of the package is bounded by ``seconds`` (0: unbounded). Set the same value
-    on every rank. ``EXDYNA_TIMEOUT_S`` in the environment takes precedence."""
+    """Bound every later wait of the package by ``seconds`` (0: unbounded).
+
+    Set the same value on every rank. ``EXDYNA_TIMEOUT_S`` in the environment takes precedence.
+    Past the bound a monitor thread names the wait and the rank and aborts the job.
+
+    Args:
+        seconds: the bound, >= 0 (0 turns it off).
+
+    Returns:
+        None.
+
+    Raises:
+        ValueError: ``seconds`` is negative or not a number.
+    """
     global _timeout
     if not seconds >= 0:
         raise ValueError(f"set_timeout: seconds must be >= 0, got {seconds!r}")
