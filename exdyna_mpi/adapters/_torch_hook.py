@@ -90,15 +90,15 @@ class ExDynaHookState:
             with the same options and defaults: ``momentum_correction="auto"`` moves an SGD's
             momentum before the exchange (the optimizer's ``momentum`` is set to 0 here and again at
             every iteration, so a loaded optimizer state cannot bring it back) and adds ExDyna's
-            quotas; ``clip_norm``, ``warmup_steps``, ``density_warmup`` and
+            quotas; ``momentum_masking``, ``clip_norm``, ``warmup_steps``, ``density_warmup`` and
             ``density_warmup_steps`` as there. The model-wide vector is then laid out in the
             optimizer's parameter order, so DDP with this hook and ``DistributedOptimizer`` with the
             same options produce the same parameters bit for bit (tested for momentum SGD with and
             without the warm-ups and clipping, and for AdamW). Needs ``scope="model"`` and the
             optimizer holding exactly DDP's parameters. Without it (the default) the hook is the
             plain sparse average, whatever the optimizer, and the recipe options are refused.
-            (``DistributedOptimizer``'s ``adam="frozen"`` replaces the optimizer's step, which a
-            hook cannot do: it is not offered here.)
+            (``DistributedOptimizer``'s ``adam="update"``/``"frozen"`` replace the optimizer's step,
+            which a hook cannot do: they are not offered here.)
 
     Raises:
         ValueError: a bad option (the same on every rank: nothing collective has run yet).

@@ -47,6 +47,12 @@ __all__ = ["DiLoCo", "DistributedOptimizer", "ExDynaHookState", "FlatGrad", "Fla
 class FlatGrad:
     """One contiguous gradient buffer; each parameter's ``.grad`` is a view into it.
 
+    Args:
+        params: the parameters (those that require grad), of one dtype and device.
+
+    Raises:
+        ValueError: no parameter requires grad, or they differ in dtype or device.
+
     Example::
 
         >>> fg = FlatGrad(model.parameters())

@@ -30,7 +30,14 @@ __all__ = ["GroupAveragingOptimizer", "FlatParams"]
 
 
 class FlatParams:
-    """One contiguous parameter buffer; each parameter's ``.data`` is a view into it."""
+    """One contiguous parameter buffer; each parameter's ``.data`` is a view into it.
+
+    Args:
+        params: the parameters (those that require grad), of one dtype and device.
+
+    Raises:
+        ValueError: no parameter requires grad, or they differ in dtype or device.
+    """
 
     def __init__(self, params: Iterable[torch.Tensor]) -> None:
         torch = _torch()

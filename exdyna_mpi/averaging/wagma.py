@@ -139,6 +139,16 @@ class GroupAverager:
     Construction, ``step``, ``average_all``, ``load_state_dict`` and ``close`` are collective over
     ``comm`` (``step`` in the sense that all ranks call it equally often); bad arguments on any rank
     raise the same ``ValueError`` on every rank.
+
+    Args:
+        numel: the flat parameter vector's length, the same on every rank.
+        comm: the communicator (``MPI.COMM_WORLD`` when None).
+        group_size: ranks per averaging group (a power of two, at most P; P a power of two).
+        sync_every: steps between global averages.
+        mode: ``"sync"`` or ``"wait_avoiding"`` (docs/wagma.md).
+
+    Raises:
+        ValueError: bad or disagreeing arguments on any rank (on every rank).
     """
 
     name = "wagma"

@@ -95,6 +95,17 @@ class Sparsifier(Selector):
 
     Public roles: ``memory`` (``ErrorFeedback``), ``exchange`` (``transport.Exchange`` or, on a CUDA
     device, ``DeviceExchange``), ``ops`` (the ``arrays.Ops`` of the bound device, None until bound).
+
+    Args:
+        numel: the flat gradient's length, the same on every rank.
+        density: the fraction of elements sent per step, in (0, 1].
+        comm: the communicator (``MPI.COMM_WORLD`` when None).
+        device: ``"auto"`` (where the first gradient lives), ``"cpu"`` or ``"cuda"``.
+        nonfinite: ``"raise"`` or ``"skip"``: what a step with NaN/inf on any rank does.
+        **options: ``wire_dtype`` and the subclass's ``OPTIONS`` (docs/reference.md).
+
+    Raises:
+        CollectiveError: bad or disagreeing arguments on any rank (a ``ValueError``, on every rank).
     """
 
     name = "base"

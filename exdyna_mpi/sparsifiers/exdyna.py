@@ -137,6 +137,18 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
     the deadline stays in the residual, at most ``max_loss`` of a step's selected mass; every rank
     applies the same union. ``sp.deadline`` is that exchange (None in exact mode), ``stats.deadline``
     its report; ``sp.close()`` (collective) completes its late messages.
+
+    Args:
+        numel, density, comm, device, nonfinite: as for ``Sparsifier``.
+        controller: the threshold controller, ``"measured"`` (default), ``"faithful"``, ``"symmetric"``.
+        balance: how the partition boundaries move (``algorithm.Rebalancing``): ``True`` (the
+            controller's rule), ``False``, ``"faithful"``, ``"adaptive"``, ``"blocks"``.
+        n_blocks, block_align: the fine-grained blocks the partitions are made of.
+        max_imbalance: the per-rank quotas' bound (above), None for off.
+        **unknown: ``deadline_ms``, ``max_loss``, ``wire_dtype`` (docs/reference.md).
+
+    Raises:
+        CollectiveError: bad or disagreeing arguments on any rank (on every rank).
     """
 
     name = "exdyna"
@@ -363,7 +375,16 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
 
 
 class MiCRO(ExDyna):
-    """MiCRO: ExDyna without blocks or rebalancing (P fixed, equal element partitions)."""
+    """MiCRO: ExDyna without blocks or rebalancing (P fixed, equal element partitions).
+
+    Args:
+        numel, density, comm, device, nonfinite: as for ``Sparsifier``.
+        controller: the threshold controller (``"faithful"``, MiCRO's own rule, by default).
+        **unknown: ``deadline_ms``, ``max_loss``, ``wire_dtype`` (docs/reference.md).
+
+    Raises:
+        CollectiveError: bad or disagreeing arguments on any rank (on every rank).
+    """
 
     name = "micro"
     OPTIONS = {"controller": ("faithful", _controller_name), **_deadline.OPTIONS}
