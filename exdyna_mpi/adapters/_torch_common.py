@@ -89,6 +89,12 @@ def _broadcast_model(model: torch.nn.Module | None, params: Sequence[torch.Tenso
     broadcast_parameters(list(model.parameters()) + list(model.buffers()) if model is not None else params, comm)
 
 
+if TYPE_CHECKING:   # the mixins sit before a torch optimizer class (``_wrap``); object at run time
+    _OptimizerMixinBase = torch.optim.Optimizer
+else:
+    _OptimizerMixinBase = object
+
+
 def _wrap(optimizer: torch.optim.Optimizer, mixin: type, prefix: str, **attrs: Any) -> Any:
     """An instance of ``mixin`` + the optimizer's class sharing the optimizer's state (so LR
     schedulers accept it), with ``attrs`` set on it."""

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import exdyna_mpi
 
-from ._torch_common import (_broadcast_model, _flat_layout, _from_torch, _to_torch, _torch, _wrap, _wrapped_params,
-                            broadcast_parameters)
+from ._torch_common import (_broadcast_model, _flat_layout, _from_torch, _OptimizerMixinBase, _to_torch, _torch, _wrap,
+                            _wrapped_params, broadcast_parameters)
 from ._torch_adam import ADAM_KEY, MODES as ADAM_MODES, AdamPath, is_adam, make_adam_path
 from ._torch_hook import ExDynaHookState, exdyna_hook
 from ._torch_options import OPTIONS_KEY, TrainingOptions, move_momentum, recipe_for
@@ -101,19 +101,13 @@ def _from_torch_keep_tensors(d):
     return d
 
 
-if TYPE_CHECKING:   # the mixin sits before a torch optimizer class (``_wrap``); object at run time
-    _Optimizer = torch.optim.Optimizer
-else:
-    _Optimizer = object
-
-
 def _stats_of(sp: exdyna_mpi.Sparsifier) -> exdyna_mpi.Stats:
     """The stats of the step ``sp`` just took (set by every completed or skipped step)."""
     assert sp.stats is not None
     return sp.stats
 
 
-class _DistributedMixin(_Optimizer):
+class _DistributedMixin(_OptimizerMixinBase):
     """Methods put in front of the wrapped optimizer's class (see ``DistributedOptimizer``)."""
 
     # set by ``DistributedOptimizer`` through ``_wrap`` on the wrapped instance

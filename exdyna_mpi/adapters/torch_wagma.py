@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Literal
 
 import exdyna_mpi
 
-from ._torch_common import _broadcast_model, _flat_layout, _torch, _wrap, _wrapped_params
+from ._torch_common import _broadcast_model, _flat_layout, _OptimizerMixinBase, _torch, _wrap, _wrapped_params
 
 if TYPE_CHECKING:
     import torch
@@ -51,13 +51,7 @@ class FlatParams:
                 off += n
 
 
-if TYPE_CHECKING:   # the mixin sits before a torch optimizer class (``_wrap``); object at run time
-    _Optimizer = torch.optim.Optimizer
-else:
-    _Optimizer = object
-
-
-class _GroupAveragingMixin(_Optimizer):
+class _GroupAveragingMixin(_OptimizerMixinBase):
     averager: exdyna_mpi.GroupAverager   # set by ``_wrap``
     _wagma_params: FlatParams
 
