@@ -36,7 +36,7 @@ class ExampleTopK(exdyna_mpi.Sparsifier):
         return Selection(acc, count, (), bad)              # bad > 0: refused on every rank
 
     def combine(self, step, sel, words):
-        counts = words[:, 0].copy()                        # every rank's count, rank order
+        counts = words.counts                              # every rank's count, rank order
         spans = np.tile(np.array([0, self.numel], dtype=np.int64), (self.nranks, 1))
         union = np.unique(self.gather_selection(self._idx[:counts[self.rank]], counts, spans))
         out = self.average_at(sel.acc, union, step.out, step.sec)   # sum / P at the union

@@ -12,7 +12,8 @@
 3. the first collective: ``StepWords`` (count, error word, dtype) plus the selector's
    ``report_size`` words, through the exchange role; every rank raises the same ``StepError`` or
    skips (``nonfinite="skip"``) together, with the state untouched;
-4. ``combine`` (the subclass) exchanges, commits, and returns the output and its stats;
+4. ``combine`` (the subclass) gets every rank's count and report words as one ``RankWords``
+   (whichever first collective ran), exchanges, commits, and returns the output and its stats;
 5. the template completes the stats (iteration, bytes, timings, imbalance) and the iteration count;
 6. the output goes back in the gradient's kind and dtype (a half one rounded to nearest even).
 
@@ -31,7 +32,7 @@ from ..arrays.half import WireFormat
 from ..arrays.ops import cuda_available
 from .._errors import CollectiveError, InputCode
 from ..transport import Exchange, agree_problems, device_exchange, node_ranks, world
-from .roles import ErrorFeedback, Selection, Selector, Step, StepWords, agree_arguments, imbalance
+from .roles import ErrorFeedback, RankWords, Selection, Selector, Step, StepWords, agree_arguments, imbalance
 from .timing import timed
 
 NONFINITE_POLICIES = ("raise", "skip")
@@ -300,15 +301,16 @@ class Sparsifier(Selector):
                 raise AssertionError("summed flags and gathered words disagree")  # pragma: no cover
             with timed(sec, "choose"):
                 sel = self.choose(step, sel, summed[3:])
-            with timed(sec, "counts"):
-                words = self.exchange.agree([sel.count] + list(sel.words))
+            with timed(sec, "counts"):   # the sum agreed the flags: count and report words only
+                gathered = RankWords.gathered(self.exchange.agree([sel.count] + list(sel.words)), 1)
         else:
             with timed(sec, "counts"):
                 report = list(sel.words) if err is None else [0] * self.report_size(step)
                 words = self.exchange.agree(StepWords.make(sel.count if err is None else 0, err, code) + report)
             if self._refused(words, acc):
                 return self._skip(inp, out)
-        res, st = self.combine(step, sel, words)
+            gathered = RankWords.gathered(words, StepWords.N)
+        res, st = self.combine(step, sel, gathered)
         loads = st.pop("loads", st["counts"])
         self.stats = Stats(iteration=step.t, bytes_sent=self.exchange.bytes_sent,
                            bytes_received=self.exchange.bytes_received, seconds=sec, skipped=False,

@@ -270,7 +270,7 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
         t, st = step.t, sel
         plan = st.plan   # resolved by choose (a measuring plan), else the one the pass selected with
         assert plan is not None
-        counts = words[:, 0].copy()
+        counts = words.counts
         bounds = self.layout.bounds()   # this step's, before any rebalancing
         bound = self._quota_bound() if plan.measure else None
         moved = 0

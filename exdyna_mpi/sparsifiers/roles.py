@@ -10,12 +10,14 @@ split and the state object of PyTorch's PowerSGD hook:
   ``report_size(step)`` words ride in the step's first collective after the four ``StepWords``;
   ``select(step, grad, acc)`` fills ``acc = residual + grad`` and chooses (a ``Selection``, or a
   subclass holding whatever else the selector's later calls need: the step's state on this rank);
-  ``combine(step, sel, words)`` runs the exchange and returns the output and the stats.
+  ``combine(step, sel, words)`` runs the exchange and returns the output and the stats; ``words``
+  is a ``RankWords`` (every rank's count and report words), the same whichever first collective
+  the step ran.
 - **exchange** (``transport.Exchange`` / ``DeviceExchange``): every MPI call and byte counter.
 - **controller** (``algorithm.controllers.Controller``, ExDyna and MiCRO): the threshold.
 
-``StepWords`` is the error-word protocol of the first collective; ``agree_arguments`` the
-collective check of constructor arguments.
+``StepWords`` is the error-word protocol of the first collective; ``RankWords`` what ``combine``
+gets of the gathered words; ``agree_arguments`` the collective check of constructor arguments.
 """
 from __future__ import annotations
 
@@ -187,11 +189,14 @@ class Selector:
         run further collectives (every rank does, with the same arguments)."""
         raise NotImplementedError
 
-    def combine(self, step: Step, sel: Selection, words: np.ndarray) -> tuple[Any, dict[str, Any]]:
-        """After every rank agreed (``words``: the gathered (P, 4 + report_size) words): exchange,
-        commit the memory and the selector's own state, return ``(output buffer, stats dict)``; the
-        dict holds ``counts`` and the fields the template does not fill (``loads``: the per-rank
-        counts whose imbalance ``stats.imbalance`` reports, default ``counts``)."""
+    def combine(self, step: Step, sel: Selection, words: RankWords) -> tuple[Any, dict[str, Any]]:
+        """After every rank agreed: exchange, commit the memory and the selector's own state, return
+        ``(output buffer, stats dict)``. ``words`` (``RankWords``): ``words.counts`` (P,) every
+        rank's count, ``words.report`` (P, R) every rank's report words (``Selection.words``) in
+        rank order, whether the first collective was the ``StepWords`` Allgather or a summed one
+        (the error words are the template's, never in it). The dict holds ``counts`` and the fields
+        the template does not fill (``loads``: the per-rank counts whose imbalance
+        ``stats.imbalance`` reports, default ``counts``)."""
         raise NotImplementedError
 
 
@@ -234,6 +239,26 @@ class StepWords:
         exactly when all codes are equal)."""
         n_bad, s1, s2 = (int(x) for x in summed[:3])
         return n_bad == 0 and nranks * s2 == s1 * s1
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RankWords:
+    """Every rank's words of the step as ``combine`` receives them, one layout on every path.
+
+    ``counts`` (P,) int64: each rank's ``Selection.count`` (its own array). ``report`` (P, R) int64:
+    each rank's ``Selection.words`` (R = ``report_size``; a view of the gathered words; R may be 0).
+    Row r is rank r's. ``gathered`` builds it from either first collective's words.
+    """
+
+    counts: np.ndarray
+    report: np.ndarray
+
+    @classmethod
+    def gathered(cls, words: np.ndarray, head: int) -> RankWords:
+        """From gathered (P, head + R) int64 words: column 0 each rank's count, then ``head - 1``
+        protocol words the template has read (``StepWords.N``: the ``StepWords`` Allgather; 1: the
+        count gathered after a summed first collective, whose flags the sum agreed), then the report."""
+        return cls(np.array(words[:, 0], dtype=np.int64), words[:, head:])
 
 
 def _fingerprint(text):

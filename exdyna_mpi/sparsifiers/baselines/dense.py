@@ -34,12 +34,12 @@ class DenseAllreduce(Sparsifier):
                 means = self.exchange.mean_wire(acc, self._wire)   # acc becomes the rounding this rank kept
             res = self.memory.commit(acc, step.out)
             self.ops.widen_half(means, self._wire.name, res)
-            return res, dict(counts=words[:, 0].copy(), selected=self.numel, density=1.0, threshold=0.0,
+            return res, dict(counts=words.counts, selected=self.numel, density=1.0, threshold=0.0,
                              bounds=None, owned=None)
         with timed(step.sec, "reduce"):
             self.exchange.sum_identical(acc)
         res = step.out if step.out is not None else self.ops.empty(self.numel, self._dtype)
         np.divide(acc, self._dtype.type(self.nranks), out=res)
         self.memory.keep(acc)   # the residual stays zero; acc is the next step's buffer
-        return res, dict(counts=words[:, 0].copy(), selected=self.numel, density=1.0, threshold=0.0, bounds=None,
+        return res, dict(counts=words.counts, selected=self.numel, density=1.0, threshold=0.0, bounds=None,
                          owned=None)

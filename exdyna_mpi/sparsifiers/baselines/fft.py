@@ -33,7 +33,6 @@ from typing import Any
 import numpy as np
 
 from ..base import Selection, Sparsifier
-from ..roles import StepWords
 from ..timing import timed
 from . import rangefloat
 from ._common import float_to_word, kth_largest_magnitude, positive_int, target_count, word_to_float
@@ -129,8 +128,7 @@ class FFTSparsifier(Sparsifier):
 
     def combine(self, step, sel, words):
         sec, acc, spec, kept = step.sec, sel.acc, sel.spec, sel.kept
-        nb = StepWords.N
-        counts = words[:, 0].copy()
+        counts, header = words.counts, words.report   # per rank: tau, e_max, e_bits
         with timed(sec, "exchange"):
             pos = self.exchange.allgatherv(kept, counts)
             all_codes = self.exchange.allgatherv(sel.codes, 2 * counts)
@@ -140,7 +138,7 @@ class FFTSparsifier(Sparsifier):
             own = None
             for r in range(self.nranks):  # P small decodes; each is vectorised over its message
                 a, b = int(offs[r]), int(offs[r + 1])
-                vals = self._decode(all_codes[2 * a: 2 * b], int(words[r, nb + 1]), int(words[r, nb + 2]),
+                vals = self._decode(all_codes[2 * a: 2 * b], int(header[r, 1]), int(header[r, 2]),
                                     spec.dtype)
                 total[pos[a:b]] += vals
                 if r == self.rank:
@@ -157,6 +155,6 @@ class FFTSparsifier(Sparsifier):
         return res, dict(
             counts=counts, selected=int(counts.sum()), density=float(2 * counts.mean() / self.numel),
             threshold=float(sel.tau), bounds=None, owned=None,
-            thresholds=word_to_float(words[:, nb]).copy(), e_max=words[:, nb + 1].copy(),
-            e_bits=words[:, nb + 2].copy(), bits=self.options["bits"], block=self.block,
+            thresholds=word_to_float(header[:, 0]).copy(), e_max=header[:, 1].copy(),
+            e_bits=header[:, 2].copy(), bits=self.options["bits"], block=self.block,
             rel_error=float(np.linalg.norm(residual)) / norm if norm > 0 else 0.0)

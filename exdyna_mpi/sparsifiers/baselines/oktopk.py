@@ -34,7 +34,6 @@ import numpy as np
 
 from ...arrays import threshold_for
 from ..base import Sparsifier
-from ..roles import StepWords
 from ..timing import timed
 from ._common import (ThresholdSelection, float_to_word, kth_largest_magnitude, nonneg_int, positive_floor,
                       positive_int, target_count, word_to_float)
@@ -206,9 +205,8 @@ class OkTopk(Sparsifier):
     def combine(self, step, sel, words):
         t, sec, acc, thr, count = step.t, step.sec, sel.acc, sel.thr, sel.count
         dense, repartition, exact = self._modes(t)
-        nb = StepWords.N
-        counts = words[:, 0].copy()
-        bounds = region_bounds(words[:, nb + 1:], self.numel) if repartition else self.bounds
+        counts = words.counts   # report: the local threshold, then the proposed cuts
+        bounds = region_bounds(words.report[:, 1:], self.numel) if repartition else self.bounds
         sel_idx = self._idx[:count]
         with timed(sec, "split_reduce"):
             vals = self.ops.empty(count, self._dtype)
@@ -243,7 +241,7 @@ class OkTopk(Sparsifier):
         return res, dict(
             counts=counts, selected=selected, density=selected / self.numel, threshold=float(thr),
             bounds=bounds.copy(), owned=np.arange(self.nranks), loads=owner_counts,
-            thresholds=word_to_float(words[:, nb]).copy(), global_threshold=float(gthr),
+            thresholds=word_to_float(words.report[:, 0]).copy(), global_threshold=float(gthr),
             owner_counts=owner_counts, exact_global=bool(exact or dense), repartitioned=repartition)
 
     # ------------------------------------------------------------------ state

@@ -82,7 +82,7 @@ class UnionSparsifier(DeadlineOption, Sparsifier):
 
     def combine(self, step, sel, words):
         self._idx_buffer()
-        counts = words[:, 0].copy()
+        counts = words.counts
         with timed(step.sec, "indices"):
             gathered, report = self.gather_union(step.t, sel.acc, self._idx[:counts[self.rank]], counts,
                                                  lambda: self._exchange_indices(counts, step.t))
@@ -91,7 +91,7 @@ class UnionSparsifier(DeadlineOption, Sparsifier):
         res = self.average_at(sel.acc, union, step.out, step.sec)
         selected = int(union.shape[0])
         return res, dict(counts=counts, selected=selected, density=selected / self.numel, threshold=float(sel.thr),
-                         bounds=None, owned=None, thresholds=word_to_float(words[:, -1]).copy(), union=selected,
+                         bounds=None, owned=None, thresholds=word_to_float(words.report[:, 0]).copy(), union=selected,
                          build_up=selected / self.k, **({"deadline": report} if report is not None else {}))
 
     def _extra_state(self):
