@@ -52,6 +52,7 @@ SCOPES = ("model", "bucket")
 _VERSION = 1
 Key = tuple[int, ...]
 Layout = list[tuple[int, tuple[int, ...]]]
+Run = tuple[int, int, int]   # (offset in the bucket, offset in the model-wide vector, length)
 
 
 class _LayoutError(ValueError):
@@ -64,7 +65,8 @@ class _Job:
 
     __slots__ = ("buf", "fut", "key", "runs", "last", "new_model", "total", "copied", "error")
 
-    def __init__(self, buf, fut, key, runs, last, new_model, total, error):
+    def __init__(self, buf: torch.Tensor, fut: torch.futures.Future[torch.Tensor], key: Key, runs: list[Run],
+                 last: bool, new_model: bool, total: int, error: BaseException | None) -> None:
         self.buf = buf              # the bucket's flat buffer; the result is written back into it
         self.fut = fut
         self.key = key              # canonical indices of its parameters, in bucket order
@@ -142,7 +144,8 @@ class ExDynaHookState:
         recipe_args = dict(clip_norm=clip_norm, warmup_steps=warmup_steps, momentum_correction=momentum_correction,
                            momentum_masking=momentum_masking, density_warmup=density_warmup,
                            density_warmup_steps=density_warmup_steps)
-        recipe, params = None, None
+        recipe: Recipe | None = None
+        params: list[torch.Tensor] | None = None
         if optimizer is None:
             given = [k for k, v in recipe_args.items() if v != RECIPE_DEFAULTS[k]]   # none may differ
             if given:
@@ -190,7 +193,7 @@ class ExDynaHookState:
         self._sps: dict[Key, Any] = {}                # scope="bucket": key -> sparsifier
         self._owner: dict[int, Key] = {}              # canonical index -> the key holding its residual
         self._covered = 0                             # optimizer=: parameters seen in this iteration's buckets
-        if params is not None:
+        if recipe is not None and params is not None:   # optimizer= given: both set above
             # the optimizer's order is the canonical one: the model-wide vector is laid out as
             # DistributedOptimizer's flat gradient, so both entry points exchange the same vector
             self._set_layout([(p.numel(), tuple(p.shape)) for p in params])
@@ -201,6 +204,12 @@ class ExDynaHookState:
     # ------------------------------------------------------------------ communicator and worker
     @property
     def comm(self) -> MPI.Comm:
+        """The ranks of the exchange (``MPI.COMM_WORLD`` unless given); settable before the first iteration.
+
+        Raises:
+            RuntimeError: set while the private communicator exists (from the first iteration or a
+                load until ``close()``).
+        """
         return transport.world() if self._user_comm is None else self._user_comm
 
     @comm.setter
@@ -223,10 +232,12 @@ class ExDynaHookState:
         return self._worker.call(fn, self.comm, "ExDynaHookState: the worker's queued exchanges")
 
     def close(self) -> None:
-        """Stop the worker after the work queued so far, close the sparsifiers (a deadline
-        exchange completes its late messages) and free the private communicator (collective once
-        an iteration has run or a state was loaded). The state stays usable: the next iteration
-        restarts the worker and rebuilds the sparsifiers from their state. Idempotent."""
+        """Stop the worker and free the private communicator; the state stays usable. Idempotent.
+
+        Runs after the work queued so far; closes the sparsifiers (a deadline exchange completes its
+        late messages). Collective once an iteration has run or a state was loaded. The next
+        iteration restarts the worker and rebuilds the sparsifiers from their state.
+        """
         if not self._worker.running and self._comm is None:
             return
 
@@ -261,20 +272,29 @@ class ExDynaHookState:
         return d
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's state: the sparsifier(s)' state dicts, the canonical layout and the step
-        counter (host copies; safe to pickle). Call it between iterations."""
+        """This rank's state, taken after the work queued so far. Call it between iterations.
+
+        Returns:
+            The sparsifier(s)' state dicts, the canonical layout, the step counter and, with
+            ``optimizer=``, the recipe's state under ``"recipe"`` (host copies; safe to pickle).
+        """
         return self._call(self._snapshot)
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
-        """Restore ``state_dict()`` output (this rank's), between iterations. Collective over
-        ``comm``: every rank loads its own rank's dict.
+        """Restore ``state_dict()`` output between iterations. Collective over ``comm``.
 
-        All or nothing: every rank checks its dict (version, scope, sparsifier, density, layout,
-        step, bucket keys), the ranks agree once, then the sparsifiers are rebuilt from the dicts
-        (each ``Sparsifier.load_state_dict`` checks its residual and extra state and agrees again).
-        Any rank's problem raises the same ``ValueError`` on every rank, naming the ranks and causes,
-        and leaves every rank's state as it was. A model whose parameters do not match the layout
+        Every rank loads its own rank's dict, all or nothing: every rank checks its dict (version,
+        scope, sparsifier, density, layout, step, bucket keys), the ranks agree once, then the
+        sparsifiers are rebuilt from the dicts (each ``Sparsifier.load_state_dict`` checks its
+        residual and extra state and agrees again). A model whose parameters do not match the layout
         raises (every rank) at the first iteration, from ``backward()``. Set ``comm`` before loading.
+
+        Args:
+            d: this rank's ``state_dict()`` output.
+
+        Raises:
+            CollectiveError: any rank's problem (a ``ValueError``, raised on every rank, naming the
+                ranks and causes); every rank's state stays as it was.
         """
         problem, got, layout = self._check_dict(d)
         self._call(lambda: self._load(problem, got, layout))
@@ -318,7 +338,7 @@ class ExDynaHookState:
                 keys = [tuple(int(i) for i in key) for key, _ in got["state"]]
             except (TypeError, ValueError) as e:
                 return f"malformed bucket state ({e})", None, None
-            if sorted(i for key in keys for i in key) != list(range(len(layout))):
+            if sorted(i for key in keys for i in key) != list(range(len(_known_layout(layout)))):
                 return "the bucket keys do not partition the layout", None, None
             got["state"] = [[key, sd] for key, (_, sd) in zip(keys, got["state"])]
         return None, got, layout
@@ -326,6 +346,7 @@ class ExDynaHookState:
     def _load(self, problem: str | None, got: dict[str, Any] | None, layout: Layout | None) -> None:
         """Worker (or the caller, before the first iteration): agree, rebuild, then install."""
         comm = self._comm if self._comm is not None else self.comm
+        shape: tuple[Any, ...] | None
         if got is None:
             shape = None
         elif self.scope == "bucket" and got["state"]:
@@ -340,6 +361,7 @@ class ExDynaHookState:
         if parts:
             raise exdyna_mpi.CollectiveError("ExDynaHookState.load_state_dict refused on all ranks, state "
                                              "unchanged: " + "; ".join(parts))
+        assert got is not None   # _check_dict gives no fields only with a problem, refused above
         if got["state"] or self._recipe_config is not None:
             self._worker.open(self.comm)
         try:
@@ -358,10 +380,10 @@ class ExDynaHookState:
         for sp in old:
             _close(sp)
 
-    def _rebuilt(self, d: dict[str, Any], layout: Layout) -> tuple[list[tuple[Key | None, Any]], Any]:
+    def _rebuilt(self, d: dict[str, Any], layout: Layout | None) -> tuple[list[tuple[Key | None, Any]], Any]:
         """(``_built`` of ``d["state"]``, the recipe loaded with ``d["recipe"]``), collective; on any
         failure whatever was built is closed and nothing is kept."""
-        built = self._built(d["state"], layout) if d["state"] else []
+        built = self._built(d["state"], _known_layout(layout)) if d["state"] else []
         try:
             return built, self._loaded_recipe(d.get("recipe"))
         except BaseException:
@@ -418,11 +440,11 @@ class ExDynaHookState:
 
     def __setstate__(self, s: dict[str, Any]) -> None:
         sparsifier, density, scope, options = s["config"]
-        self.__init__(sparsifier, density, scope=scope, **options)
+        type(self).__init__(self, sparsifier, density, scope=scope, **options)
         # unpickling is one rank's business, not a collective: the sparsifiers are built (and
         # their states checked, collectively) by the worker at the first iteration
         problem, got, layout = self._check_dict(s["state"])
-        if problem:
+        if problem or got is None:
             raise ValueError(f"ExDynaHookState: cannot unpickle: {problem}")
         if layout is not None:
             self._set_layout(layout)
@@ -435,11 +457,25 @@ class ExDynaHookState:
         self._offsets = [0] + np.cumsum([n for n, _ in layout], dtype=np.int64).tolist()
 
     # ------------------------------------------------------------------ backward thread
-    def _known(self, p: torch.Tensor) -> bool:
+    def _canonical(self, p: torch.Tensor) -> int | None:
+        """``p``'s canonical index in the model seen last; None if it was not in that model."""
         got = None if self._index is None else self._index.get(id(p))
-        return got is not None and got[0]() is p
+        return got[1] if got is not None and got[0]() is p else None
 
-    def _locate(self, params: list[torch.Tensor], buf: torch.Tensor) -> tuple[Key, list[tuple[int, int, int]], bool]:
+    def _known(self, p: torch.Tensor) -> bool:
+        return self._canonical(p) is not None
+
+    def _held_layout(self) -> Layout:
+        """The canonical layout, where the caller runs only once it is set."""
+        return _known_layout(self.layout)
+
+    def _held_flat(self) -> torch.Tensor:
+        """The model-wide vector, where the caller runs only after the iteration's buckets were gathered."""
+        if self._flat is None:
+            raise RuntimeError("ExDynaHookState: the model-wide vector is read before any bucket was gathered")
+        return self._flat
+
+    def _locate(self, params: list[torch.Tensor], buf: torch.Tensor) -> tuple[Key, list[Run], bool]:
         """The bucket's key, its copy runs (buffer offset, model offset, length) and whether this
         iteration derives the canonical order afresh (the first iteration of a new model)."""
         if not self._in_iter:   # the first bucket of an iteration decides
@@ -449,7 +485,7 @@ class ExDynaHookState:
             self._new_index, self._new_layout, self._new_total = {}, [], 0
             self._iter_dtype = buf.dtype
             self._covered = 0
-            if fixed and self._recipe_config.moves_momentum:
+            if self._recipe_config is not None and self._recipe_config.moves_momentum:   # optimizer= given
                 # a plain optimizer state loaded since would bring its momentum back: it counts once
                 move_momentum(self.optimizer)
         if self.scope == "model" and buf.dtype != self._iter_dtype:
@@ -459,7 +495,9 @@ class ExDynaHookState:
         if held != buf.numel():
             raise _LayoutError(f"ExDynaHookState: a bucket of {buf.numel()} elements holds parameters of "
                                f"{held} (sparse gradients are not supported)")
-        key, runs, src = [], [], 0
+        key: list[int] = []
+        runs: list[Run] = []
+        src = 0
         for p in params:
             n = p.numel()
             if self._deriving:
@@ -477,12 +515,13 @@ class ExDynaHookState:
                 dst = self._new_total
                 self._new_total += n
             else:
-                if not self._known(p):
+                known = self._canonical(p)
+                if known is None:
                     raise _LayoutError("ExDynaHookState: a bucket holds a parameter that is not among the "
                                        "optimizer's parameters" if self.optimizer is not None else
                                        "ExDynaHookState: a bucket holds a parameter that was not in this model's "
                                        "first iteration")
-                i = self._index[id(p)][1]
+                i = known
                 dst = self._offsets[i]
             key.append(i)
             if runs and runs[-1][0] + runs[-1][2] == src and runs[-1][1] + runs[-1][2] == dst:
@@ -496,9 +535,9 @@ class ExDynaHookState:
     def _end_iteration(self) -> None:
         """Backward thread, at the last bucket: install the derived index (and the layout)."""
         self._in_iter = False
-        if self.optimizer is not None and self._covered != len(self.layout):
+        if self.optimizer is not None and self._covered != len(self._held_layout()):   # set by __init__
             raise _LayoutError(f"ExDynaHookState: DDP's buckets hold {self._covered} parameters, the optimizer "
-                               f"{len(self.layout)} that require grad: optimizer= needs the same parameters")
+                               f"{len(self._held_layout())} that require grad: optimizer= needs the same parameters")
         if not self._deriving:
             return
         if self.layout is not None and len(self._new_layout) != len(self.layout):
@@ -516,7 +555,8 @@ class ExDynaHookState:
         collective = isinstance(e, (exdyna_mpi.CollectiveError, _LayoutError))
         for j in jobs:
             if not j.fut.done():
-                j.fut.set_exception(e)
+                # torch annotates the argument as the future's value type; it takes the exception
+                j.fut.set_exception(e)   # type: ignore[arg-type]
         if not collective:
             transport.abort_job(self.comm, e, "ExDynaHookState", "the exchange")
 
@@ -588,16 +628,17 @@ class ExDynaHookState:
                     if not j.copied:
                         j.total = last.total
                         self._gather(j)
+                flat = self._held_flat()
                 if self.scope == "model":
                     if self._sp is None:
-                        self._sp = self._make(self._flat.numel())
-                    self.stats = self._model_step(self._flat)
+                        self._sp = self._make(flat.numel())
+                    self.stats = self._model_step(flat)
                 else:
                     self._regrouped_step()
                 with torch.no_grad():
                     for j in jobs:
                         for src, dst, n in j.runs:
-                            j.buf[src:src + n].copy_(self._flat[dst:dst + n])
+                            j.buf[src:src + n].copy_(flat[dst:dst + n])
             # counted before the futures complete: the caller reads ``step`` once backward() returns
             self.step += 1
             for j in jobs + [last]:
@@ -627,7 +668,7 @@ class ExDynaHookState:
         Collective (it makes its sparsifiers on the private communicator); closed if the load refuses."""
         if self._recipe_config is None:
             return None
-        recipe = TrainingOptions(self._recipe_config, [shape for _, shape in self.layout], self._offsets[-1],
+        recipe = TrainingOptions(self._recipe_config, [shape for _, shape in self._held_layout()], self._offsets[-1],
                                  self._comm, who="ExDynaHookState")
         if d is not None:
             try:
@@ -639,7 +680,8 @@ class ExDynaHookState:
 
     # ------------------------------------------------------------------ worker: scope="bucket"
     def _key_numel(self, key: Key) -> int:
-        return sum(self.layout[i][0] for i in key)
+        layout = self._held_layout()
+        return sum(layout[i][0] for i in key)
 
     def _bucket_step(self, job: _Job) -> None:
         sp = self._sps.get(job.key)
@@ -656,12 +698,13 @@ class ExDynaHookState:
         every rank, so every rank loads (or not) together."""
         sp = self._make(self._key_numel(key))
         owners = sorted({self._owner[i] for i in key if i in self._owner})
+        layout = self._held_layout()
         if owners:
             held = {k: (self._sps[k].residual, self._key_offsets(k)) for k in owners}
             res = np.zeros(sp.numel, dtype=np.result_type(*[r.dtype for r, _ in held.values()]))
             pos = 0
             for i in key:
-                n = self.layout[i][0]
+                n = layout[i][0]
                 if i in self._owner:
                     r, offs = held[self._owner[i]]
                     res[pos:pos + n] = r[offs[i]:offs[i] + n]
@@ -679,25 +722,28 @@ class ExDynaHookState:
 
     def _key_offsets(self, key: Key) -> dict[int, int]:
         """Canonical index -> offset in the key's vector."""
-        offs, pos = {}, 0
+        offs: dict[int, int] = {}
+        pos = 0
+        layout = self._held_layout()
         for i in key:
             offs[i] = pos
-            pos += self.layout[i][0]
+            pos += layout[i][0]
         return offs
 
     def _regrouped_step(self) -> None:
         """Exchange the model-wide vector with the held grouping, key by key in sorted order (the
         same order on every rank)."""
         torch = _torch()
+        layout, flat = self._held_layout(), self._held_flat()
         with torch.no_grad():
             for key in sorted(self._sps):
                 sp = self._sps[key]
-                runs = [(self._offsets[i], self.layout[i][0]) for i in key]
-                v = torch.cat([self._flat[o:o + n] for o, n in runs])
+                runs = [(self._offsets[i], layout[i][0]) for i in key]
+                v = torch.cat([flat[o:o + n] for o, n in runs])
                 sp.step(v, out=v)
                 pos = 0
                 for o, n in runs:
-                    self._flat[o:o + n].copy_(v[pos:pos + n])
+                    flat[o:o + n].copy_(v[pos:pos + n])
                     pos += n
                 self.stats[key] = sp.stats
 
@@ -713,6 +759,14 @@ def _recipe_to_host(d: dict[str, Any]) -> dict[str, Any]:
     """A ``TrainingOptions.state_dict()`` as host values: tensors as CPU copies (bfloat16 has no
     NumPy dtype), the sparsifiers' states as they are (NumPy)."""
     return {k: v.detach().cpu().clone() if isinstance(v, _torch().Tensor) else v for k, v in d.items()}
+
+
+def _known_layout(layout: Layout | None) -> Layout:
+    """``layout``, where one must be known: a sparsifier state or a recipe exists only with a layout
+    (``_check_dict`` refuses a state without one; ``optimizer=`` sets it at construction)."""
+    if layout is None:
+        raise RuntimeError("ExDynaHookState: no parameter layout where one must be known")
+    return layout
 
 
 def _as_layout(raw: Any) -> Layout:
@@ -751,10 +805,13 @@ def exdyna_hook(state: ExDynaHookState, bucket):  # -> torch.futures.Future[torc
         >>> state = ExDynaHookState("exdyna", density=0.01, scope="model")
         >>> ddp_model.register_comm_hook(state, exdyna_hook)
     """
-    torch = _torch()
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    # ``torch`` in the annotation is the module (for the checker); the object comes from ``_torch()``
+    fut: torch.futures.Future[torch.Tensor] = _torch().futures.Future()
     buf, last = bucket.buffer(), bucket.is_last()
-    key, runs, new_model, error = (), [], False, None
+    key: Key = ()
+    runs: list[Run] = []
+    new_model = False
+    error: _LayoutError | None = None
     try:
         key, runs, new_model = state._locate(bucket.parameters(), buf)
         if last:

@@ -85,6 +85,7 @@ class FlatGrad:
                 p.grad = v
 
     def zero(self) -> None:
+        """Zero the flat buffer and point every ``.grad`` back at its view."""
         self.flat.zero_()
         self.attach()
 
@@ -119,7 +120,14 @@ class _DistributedMixin(_OptimizerMixinBase):
     _exdyna_last: exdyna_mpi.Sparsifier
 
     def synchronize(self) -> exdyna_mpi.Stats:
-        """Replace the flat gradient by the averaged sparse gradient, in place. Collective."""
+        """Replace the flat gradient by the averaged sparse gradient, in place. Collective.
+
+        Returns:
+            The stats of the exchange that ran (the live warm-up stage's, if any).
+
+        Raises:
+            StepError: the exchange refused the step (on every rank; say, NaN in one rank's gradient).
+        """
         torch = _torch()
         self._exdyna_grads.attach()
         flat, opts = self._exdyna_grads.flat, self._exdyna_options
@@ -140,7 +148,18 @@ class _DistributedMixin(_OptimizerMixinBase):
         return _stats_of(sp)
 
     def step(self, closure: None = None) -> Any:   # type: ignore[override]  # no closures
-        """``synchronize()`` then the wrapped optimizer's step (momentum, weight decay, ...)."""
+        """``synchronize()``, then the wrapped optimizer's step (momentum, weight decay, ...). Collective.
+
+        Args:
+            closure: must be None (a closure would re-evaluate the loss between exchanges).
+
+        Returns:
+            The wrapped optimizer's ``step()`` result (None when ``adam=`` steps the parameters itself).
+
+        Raises:
+            ValueError: a closure was given.
+            StepError: the exchange refused the step (on every rank).
+        """
         if closure is not None:
             raise ValueError("DistributedOptimizer.step: closures are not supported "
                              "(the gradient exchange must happen once per step)")
@@ -152,14 +171,24 @@ class _DistributedMixin(_OptimizerMixinBase):
         return super().step()
 
     def zero_grad(self, set_to_none: bool = False) -> None:
-        """Zero the flat gradient buffer; ``.grad`` stays a view into it (``set_to_none`` is ignored)."""
+        """Zero the flat gradient buffer; ``.grad`` stays a view into it.
+
+        Args:
+            set_to_none: ignored: ``.grad`` must stay a view into the buffer.
+        """
         self._exdyna_grads.zero()
 
     def state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's state plus this rank's sparsifier state (residual, controller,
-        layout, iteration) under ``"exdyna_sparsifier"``, as tensors and plain Python values, so
+        """The wrapped optimizer's state plus this rank's sparsifier state.
+
+        The sparsifier's state (residual, controller, layout, iteration) is under
+        ``"exdyna_sparsifier"``, as tensors and plain Python values, so
         ``torch.save(opt.state_dict(), f"ckpt.{rank}")`` and ``torch.load`` (``weights_only=True``
         included) round-trip it. Every rank saves its own: the residuals differ between ranks.
+
+        Returns:
+            The state dict (the recipe's state under ``"exdyna_options"`` and the Adam path's under
+            ``"exdyna_adam"`` when they are on).
         """
         d = super().state_dict()
         d[_SPARSIFIER_KEY] = _to_torch(self.sparsifier.state_dict())
@@ -170,9 +199,19 @@ class _DistributedMixin(_OptimizerMixinBase):
         return d
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore ``state_dict()`` output; resumes bit-exactly. Collective over the sparsifier's
-        communicator: every rank loads its own rank's dict, and a mismatch (other P, sparsifier,
-        density or rank) raises the same ``ValueError`` on every rank before anything changes.
+        """Restore ``state_dict()`` output; resumes bit-exactly.
+
+        Collective over the sparsifier's communicator: every rank loads its own rank's dict, and a
+        mismatch (other P, sparsifier, density or rank) raises the same ``ValueError`` on every rank
+        before anything changes.
+
+        Args:
+            state_dict: this rank's ``state_dict()`` output.
+
+        Raises:
+            ValueError: this rank's dict lacks the sparsifier's state, or the recipe's or the Adam
+                path's state that this optimizer runs.
+            CollectiveError: any rank's dict is refused (a ``ValueError``, on every rank); nothing changes.
         """
         state_dict = dict(state_dict)
         sp_state = state_dict.pop(_SPARSIFIER_KEY, None)
@@ -226,12 +265,12 @@ class _DistributedMixin(_OptimizerMixinBase):
 
     @property
     def stats(self) -> exdyna_mpi.Stats | None:
-        """The sparsifier's stats for the last step (``counts``, ``density``, ``bytes_sent``, ...);
-        None before the first step."""
+        """The last step's sparsifier stats (``counts``, ``density``, ``bytes_sent``, ...); None before it."""
         return getattr(self, "_exdyna_last", self.sparsifier).stats
 
     @property
     def flat_grad(self) -> torch.Tensor:
+        """The flat gradient buffer that every ``.grad`` is a view into."""
         return self._exdyna_grads.flat
 
 

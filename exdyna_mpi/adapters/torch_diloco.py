@@ -131,8 +131,12 @@ class DiLoCo:
 
     @contextlib.contextmanager
     def global_model(self) -> Iterator[None]:
-        """A context in which the model holds the global parameters (to evaluate them in the middle
-        of a period); the local ones come back on exit. Not collective.
+        """A context in which the model holds the global parameters; the local ones come back on exit.
+
+        For evaluating the global parameters in the middle of a period. Not collective.
+
+        Returns:
+            A context manager (it yields None).
 
         Example::
 
@@ -148,19 +152,32 @@ class DiLoCo:
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
-        """The inner optimizer's parameter groups (set ``"lr"`` there for a schedule, or give the
-        inner optimizer itself to a ``torch.optim.lr_scheduler``)."""
+        """The inner optimizer's parameter groups (set ``"lr"`` there for a schedule).
+
+        Or give the inner optimizer itself to a ``torch.optim.lr_scheduler``.
+        """
         return self.optimizer.param_groups
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """The inner optimizer's ``zero_grad``."""
+        """The inner optimizer's ``zero_grad``.
+
+        Args:
+            set_to_none: passed to the inner optimizer's ``zero_grad``.
+        """
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def step(self, closure: None = None) -> exdyna_mpi.Stats | None:
         """The inner optimizer's step; every ``sync_every``-th call, then the outer step (collective).
 
+        Args:
+            closure: must be None.
+
         Returns:
             The outer exchange's stats when this call took an outer step, else None.
+
+        Raises:
+            ValueError: a closure was given.
+            StepError: the outer exchange refused the step (as ``sync()``).
         """
         if closure is not None:
             raise ValueError("DiLoCo.step: closures are not supported")
@@ -171,13 +188,16 @@ class DiLoCo:
         return None
 
     def sync(self) -> exdyna_mpi.Stats:
-        """The outer step now (collective): average ``global - local`` through the sparsifier (error
-        feedback in its residual), step the global parameters with the outer optimizer, restart the
-        local model from them. A refused exchange (``StepError``: a non-finite delta on some rank)
-        raises on every rank and changes nothing.
+        """The outer step now (collective).
+
+        Averages ``global - local`` through the sparsifier (error feedback in its residual), steps the
+        global parameters with the outer optimizer and restarts the local model from them.
 
         Returns:
             The sparsifier's stats of this exchange.
+
+        Raises:
+            StepError: a non-finite delta on some rank (raised on every rank; nothing changes).
         """
         torch = _torch()
         with torch.no_grad():
@@ -206,10 +226,15 @@ class DiLoCo:
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """This rank's state: the inner optimizer's (``"inner"``) and the outer step's (``"diloco"``:
-        global parameters, outer optimizer, position in the period, the sparsifier's state), as
-        tensors and plain values (``torch.save`` / ``torch.load(weights_only=True)`` round-trip it).
-        Save the model's own ``state_dict()`` beside it: between outer steps it holds the local model."""
+        """This rank's state: the inner optimizer's and the outer step's.
+
+        Save the model's own ``state_dict()`` beside it: between outer steps it holds the local model.
+
+        Returns:
+            ``{"inner": the inner optimizer's state, "diloco": global parameters, outer optimizer,
+            position in the period, the sparsifier's state}``, as tensors and plain values
+            (``torch.save`` / ``torch.load(weights_only=True)`` round-trip it).
+        """
         return {"inner": self.optimizer.state_dict(),
                 _KEY: {"version": _VERSION, "sync_every": self.sync_every, "inner_steps": self.inner_steps,
                        "outer_steps": self.outer_steps, "global": self.global_params.detach().clone(),
@@ -245,13 +270,16 @@ class DiLoCo:
         return None, own
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
-        """Restore ``state_dict()`` output (this rank's); with the model's own state, the run goes on
-        bit for bit. Collective and all or nothing: every rank checks its dict, the ranks agree
-        once, then the sparsifier loads its state (it checks and agrees again); any rank's problem
-        raises the same ``CollectiveError`` on every rank and nothing changes.
+        """Restore ``state_dict()`` output; with the model's own state, the run goes on bit for bit.
+
+        Collective and all or nothing: every rank checks its dict, the ranks agree once, then the
+        sparsifier loads its state (it checks and agrees again).
+
+        Args:
+            d: this rank's ``state_dict()`` output.
 
         Raises:
-            CollectiveError: naming each rank's problem.
+            CollectiveError: any rank's problem, naming each (raised on every rank; nothing changes).
         """
         problem, own = self._check(d)   # own: None only with a problem
         inner_before = copy.deepcopy(self.optimizer.state_dict())

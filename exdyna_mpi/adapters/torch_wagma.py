@@ -56,14 +56,32 @@ class _GroupAveragingMixin(_OptimizerMixinBase):
     _wagma_params: FlatParams
 
     def average(self) -> exdyna_mpi.Stats:
-        """Average the model as the schedule says for this call (in place). Collective."""
+        """Average the model as the schedule says for this call (in place). Collective.
+
+        Returns:
+            The averager's stats of this call.
+
+        Raises:
+            StepError: the average refused the step (non-finite parameters on some rank).
+        """
         with _torch().no_grad():
             self.averager.step(self._wagma_params.flat, out=self._wagma_params.flat)
         assert self.averager.stats is not None   # set by the step
         return self.averager.stats
 
     def step(self, closure: None = None) -> Any:   # type: ignore[override]  # no closures
-        """The wrapped optimizer's local step, then the model average."""
+        """The wrapped optimizer's local step, then the model average. Collective.
+
+        Args:
+            closure: must be None.
+
+        Returns:
+            The wrapped optimizer's ``step()`` result.
+
+        Raises:
+            ValueError: a closure was given.
+            StepError: the average refused the step.
+        """
         if closure is not None:
             raise ValueError("GroupAveragingOptimizer.step: closures are not supported")
         out = super().step()
@@ -76,22 +94,36 @@ class _GroupAveragingMixin(_OptimizerMixinBase):
             self.averager.average_all(self._wagma_params.flat, out=self._wagma_params.flat)
 
     @property
-    def stats(self) -> exdyna_mpi.Stats | None:   # None before the first step
+    def stats(self) -> exdyna_mpi.Stats | None:
+        """The averager's stats of the last step; None before the first."""
         return self.averager.stats
 
     @property
     def flat_params(self) -> torch.Tensor:
+        """The flat parameter buffer that every parameter's ``.data`` is a view into."""
         return self._wagma_params.flat
 
     def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state plus the averager's, under ``"group_averager"``.
+
+        Returns:
+            The state dict of this rank.
+        """
         d = super().state_dict()
         d["group_averager"] = self.averager.state_dict()
         return d
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore ``state_dict()`` output. Collective, all or nothing: a refusal of the wrapped
-        optimizer's state or of the averager's on any rank raises the same ``ValueError`` on
-        every rank, and every rank's optimizer and averager stay as they were."""
+        """Restore ``state_dict()`` output. Collective, all or nothing.
+
+        Args:
+            state_dict: this rank's ``state_dict()`` output.
+
+        Raises:
+            CollectiveError: the wrapped optimizer's state or the averager's was refused on some rank
+                (a ``ValueError``, raised on every rank); every rank's optimizer and averager stay as
+                they were.
+        """
         d = dict(state_dict)
         ga = d.pop("group_averager", None)
         before = copy.deepcopy(super().state_dict())
@@ -108,6 +140,7 @@ class _GroupAveragingMixin(_OptimizerMixinBase):
             raise
 
     def close(self) -> None:
+        """Close the averager (collective: it ends the progress thread)."""
         self.averager.close()
 
 
