@@ -240,44 +240,41 @@ def measure(numel, density, reps, warmup, topk=True, profile=False, controller="
     spec, fspec = plan.hist, plan.fine
     scratch = kc.Scratch(cp.zeros(kc.Scratch.size(), cp.int64), zeros=lambda m, dt: cp.zeros(m, dt))
     stream = kc.cuda.external_stream(cp.cuda.get_current_stream().ptr)
-    mask = kc._dev(scratch.mask_for(n))
-    nb, bd = kc._shape(n)
-    cs = kc._chunk(n, nb, bd)
-    kpass = kc._measure_kernel(np.float32)   # the variant the step launches
-    hw = kc._dev(scratch.hist)
-    dv = [kc._dev(a) for a in (res, grad, acc, idx)]
-    bc, bb, off, tot = (kc._dev(scratch.block_counts), kc._dev(scratch.block_bad), kc._dev(scratch.offsets),
-                        kc._dev(scratch.totals))
+    mask = scratch.mask_for(n)
+    nb, bd = kc.grid_shape(n)
+    cs = kc.chunk_size(n, nb, bd)
+    kpass = kc.measure_kernel(np.float32)   # the variant the step launches
 
-    def pass_():
-        kc._launch(kpass, nb, bd, stream)(dv[0], dv[1], dv[2], 0, n, thr, cs, bc, bb, mask, spec[1], spec[2],
-                                          spec[0], fspec[1], fspec[2], fspec[0], hw, plan.stride)
+    def run_pass(kernel, r):
+        kc.launch_kernel(kernel, nb, bd, stream, r, grad, acc, 0, n, thr, cs, scratch.block_counts,
+                         scratch.block_bad, mask, spec[1], spec[2], spec[0], fspec[1], fspec[2], fspec[0],
+                         scratch.hist, plan.stride)
 
     def scan():
-        kc._launch(kc._scan, 1, min(kc.SCAN_THREADS, kc._round32(nb)), stream)(bc, bb, nb, off, tot)
+        kc.scan_async(scratch, nb, stream)
 
     def compact():
-        kc._launch(kc._compact_kernel(None), nb, bd, stream)(mask, 0, n, cs, off, dv[3])
+        kc.compact_async(scratch, nb, 0, n, cs, mask, idx, stream)
 
     def one_select():  # the mask must be set before each compaction (it clears what it reads)
-        pass_()
+        run_pass(kpass, res)
         scan()
         compact()
 
-    kernels = {"pass": _time_ms(cp, pass_, reps)}
-    if plan.measure:   # each variant alone, on a fresh residual and on the step's own
-        dve = kc._dev(res_ef)   # the step's residual: its pile just under the threshold marks more
-        for v in ("safe", "fast"):
-            kmeasure = kc._measure_kernel(np.float32, v)
-            for tag, rr in (("", dv[0]), ("_ef", dve)):
-                kernels[f"acc_measure{'_warp' if v == 'fast' else ''}{tag}"] = _time_ms(
-                    cp, lambda: kc._launch(kmeasure, nb, bd, stream)(
-                        rr, dv[1], dv[2], 0, n, thr, cs, bc, bb, mask, spec[1], spec[2], spec[0], fspec[1],
-                        fspec[2], fspec[0], hw, plan.stride), reps)
-                kc._go(kc._zero_words, *kc._shape((n + 31) // 32), stream, mask, (n + 31) // 32)   # marks off
-    del res_ef
-    kernels["scan"] = _time_ms(cp, scan, reps)
-    t_all = _time_ms(cp, one_select, reps)
+    # each kernel alone through Numba's own launch, the same path for every kernel and every version
+    with kc.configured(launch="numba"):
+        kernels = {"pass": _time_ms(cp, lambda: run_pass(kpass, res), reps)}
+        if plan.measure:   # each variant alone, on a fresh residual and on the step's own
+            for v in ("safe", "fast"):
+                kmeasure = kc.measure_kernel(np.float32, v)
+                # the step's residual: its pile just under the threshold marks more
+                for tag, rr in (("", res), ("_ef", res_ef)):
+                    kernels[f"acc_measure{'_warp' if v == 'fast' else ''}{tag}"] = _time_ms(
+                        cp, lambda: run_pass(kmeasure, rr), reps)
+                    kc.zero_words(mask, (n + 31) // 32, stream)   # marks off
+        del res_ef
+        kernels["scan"] = _time_ms(cp, scan, reps)
+        t_all = _time_ms(cp, one_select, reps)
     kernels["compact"] = max(t_all - kernels.pop("pass") - kernels["scan"], 0.0)
     kernels["fill_zero"] = _time_ms(cp, lambda: out.data.memset_async(0, out.nbytes), reps)
     count = int(scratch.totals.get()[0])
@@ -307,8 +304,10 @@ def measure(numel, density, reps, warmup, topk=True, profile=False, controller="
 
 
 def launch_costs(cp, kc, stream, reps=300):
-    """Host microseconds per launch of a tiny kernel, Numba's dispatcher against ``kc._go``'s fast
-    path: the two-argument word zeroing, and the 18-argument measuring pass on 4096 elements."""
+    """Host microseconds per launch of a tiny kernel through ``kc.launch_kernel`` with each launch
+    path (``CONFIG.launch``: ``numba``, Numba's dispatcher; ``core``, cuda.core's launch; ``fast``,
+    the raw driver launch): the two-argument word zeroing (``zero_words``, grid sizing included),
+    and the 18-argument measuring pass on 4096 elements."""
     import numpy as np
 
     w = cp.zeros(64, cp.int64)
@@ -316,36 +315,23 @@ def launch_costs(cp, kc, stream, reps=300):
     acc = cp.empty_like(x)
     s = kc.Scratch(cp.zeros(kc.Scratch.size(), cp.int64), zeros=lambda m, dt: cp.zeros(m, dt))
     mask = s.mask_for(4096)
-    kcount = kc._measure_kernel(np.float32)
+    kcount = kc.measure_kernel(np.float32)
     hist_args = (x, x, acc, 0, 4096, np.float32(np.nan), 4096, s.block_counts, s.block_bad, mask,
                  20, 100, 4, 15, 30000, 4, s.hist, 1)
-    dw = [kc._dev(a) for a in (w,)]
-    dh = [kc._dev(a) if hasattr(a, "shape") else a for a in hist_args]
     out = {}
-    driver = getattr(kc, "_DRIVER", None)
-    for name, numba_call, fast_call in (
-            ("zero_words", lambda: kc._launch(kc._zero_words, 1, 32, stream)(dw[0], 64),
-             lambda: kc._go(kc._zero_words, 1, 32, stream, w, 64)),
-            ("measure_pass", lambda: kc._launch(kcount, 1, 256, stream)(*dh),
-             lambda: kc._go(kcount, 1, 256, stream, *hist_args))):
-        for label, fn in (("numba", numba_call), ("core", fast_call), ("fast", fast_call)):
-            if hasattr(kc, "_DRIVER"):   # core: cuda.core's launch; fast: the raw driver launch
-                kc._DRIVER = label == "fast"
-                kc._fast.clear()
-            elif label == "core":
-                continue
-            for _ in range(5):
-                fn()
-            cp.cuda.get_current_stream().synchronize()
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                fn()
-            host = (time.perf_counter() - t0) / reps * 1e6
-            cp.cuda.get_current_stream().synchronize()
+    for name, fn in (("zero_words", lambda: kc.zero_words(w, 64, stream)),
+                     ("measure_pass", lambda: kc.launch_kernel(kcount, 1, 256, stream, *hist_args))):
+        for label in ("numba", "core", "fast"):
+            with kc.configured(launch=label):
+                for _ in range(5):
+                    fn()
+                cp.cuda.get_current_stream().synchronize()
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    fn()
+                host = (time.perf_counter() - t0) / reps * 1e6
+                cp.cuda.get_current_stream().synchronize()
             out[f"{name}_{label}"] = host
-    if hasattr(kc, "_DRIVER"):
-        kc._DRIVER = driver
-        kc._fast.clear()
     print("host us per launch: " + ", ".join(f"{k} {v:.1f}" for k, v in out.items()), flush=True)
     return out
 
@@ -386,7 +372,7 @@ def main(argv=None):
         kc = cuda_kernels()
 
         launch_us = (launch_costs(cp, kc, kc.cuda.external_stream(cp.cuda.get_current_stream().ptr))
-                     if hasattr(kc, "_go") else None)   # (an older exdyna_mpi on PYTHONPATH: before/after runs)
+                     if hasattr(kc, "configured") else None)   # (an older exdyna_mpi on PYTHONPATH: before/after runs)
         free = cp.cuda.Device().mem_info[0]
         for n in numels:
             if 28 * n > free:  # grad, residual, acc, out, idx, the kernels' copies, the baselines' temporaries

@@ -15,7 +15,7 @@ import numpy as np
 from ..kernels import cuda as _k
 from .device import BACKEND
 
-_HALF_MODES = {"bfloat16": _k.half.MODE_BF16, "float16": _k.half.MODE_F16}
+_HALF_MODES = {"bfloat16": _k.MODE_BF16, "float16": _k.MODE_F16}
 _local = threading.local()  # per thread: (device, stream) -> kernels.cuda.Scratch, reused every step
 
 

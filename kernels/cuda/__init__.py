@@ -8,19 +8,23 @@ dtype. No fastmath anywhere, so every compare, add and divide is IEEE round-to-n
 The modules, by job:
 
 - ``select``: the ordered selection (count, scan, compact) and its launchers ``accumulate_select``,
-  ``select_range``, ``select_marked_async``, ``count_range``;
+  ``select_range``, ``select_marked_async``, ``count_range``, and its stages ``scan_async`` and
+  ``compact_async``;
 - ``measure``: the measured controller's measuring pass (``accumulate_measure_async``: acc, the
-  histograms and the marks) and the zoom's histogram (``hist_range``);
+  histograms and the marks; ``measure_kernel``) and the zoom's histogram (``hist_range``);
 - ``finish``: a one-rank step finished on the device behind its measuring pass
   (``finish_fine_async``);
-- ``scatter_gather``: ``gather``, ``scatter``, ``zero_at``, ``scatter_mean_zero``;
+- ``scatter_gather``: ``gather``, ``scatter``, ``zero_at``, ``scatter_mean_zero``, ``zero_words``;
 - ``half``: float16/bfloat16 gradients widened to float32 and outputs rounded back (``widen16``,
   ``narrow16``), on the 16-bit patterns; 16-bit values on the wire (``wire_round``,
   ``owner_mean``, ``scatter_wire``);
 - ``blocks``: device functions the passes share; ``scratch``: ``Scratch``, the reused device words;
-- ``config``: simulator or GPU, limits, launch shapes, the block-scan variant;
-- ``launch``: grid sizing and ``_go``, the launch every launcher makes; ``_numba_private``: the
-  hand launch that skips Numba's per-call work, the only code that relies on numba-cuda internals.
+- ``config``: what is fixed at import (``SIMULATOR``, ``NB_MAX``, ``HIST_MAX``) and ``CONFIG``, the
+  launch shapes, the compaction's ``ipt``, the block-scan variant, the launch path and the
+  ``on_launch`` hook, read at every launch; ``configured(**changes)`` sets some for a ``with`` block;
+- ``launch``: ``launch_kernel`` (the launch every launcher makes), ``grid_shape``, ``chunk_size``,
+  ``device_view``; ``_numba_private``: the hand launch that skips Numba's per-call work, the only
+  code that relies on numba-cuda internals.
 
 Launchers take arrays the kernels accept (Numba device arrays, any object with
 ``__cuda_array_interface__`` such as CuPy arrays, or NumPy arrays under the simulator), a
@@ -29,114 +33,41 @@ step. The ``*_async`` forms leave the counts in ``scratch.totals`` (and histogra
 ``scratch.hist``) on the device; the plain forms copy those words to the host and return them, like
 ``kernels.cpu`` / ``kernels.cpu_controller``.
 
-This package re-exports the names code outside it uses (``arrays/cuda_ops.py``, jobs/, tests/).
-Setting one of them here (a test's ``monkeypatch.setattr(kc, "BLOCK", 48)``, a benchmark's
-``kc._DRIVER = False``) sets it in every module of the package that binds it, as it did when the
-package was one module: see ``_Package``.
+Tuning and instrumenting: ``CONFIG.block = 128`` (or ``with configured(block=128): ...``) changes
+the shape of every later launch, in every module, because the launchers read ``CONFIG`` when they
+launch; ``with configured(on_launch=hook): ...`` has ``hook(kernel, blocks, threads, args)`` see
+every launch (tests count launches with it). This package exports public names only; a test of a
+private kernel imports it from its own module (``from exdyna_mpi.kernels.cuda.select import _scan``).
 """
-import sys
-import types
+from numba import cuda
 
-from numba import cuda  # noqa: F401  (kc.cuda: callers make streams with it)
-
-from . import (
-    _numba_private,
-    blocks,
-    config,
-    finish,
-    half,
-    launch,
-    measure,
-    scatter_gather,
-    scratch,
-    select,
-)
-from ._numba_private import _DRIVER  # noqa: F401
-from .config import (  # noqa: F401
-    BLOCK,
-    GRID_MAX,
-    HIST_MAX,
-    IPT,
-    ITEMS,
-    NB_MAX,
-    SCAN_THREADS,
-    SIMULATOR,
-    VARIANT,
-)
-from .finish import (  # noqa: F401
-    _filter_marks_at,
-    _resolve_fine,
-    _take_mean_zero_at,
-    finish_fine_async,
-)
-from .half import narrow16, owner_mean, scatter_wire, widen16, wire_round  # noqa: F401
-from .launch import _chunk, _dev, _fast, _go, _launch, _round32, _shape  # noqa: F401
-from .measure import (  # noqa: F401
-    _acc_measure32,
-    _acc_measure32_warp,
-    _acc_measure64,
-    _acc_measure64_warp,
-    _hist_marked32,
-    _hist_marked64,
-    _hist_range32,
-    _hist_range64,
-    _marks_cover,
-    _measure_kernel,
-    _measure_pass,
-    accumulate_measure_async,
-    hist_range,
-    hist_range_async,
-    read_totals_hist,
-)
-from .scatter_gather import (  # noqa: F401
-    _gather,
-    _scatter,
-    _scatter_mean_zero,
-    _zero_at,
-    _zero_words,
-    gather,
-    scatter,
-    scatter_mean_zero,
-    zero_at,
-)
-from .scratch import Scratch, new_scratch  # noqa: F401
-from .select import (  # noqa: F401
-    _acc_count,
-    _compact_fast,
-    _compact_fast_at,
-    _compact_kernel,
-    _compact_safe,
-    _compact_safe_at,
-    _count,
-    _filter_marks,
-    _scan,
+from . import blocks, config, finish, half, launch, measure, scatter_gather, scratch, select
+from .config import CONFIG, HIST_MAX, NB_MAX, SIMULATOR, LaunchConfig, check_variant, configured
+from .finish import finish_fine_async
+from .half import MODE_BF16, MODE_F16, narrow16, owner_mean, scatter_wire, widen16, wire_round
+from .launch import chunk_size, device_view, grid_shape, launch_kernel
+from .measure import accumulate_measure_async, hist_range, hist_range_async, measure_kernel, read_totals_hist
+from .scatter_gather import gather, scatter, scatter_mean_zero, zero_at, zero_words
+from .scratch import Scratch, new_scratch
+from .select import (
     accumulate_select,
     accumulate_select_async,
+    compact_async,
     count_range,
     count_range_async,
+    scan_async,
     select_marked_async,
     select_range,
     select_range_async,
 )
 
-_MODULES = (config, _numba_private, launch, blocks, scatter_gather, scratch, select, measure, finish, half)
-
-
-class _Package(types.ModuleType):
-    """The package, whose attributes stay the names its modules use.
-
-    The launchers read module globals at call time (``BLOCK`` in ``_shape``, ``_go`` in every
-    launcher, ``select_range_async`` in ``select_marked_async``; the simulator reads ``IPT`` inside
-    the kernels), and callers set them on the package to change a launch shape, the launch path or
-    to count calls. Python's ``from . import`` binds a copy of each name per module, so a plain
-    package would change only its own copy: here setting a name also sets it in every module of the
-    package that binds it."""
-
-    def __setattr__(self, name, value):
-        super().__setattr__(name, value)
-        for mod in self.__dict__.get("_MODULES", ()):
-            if name in vars(mod):
-                setattr(mod, name, value)
-
-
-sys.modules[__name__].__class__ = _Package
+__all__ = [
+    "CONFIG", "HIST_MAX", "MODE_BF16", "MODE_F16", "NB_MAX", "SIMULATOR", "LaunchConfig", "Scratch",
+    "accumulate_measure_async", "accumulate_select", "accumulate_select_async", "check_variant", "chunk_size",
+    "compact_async", "configured", "count_range", "count_range_async", "cuda", "device_view", "finish_fine_async",
+    "gather", "grid_shape", "hist_range", "hist_range_async", "launch_kernel", "measure_kernel", "narrow16",
+    "new_scratch", "owner_mean", "read_totals_hist", "scan_async", "scatter", "scatter_mean_zero", "scatter_wire",
+    "select_marked_async", "select_range", "select_range_async", "widen16", "wire_round", "zero_at", "zero_words",
+    # the modules, by job
+    "blocks", "config", "finish", "half", "launch", "measure", "scatter_gather", "scratch", "select",
+]

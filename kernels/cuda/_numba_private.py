@@ -13,12 +13,11 @@ module does both itself, and it is the only place in the package that knows how:
   size, itemsize, data, shape, strides), a scalar a ctypes value of its Numba type. Numba's data
   model for arrays, not a documented ABI.
 
-A numba-cuda whose internals moved makes ``_FastLaunch`` raise; ``launch._go`` then warns and keeps
-Numba's own launch for that kernel (slower, same results). cuda.core's ``LaunchConfig`` and
+A numba-cuda whose internals moved makes ``_FastLaunch`` raise; ``launch.launch_kernel`` then warns
+and keeps Numba's own launch for that kernel (slower, same results). cuda.core's ``LaunchConfig`` and
 ``launch`` and libcuda's ``cuLaunchKernel`` are public APIs.
 """
 import ctypes
-import os
 import warnings
 
 import numpy as np
@@ -30,15 +29,15 @@ _CTYPES = {"int64": ctypes.c_int64, "int32": ctypes.c_int32, "uint32": ctypes.c_
 # the values change between calls. cuda.core's ``launch`` converts every argument on every call:
 # 13-17 us (2 arguments) and 37-38 us (the 21-argument pass) of host time per launch on the H100 node
 # against 9-12 and 20-25 us this way (bench_gpu.py's launch_costs; 8-11 launches per step).
-# EXDYNA_CUDA_LAUNCH=core keeps cuda.core's launch, =numba Numba's own path (launch._FAST).
-_DRIVER = os.environ.get("EXDYNA_CUDA_LAUNCH", "fast").strip().lower() == "fast"
+# ``CONFIG.launch`` (env EXDYNA_CUDA_LAUNCH) = "core" keeps cuda.core's launch, "numba" Numba's own.
 _cu = None
 
 
 class _FastLaunch:
-    """One compiled overload, one stream: the arguments marshalled by hand."""
+    """One compiled overload, one stream: the arguments marshalled by hand; ``driver``: through
+    ``cuLaunchKernel`` (else cuda.core's launch, also where the driver's entry points are missing)."""
 
-    def __init__(self, kernel, args, nb, bd, stream):
+    def __init__(self, kernel, args, nb, bd, stream, driver):
         from numba.cuda import types as nt
 
         argtypes = tuple(kernel.typeof_pyval(a) for a in args)
@@ -56,7 +55,7 @@ class _FastLaunch:
                 raise NotImplementedError(f"fast launch: argument type {ty}")
         self.stream = stream
         self.driver = None
-        if _DRIVER:
+        if driver:
             try:
                 self.driver = _DriverLaunch(self.fn, self.plan, stream)
             except Exception as e:  # pragma: no cover - a driver or cuda.core without these entry points

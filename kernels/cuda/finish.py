@@ -5,8 +5,8 @@ measuring pass so the device need not wait for the host: the threshold from the 
 import numpy as np
 from numba import cuda
 
-from .config import HIST_MAX, SCAN_THREADS
-from .launch import _chunk, _go, _round32, _shape
+from .config import CONFIG, HIST_MAX
+from .launch import _round32, chunk_size, grid_shape, launch_kernel
 from .select import _filter, _scan_compact
 
 
@@ -122,13 +122,14 @@ def finish_fine_async(acc, lo, hi, idx, out, p, k, tol, nh, fine, scratch, strea
     thr_bits = scratch.thr_word.view(ity)[:1]
     thr_at = scratch.thr_word.view(item)[:1]
     hw = scratch.hist[nh:nh + nf]
-    _go(_resolve_fine, 1, min(SCAN_THREADS, _round32(nf)), stream, hw, nf, int(k), shift_f, key0_f, cap,
-        float(tol), scratch.totals, scratch.ctl, thr_bits)
+    launch_kernel(_resolve_fine, 1, min(CONFIG.scan_threads, _round32(nf)), stream, hw, nf, int(k), shift_f,
+                  key0_f, cap, float(tol), scratch.totals, scratch.ctl, thr_bits)
     m = hi - lo
-    nb, bd = _shape(m)
-    cs = _chunk(m, nb, bd)
+    nb, bd = grid_shape(m)
+    cs = chunk_size(m, nb, bd)
     mask = scratch.mask_for(m, keep_marks=True)
-    _go(_filter_marks_at, nb, bd, stream, acc, lo, hi, thr_at, scratch.ctl, cs, scratch.block_counts,
-        scratch.block_bad, mask, out)
+    launch_kernel(_filter_marks_at, nb, bd, stream, acc, lo, hi, thr_at, scratch.ctl, cs, scratch.block_counts,
+                  scratch.block_bad, mask, out)
     _scan_compact(scratch, nb, lo, hi, cs, mask, idx, stream, variant, guarded=True)
-    _go(_take_mean_zero_at, *_shape(max(int(k), 1)), stream, out, acc, idx, scratch.totals, p, scratch.ctl)
+    launch_kernel(_take_mean_zero_at, *grid_shape(max(int(k), 1)), stream, out, acc, idx, scratch.totals, p,
+                  scratch.ctl)

@@ -1,37 +1,59 @@
-"""The launch path: grid sizing, the views and launch configurations kept between calls, and ``_go``,
-which every launcher calls (Numba's launch the first time a kind of call is seen, then the hand
-launch of ``_numba_private``)."""
+"""The launch path: grid sizing, the views and launch configurations kept between calls, and
+``launch_kernel``, which every launcher calls (Numba's launch the first time a kind of call is seen,
+then the hand launch of ``_numba_private``). Shapes and the path come from ``config.CONFIG``, read
+at each call."""
 import math
-import os
 import threading
 import warnings
 
 from numba import cuda
 from numba.core.errors import NumbaPerformanceWarning
 
-from ._numba_private import _DRIVER, _FastLaunch
-from .config import BLOCK, GRID_MAX, ITEMS, SIMULATOR
+from ._numba_private import _FastLaunch
+from .config import CONFIG, SIMULATOR
 
-#: EXDYNA_CUDA_LAUNCH=numba: every launch through Numba's ``kernel[...]`` (=core: cuda.core's
-#: launch, =fast, the default: the raw driver launch; see ``_numba_private``).
-_FAST = os.environ.get("EXDYNA_CUDA_LAUNCH", "fast").strip().lower() != "numba"
 _fast = {}
 _views = {}
 _configs = {}
 
 
-def _shape(n_work, block=None):
-    """(blocks, threads) for ``n_work`` elements: enough blocks for ITEMS elements per thread."""
-    bd = block or BLOCK
-    nb = max(1, min(GRID_MAX, math.ceil(n_work / (bd * ITEMS))))
+def grid_shape(n_work, block=None):
+    """The launch shape for ``n_work`` elements: enough blocks for ``CONFIG.items`` elements per
+    thread, at most ``CONFIG.grid_max``.
+
+    Args:
+        n_work: elements the launch covers (the kernels loop over any the grid does not).
+        block: threads per block; None for ``CONFIG.block``.
+
+    Returns:
+        tuple: ``(blocks, threads)``.
+
+    Raises:
+        Nothing.
+    """
+    cfg = CONFIG
+    bd = block or cfg.block
+    nb = max(1, min(cfg.grid_max, math.ceil(n_work / (bd * cfg.items))))
     return nb, bd
 
 
-def _chunk(m, nb, bd):
-    """Elements of the selection range per block: a multiple of the block size and of 32 (a block's
-    chunk starts on a mask word)."""
-    per = math.ceil(m / nb) if m > 0 else 0
-    unit = bd * 32 // math.gcd(bd, 32)
+def chunk_size(m, blocks, threads):
+    """Elements of a selection range each block owns: a multiple of the block size and of 32 (a
+    block's chunk starts on a mask word).
+
+    Args:
+        m: elements of the selection range.
+        blocks: blocks of the launch.
+        threads: threads per block.
+
+    Returns:
+        int: the chunk size (0 for an empty range).
+
+    Raises:
+        Nothing.
+    """
+    per = math.ceil(m / blocks) if m > 0 else 0
+    unit = threads * 32 // math.gcd(threads, 32)
     return math.ceil(per / unit) * unit
 
 
@@ -39,7 +61,7 @@ def _round32(n):
     return n if SIMULATOR else max(32, math.ceil(n / 32) * 32)
 
 
-def _dev(a):
+def device_view(a):
     """What to hand a kernel: CAI producers (CuPy) become Numba views without a stream sync.
 
     The caller launches on the producer's stream (CuPy's current stream), so ordering holds and
@@ -48,6 +70,16 @@ def _dev(a):
     Views are kept by (pointer, shape, strides, dtype), without a reference to ``a``: building one
     costs tens of microseconds of host time (on an H100 the step was host-bound, with ~30 of them
     per step), and a view whose key matches the caller's live array describes exactly that memory.
+
+    Args:
+        a: an array: Numba device array, any ``__cuda_array_interface__`` producer, or NumPy.
+
+    Returns:
+        A Numba device array on the same memory, or ``a`` itself (a Numba or NumPy array, or
+        anything under the simulator).
+
+    Raises:
+        Nothing of its own (Numba's, for an interface it cannot read).
     """
     if SIMULATOR or not hasattr(a, "__cuda_array_interface__"):
         return a
@@ -90,26 +122,51 @@ def _kind(a):
     return (t, dt.char if dt is not None else None)
 
 
-def _go(kernel, nb, bd, stream, *args):
-    """``kernel[nb, bd, stream](*args)``: arrays as the caller holds them (CuPy, Numba, or NumPy
-    under the simulator). The first call of a kind goes through Numba (it compiles); later ones
-    take ``_FastLaunch``."""
-    fast = _FAST and bool(stream) and not SIMULATOR
+def launch_kernel(kernel, blocks, threads, stream, *args):
+    """``kernel[blocks, threads, stream](*args)``, the launch every launcher makes.
+
+    Arrays as the caller holds them (CuPy, Numba, or NumPy under the simulator). ``CONFIG.on_launch``,
+    when set, sees every launch first. The first call of a kind goes through Numba (it compiles);
+    later ones take ``_FastLaunch`` on a non-default stream unless ``CONFIG.launch`` is ``"numba"``
+    (``"fast"``: the raw driver launch; ``"core"``: cuda.core's).
+
+    Args:
+        kernel: a ``@cuda.jit`` kernel.
+        blocks: blocks of the grid.
+        threads: threads per block.
+        stream: a Numba stream (or 0, the default stream: always Numba's launch).
+        *args: the kernel's arguments.
+
+    Returns:
+        None; the launch is queued on ``stream``.
+
+    Raises:
+        Whatever Numba raises for arguments the kernel does not accept, or the CUDA error of a
+        failed launch.
+    """
+    cfg = CONFIG
+    hook = cfg.on_launch
+    if hook is not None:
+        hook(kernel, blocks, threads, args)
+    mode = cfg.launch
+    fast = mode != "numba" and bool(stream) and not SIMULATOR
     f = None
     if fast:
         # the raw driver launch takes the grid per call: one entry per kernel and argument kinds,
         # whatever the shape (a shape that follows the selection's size was a new entry, through
-        # Numba's launch, on a third of the steps)
-        key = (id(kernel), id(stream), threading.get_ident()) + (() if _DRIVER else (nb, bd)) + tuple(
+        # Numba's launch, on a third of the steps); the mode is in the key, so a change of
+        # ``CONFIG.launch`` makes its own entries
+        driver = mode == "fast"
+        key = (id(kernel), id(stream), threading.get_ident(), mode) + (() if driver else (blocks, threads)) + tuple(
             map(_kind, args))
         f = _fast.get(key)
-        if f and f(args, nb, bd):
+        if f and f(args, blocks, threads):
             return
-    dev = [_dev(a) if hasattr(a, "shape") else a for a in args]
-    _launch(kernel, nb, bd, stream)(*dev)
+    dev = [device_view(a) if hasattr(a, "shape") else a for a in args]
+    _launch(kernel, blocks, threads, stream)(*dev)
     if fast and f is None:   # the first launch of its kind compiled the overload: fast from the next one
         try:
-            f = _FastLaunch(kernel, dev, nb, bd, stream)
+            f = _FastLaunch(kernel, dev, blocks, threads, stream, driver)
         except Exception as e:  # pragma: no cover - a numba-cuda whose internals moved
             warnings.warn(f"exdyna_mpi: Numba's launch path for {kernel.__name__}: {e!r}", RuntimeWarning)
             f = False
@@ -121,5 +178,5 @@ def _go(kernel, nb, bd, stream, *args):
 def _elementwise(kernel, n, stream, *args):
     if n == 0:
         return
-    nb, bd = _shape(n)
-    _go(kernel, nb, bd, stream, *args)
+    nb, bd = grid_shape(n)
+    launch_kernel(kernel, nb, bd, stream, *args)

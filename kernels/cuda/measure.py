@@ -20,11 +20,11 @@ import numpy as np
 from numba import cuda
 
 from .blocks import _block_total2, _mark
-from .config import BLOCK, HIST_MAX, HIST_SPARE, SCAN_THREADS, SIMULATOR, check_variant
-from .launch import _chunk, _dev, _go, _round32, _shape
+from .config import CONFIG, HIST_MAX, HIST_SPARE, SIMULATOR, check_variant
+from .launch import _round32, chunk_size, device_view, grid_shape, launch_kernel
 from .scatter_gather import _zero_words
 from .scratch import new_scratch
-from .select import _scan
+from .select import scan_async
 
 if SIMULATOR:
     @cuda.jit(device=True)
@@ -285,9 +285,22 @@ _acc_measure64_warp = _make_measure(_bits64, 0x7FFFFFFFFFFFFFFF, True)
 
 
 # ---------------------------------------------------------------------------- launchers
-def _measure_kernel(dtype, variant=None):
-    """The measuring pass for ``dtype``: marks by warp ballot with the ``fast`` variant (a GPU),
-    by atomic or with ``safe`` (the simulator; a GPU fallback)."""
+def measure_kernel(dtype, variant=None):
+    """The measuring pass's kernel for ``dtype``: marks by warp ballot with the ``fast`` variant (a
+    GPU), by atomic or with ``safe`` (the simulator; a GPU fallback). For ``launch_kernel`` where a
+    benchmark times the pass alone; ``accumulate_measure_async`` launches it for the library.
+
+    Args:
+        dtype: float32 or float64 (anything ``np.dtype`` takes).
+        variant: ``"safe"``, ``"fast"`` or None for ``CONFIG.variant``.
+
+    Returns:
+        The ``@cuda.jit`` kernel; its arguments are those ``accumulate_measure_async`` passes.
+
+    Raises:
+        TypeError: another dtype.
+        RuntimeError: ``"fast"`` under the simulator.
+    """
     warp = check_variant(variant) == "fast"
     if np.dtype(dtype) == np.float32:
         return _acc_measure32_warp if warp else _acc_measure32
@@ -323,13 +336,14 @@ def _measure_pass(residual, grad, acc, lo, hi, mark, shift, key0, nh, scratch, s
     m = hi - lo
     shift_f, key0_f, nf = fine
     hw = _hist_words(scratch, nh + nf)
-    nb, bd = _shape(acc.shape[0], BLOCK * stride // math.gcd(BLOCK, stride))
-    cs = _chunk(m, nb, bd)
+    block = CONFIG.block
+    nb, bd = grid_shape(acc.shape[0], block * stride // math.gcd(block, stride))
+    cs = chunk_size(m, nb, bd)
     mask = scratch.mask_for(m)
-    _go(_zero_words, 1, max(1, min(BLOCK, _round32(nh + nf))), stream, hw, nh + nf)
-    _go(_measure_kernel(acc.dtype, variant), nb, bd, stream, residual, grad, acc, lo, hi, mark, cs,
-        scratch.block_counts, scratch.block_bad, mask, int(shift), int(key0), int(nh), int(shift_f), int(key0_f),
-        int(nf), hw, int(stride))
+    launch_kernel(_zero_words, 1, max(1, min(block, _round32(nh + nf))), stream, hw, nh + nf)
+    launch_kernel(measure_kernel(acc.dtype, variant), nb, bd, stream, residual, grad, acc, lo, hi, mark, cs,
+                  scratch.block_counts, scratch.block_bad, mask, int(shift), int(key0), int(nh), int(shift_f),
+                  int(key0_f), int(nf), hw, int(stride))
     return nb
 
 
@@ -343,8 +357,7 @@ def accumulate_measure_async(residual, grad, acc, lo, hi, mark, shift, key0, nh,
     this call's counts only) when it completes. Three launches: zero the words, the pass, the scan
     (for the totals); the histograms cost no extra pass over memory (see docs/gpu.md)."""
     nb = _measure_pass(residual, grad, acc, lo, hi, mark, shift, key0, nh, scratch, stream, fine, stride, variant)
-    _go(_scan, 1, min(SCAN_THREADS, _round32(nb)), stream, scratch.block_counts, scratch.block_bad, nb,
-        scratch.offsets, scratch.totals)
+    scan_async(scratch, nb, stream)
     if mark == mark and hi > lo:
         scratch.marked = (lo, hi, mark, stream)
 
@@ -367,15 +380,15 @@ def hist_range_async(x, lo, hi, shift, key0, nh, scratch, stream=0):
     marks = _marks_cover(scratch, x, lo, hi, shift, key0)
     khist = _hist_range_kernel(x.dtype, marks)
     hw = _hist_words(scratch, nh)
-    _go(_zero_words, 1, max(1, min(BLOCK, _round32(nh))), stream, hw, nh)
+    launch_kernel(_zero_words, 1, max(1, min(CONFIG.block, _round32(nh))), stream, hw, nh)
     if marks:  # a zoom inside the fine window: O(range / 32 + marks) instead of O(range)
         nw = (hi - lo + 31) // 32
-        nb, bd = _shape(max(nw * 4, 1))
-        _go(khist, nb, bd, stream, x, int(lo), int(hi), scratch.mask_for(hi - lo, keep_marks=True), int(shift),
-            int(key0), int(nh), hw)
+        nb, bd = grid_shape(max(nw * 4, 1))
+        launch_kernel(khist, nb, bd, stream, x, int(lo), int(hi), scratch.mask_for(hi - lo, keep_marks=True),
+                      int(shift), int(key0), int(nh), hw)
         return True
-    nb, bd = _shape(max(hi - lo, 1))
-    _go(khist, nb, bd, stream, x, int(lo), int(hi), int(shift), int(key0), int(nh), hw)
+    nb, bd = grid_shape(max(hi - lo, 1))
+    launch_kernel(khist, nb, bd, stream, x, int(lo), int(hi), int(shift), int(key0), int(nh), hw)
     return False
 
 
@@ -384,7 +397,7 @@ def read_totals_hist(scratch, nw, stream=0):
     w = scratch.totals_hist[: 2 + nw]
     if isinstance(w, np.ndarray):
         return w.astype(np.int64, copy=True)
-    host = _dev(w).copy_to_host(stream=stream)
+    host = device_view(w).copy_to_host(stream=stream)
     if stream:
         stream.synchronize()
     return host.astype(np.int64, copy=False)

@@ -69,3 +69,20 @@ def zero_at(x, idx, stream=0):
 def scatter_mean_zero(out, residual, idx, sums, p, stream=0):
     """``out[idx[j]] = sums[j] / p`` and ``residual[idx[j]] = 0``; ``p`` in out's dtype."""
     _elementwise(_scatter_mean_zero, idx.shape[0], stream, out, residual, idx, sums, p)
+
+
+def zero_words(w, nw, stream=0):
+    """``w[:nw] = 0`` (a hit mask's words, histogram words), queued on ``stream``.
+
+    Args:
+        w: a device array (NumPy under the simulator) of at least ``nw`` elements.
+        nw: how many leading elements to zero; 0 launches nothing.
+        stream: the stream to queue on.
+
+    Returns:
+        None.
+
+    Raises:
+        Nothing of its own (Numba's, for an array the kernel does not accept).
+    """
+    _elementwise(_zero_words, nw, stream, w, nw)

@@ -4,8 +4,7 @@ import numpy as np
 from numba import cuda
 
 from .config import HIST_MAX, NB_MAX, SIMULATOR
-from .launch import _go, _shape
-from .scatter_gather import _zero_words
+from .scatter_gather import zero_words
 
 
 class Scratch:
@@ -57,8 +56,7 @@ class Scratch:
         lo, hi, _, stream = self.marked
         self.marked = None
         nw = (hi - lo + 31) // 32
-        if nw:
-            _go(_zero_words, *_shape(nw), stream, self.mask, nw)
+        zero_words(self.mask, nw, stream)
 
 
 def _zeros(n, dtype):

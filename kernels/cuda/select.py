@@ -9,12 +9,14 @@ Three launches (count, scan, compact: the stream-compaction pattern of Billeter 
    writes its count (and ``_acc_count``, over the whole vector, its non-finite count) per block.
 2. ``_scan``: one block turns the block counts into block offsets and writes ``totals = [count,
    nonfinite]``, the only thing the host ever reads.
-3. ``_compact``: each block walks its chunk's mask words in tiles of ``blockDim * IPT`` words;
-   thread ``t`` counts the hits among its ``IPT`` consecutive words, a block-wide exclusive scan of
+3. ``_compact``: each block walks its chunk's mask words in tiles of ``blockDim * ipt`` words;
+   thread ``t`` counts the hits among its ``ipt`` consecutive words, a block-wide exclusive scan of
    those counts (``tile_scan``) gives its write position after ``offsets[b]``, and it writes them in
-   order.
+   order. ``ipt`` is a constant of the compiled kernel (``CONFIG.ipt``; one kernel per value,
+   built once: ``_compact_kernel``).
 
-Two variants of ``tile_scan``, chosen at import (``VARIANT``, env ``EXDYNA_CUDA_KERNELS=safe|fast``):
+Two variants of ``tile_scan``, picked at each launch (``CONFIG.variant``, env
+``EXDYNA_CUDA_KERNELS=safe|fast``, or a launcher's ``variant`` argument):
 
 - ``"fast"`` (real GPUs): ``shfl_up_sync`` scan inside each warp, warp totals through shared memory.
 - ``"safe"`` (the Numba CUDA simulator, which has no warp intrinsics, and any GPU as a fallback):
@@ -26,8 +28,8 @@ import numpy as np
 from numba import cuda
 
 from .blocks import _block_total2, _mark
-from .config import BLOCK, FULL_MASK, IPT, SCAN_THREADS, check_variant
-from .launch import _chunk, _dev, _go, _round32, _shape
+from .config import CONFIG, FULL_MASK, check_variant
+from .launch import _round32, chunk_size, device_view, grid_shape, launch_kernel
 from .scratch import new_scratch
 
 
@@ -209,15 +211,18 @@ def _scan(block_counts, block_bad, nb, offsets, totals):
         totals[1] = shb[0]
 
 
-def _make_compact(tile_scan, guarded=False):
+def _make_compact(tile_scan, ipt, guarded=False):
+    """The compaction with ``tile_scan`` and ``ipt`` words per thread per tile, a constant of the
+    compiled kernel (the loops over it unroll); ``guarded``: it runs only when ``ctl[0]``."""
+
     @cuda.jit(device=True)
     def _body(mask, lo, hi, cs, offsets, idx):
         """Write the hits of this block's chunk, ascending, at idx[offsets[b]:], from the hit mask.
 
         The chunk ``[lo + b*cs, ...)`` starts on a mask word (``cs`` is a multiple of 32). A tile is
-        ``blockDim * IPT`` words; thread t takes the IPT consecutive words at t * IPT, counts their
+        ``blockDim * ipt`` words; thread t takes the ipt consecutive words at t * ipt, counts their
         bits (``popc``), gets its rank in the tile from ``tile_scan`` (one block scan per
-        ``32 * IPT * blockDim`` elements) and writes its hits lowest bit first; it zeroes every
+        ``32 * ipt * blockDim`` elements) and writes its hits lowest bit first; it zeroes every
         non-zero word it read, so the mask is all zero again for the next selection.
         """
         t = cuda.threadIdx.x
@@ -226,20 +231,20 @@ def _make_compact(tile_scan, guarded=False):
         e = min(s + cs, hi - lo)
         w0 = s >> 5
         w1 = (e + 31) >> 5 if e > s else w0
-        tile = cuda.blockDim.x * IPT
+        tile = cuda.blockDim.x * ipt
         base = offsets[b]
         k = w0
         while k < w1:  # the same trip count on every thread of the block: tile_scan has barriers
-            q0 = k + t * IPT
+            q0 = k + t * ipt
             c = 0
-            for u in range(IPT):
+            for u in range(ipt):
                 q = q0 + u
                 if q < w1:
                     c += cuda.popc(mask[q])
             pre, tot = tile_scan(c)
             pos = base + pre
             if c > 0:
-                for u in range(IPT):
+                for u in range(ipt):
                     q = q0 + u
                     if q < w1:
                         word = np.int64(mask[q])
@@ -271,57 +276,110 @@ def _make_compact(tile_scan, guarded=False):
     return _compact
 
 
-_compact_safe = _make_compact(_tile_scan_shared)
-_compact_fast = _make_compact(_tile_scan_warp)
-_compact_safe_at = _make_compact(_tile_scan_shared, guarded=True)
-_compact_fast_at = _make_compact(_tile_scan_warp, guarded=True)
+# the default ``ipt``'s kernels, built at import (the static check and the PTX tests compile these)
+_compact_safe = _make_compact(_tile_scan_shared, CONFIG.ipt)
+_compact_fast = _make_compact(_tile_scan_warp, CONFIG.ipt)
+_compact_safe_at = _make_compact(_tile_scan_shared, CONFIG.ipt, guarded=True)
+_compact_fast_at = _make_compact(_tile_scan_warp, CONFIG.ipt, guarded=True)
+# (fast, guarded, ipt) -> kernel: another ``ipt`` builds its kernels once, on first use
+_compacts = {(False, False, CONFIG.ipt): _compact_safe, (True, False, CONFIG.ipt): _compact_fast,
+             (False, True, CONFIG.ipt): _compact_safe_at, (True, True, CONFIG.ipt): _compact_fast_at}
 
 
 # ---------------------------------------------------------------------------- launchers
 def _compact_kernel(variant, guarded=False):
-    if check_variant(variant) == "fast":
-        return _compact_fast_at if guarded else _compact_fast
-    return _compact_safe_at if guarded else _compact_safe
+    """The compaction for ``variant`` (None: ``CONFIG.variant``) at ``CONFIG.ipt``."""
+    key = (check_variant(variant) == "fast", guarded, CONFIG.ipt)
+    k = _compacts.get(key)
+    if k is None:
+        k = _compacts[key] = _make_compact(_tile_scan_warp if key[0] else _tile_scan_shared, key[2], guarded)
+    return k
 
 
 def _read_totals(scratch, stream):
     t = scratch.totals
     if isinstance(t, np.ndarray):
         return int(t[0]), int(t[1])
-    host = _dev(t).copy_to_host(stream=stream)
+    host = device_view(t).copy_to_host(stream=stream)
     if stream:
         stream.synchronize()
     return int(host[0]), int(host[1])
 
 
-def _scan_compact(scratch, nb, lo, hi, cs, mask, idx, stream, variant, guarded=False):
-    _go(_scan, 1, min(SCAN_THREADS, _round32(nb)), stream, scratch.block_counts, scratch.block_bad, nb,
-        scratch.offsets, scratch.totals)
+def scan_async(scratch, nb, stream=0):
+    """Launch the block scan: ``scratch.offsets[:nb]`` = the exclusive scan of
+    ``scratch.block_counts[:nb]``, ``scratch.totals`` = ``[sum of counts, sum of block_bad]``.
+
+    Args:
+        scratch: the ``Scratch`` a count pass wrote its block counts into.
+        nb: blocks of that pass (at most ``NB_MAX``).
+        stream: the stream to queue on.
+
+    Returns:
+        None.
+
+    Raises:
+        Nothing of its own.
+    """
+    launch_kernel(_scan, 1, min(CONFIG.scan_threads, _round32(nb)), stream, scratch.block_counts,
+                  scratch.block_bad, nb, scratch.offsets, scratch.totals)
+
+
+def compact_async(scratch, nb, lo, hi, cs, mask, idx, stream=0, variant=None):
+    """Launch the mask compaction: the set bits of ``mask`` (element ``lo + i`` at bit ``i``) as
+    ascending indices into ``idx``, each block's at ``scratch.offsets[b]``; the words read are
+    zeroed. After a count pass and ``scan_async`` with the same ``nb`` and ``cs``.
+
+    Args:
+        scratch: the ``Scratch`` holding the block offsets.
+        nb: blocks of the count pass.
+        lo: the selection range's first element.
+        hi: the end of the selection range (exclusive).
+        cs: elements per block (``chunk_size``).
+        mask: the hit mask (``scratch.mask_for``).
+        idx: the index output (at least the count's length).
+        stream: the stream to queue on.
+        variant: ``"safe"``, ``"fast"`` or None for ``CONFIG.variant``.
+
+    Returns:
+        None.
+
+    Raises:
+        RuntimeError: ``"fast"`` under the simulator.
+    """
     if hi > lo:
-        k = _compact_kernel(variant, guarded)
-        extra = (scratch.ctl,) if guarded else ()
-        _go(k, nb, BLOCK, stream, mask, lo, hi, cs, scratch.offsets, idx, *extra)
+        launch_kernel(_compact_kernel(variant), nb, CONFIG.block, stream, mask, lo, hi, cs, scratch.offsets,
+                      idx)
+
+
+def _scan_compact(scratch, nb, lo, hi, cs, mask, idx, stream, variant, guarded=False):
+    scan_async(scratch, nb, stream)
+    if not guarded:
+        compact_async(scratch, nb, lo, hi, cs, mask, idx, stream, variant)
+    elif hi > lo:
+        launch_kernel(_compact_kernel(variant, True), nb, CONFIG.block, stream, mask, lo, hi, cs, scratch.offsets,
+                      idx, scratch.ctl)
 
 
 def accumulate_select_async(residual, grad, acc, lo, hi, thr, idx, scratch, stream=0, variant=None):
     """Launch the fused select; ``scratch.totals`` holds ``[count, nonfinite]`` when it completes."""
     n = acc.shape[0]
     m = hi - lo
-    nb, bd = _shape(n)
-    cs = _chunk(m, nb, bd)
+    nb, bd = grid_shape(n)
+    cs = chunk_size(m, nb, bd)
     mask = scratch.mask_for(m)
-    _go(_acc_count, nb, bd, stream, residual, grad, acc, lo, hi, thr, cs, scratch.block_counts, scratch.block_bad,
-        mask)
+    launch_kernel(_acc_count, nb, bd, stream, residual, grad, acc, lo, hi, thr, cs, scratch.block_counts,
+                  scratch.block_bad, mask)
     _scan_compact(scratch, nb, lo, hi, cs, mask, idx, stream, variant)
 
 
 def select_range_async(x, lo, hi, thr, idx, scratch, stream=0, variant=None):
     """Launch ``select_range``; ``scratch.totals[0]`` holds the count when it completes."""
     m = hi - lo
-    nb, bd = _shape(m)
-    cs = _chunk(m, nb, bd)
+    nb, bd = grid_shape(m)
+    cs = chunk_size(m, nb, bd)
     mask = scratch.mask_for(m)
-    _go(_count, nb, bd, stream, x, lo, hi, thr, cs, scratch.block_counts, scratch.block_bad, mask, True)
+    launch_kernel(_count, nb, bd, stream, x, lo, hi, thr, cs, scratch.block_counts, scratch.block_bad, mask, True)
     _scan_compact(scratch, nb, lo, hi, cs, mask, idx, stream, variant)
 
 
@@ -337,21 +395,22 @@ def select_marked_async(x, lo, hi, thr, idx, scratch, stream=0, variant=None):
         return select_range_async(x, lo, hi, thr, idx, scratch, stream, variant)  # (else: cleared first)
     scratch.marked = None
     m = hi - lo
-    nb, bd = _shape(m)
-    cs = _chunk(m, nb, bd)
+    nb, bd = grid_shape(m)
+    cs = chunk_size(m, nb, bd)
     mask = scratch.mask_for(m, keep_marks=True)
-    _go(_filter_marks, nb, bd, stream, x, lo, hi, thr, cs, scratch.block_counts, scratch.block_bad, mask)
+    launch_kernel(_filter_marks, nb, bd, stream, x, lo, hi, thr, cs, scratch.block_counts, scratch.block_bad,
+                  mask)
     _scan_compact(scratch, nb, lo, hi, cs, mask, idx, stream, variant)
 
 
 def count_range_async(x, lo, hi, thr, scratch, stream=0):
     """Launch ``count_range``; ``scratch.totals[0]`` holds the count when it completes."""
     m = hi - lo
-    nb, bd = _shape(m)
-    cs = _chunk(m, nb, bd)
+    nb, bd = grid_shape(m)
+    cs = chunk_size(m, nb, bd)
     bc, bb = scratch.block_counts, scratch.block_bad
-    _go(_count, nb, bd, stream, x, lo, hi, thr, cs, bc, bb, scratch.mask_for(1), False)
-    _go(_scan, 1, min(SCAN_THREADS, _round32(nb)), stream, bc, bb, nb, scratch.offsets, scratch.totals)
+    launch_kernel(_count, nb, bd, stream, x, lo, hi, thr, cs, bc, bb, scratch.mask_for(1), False)
+    scan_async(scratch, nb, stream)
 
 
 def accumulate_select(residual, grad, acc, lo, hi, thr, idx, scratch=None, stream=0, variant=None):

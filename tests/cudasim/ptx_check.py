@@ -37,6 +37,8 @@ except Exception as e:  # no toolkit here: nothing to check
     sys.exit(77)
 
 import exdyna_mpi.kernels.cuda as kc  # noqa: E402
+from exdyna_mpi.kernels.cuda.scatter_gather import _gather, _scatter, _scatter_mean_zero, _zero_at  # noqa: E402
+from exdyna_mpi.kernels.cuda.select import _acc_count, _compact_fast, _compact_safe, _count, _scan  # noqa: E402
 
 assert not kc.SIMULATOR
 
@@ -49,20 +51,20 @@ def main():
         ma = T.Array(T.uint32, 1, "C")
         i64 = T.int64
         sigs = [
-            (kc._acc_count, (fa, fa, fa, i64, i64, ft, i64, wa, wa, ma)),
-            (kc._count, (fa, i64, i64, ft, i64, wa, wa, ma, T.boolean)),
-            (kc._scan, (wa, wa, i64, wa, wa)),
-            (kc._compact_safe, (ma, i64, i64, i64, wa, ia)),
-            (kc._compact_fast, (ma, i64, i64, i64, wa, ia)),
-            (kc._gather, (fa, ia, fa)),
-            (kc._scatter, (fa, ia, fa)),
-            (kc._zero_at, (fa, ia)),
-            (kc._scatter_mean_zero, (fa, fa, ia, fa, ft)),
+            (_acc_count, (fa, fa, fa, i64, i64, ft, i64, wa, wa, ma)),
+            (_count, (fa, i64, i64, ft, i64, wa, wa, ma, T.boolean)),
+            (_scan, (wa, wa, i64, wa, wa)),
+            (_compact_safe, (ma, i64, i64, i64, wa, ia)),
+            (_compact_fast, (ma, i64, i64, i64, wa, ia)),
+            (_gather, (fa, ia, fa)),
+            (_scatter, (fa, ia, fa)),
+            (_zero_at, (fa, ia)),
+            (_scatter_mean_zero, (fa, fa, ia, fa, ft)),
         ]
         for kernel, sig in sigs:
             ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=CC)
             name = kernel.py_func.__name__
-            if kernel is kc._compact_fast:
+            if kernel is _compact_fast:
                 assert "shfl.sync.up" in ptx, "fast compaction lost its warp shuffle"
             if name == "_scatter_mean_zero":
                 width = "f32" if ft == T.float32 else "f64"

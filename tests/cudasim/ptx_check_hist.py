@@ -12,7 +12,17 @@ import re
 import ptx_check  # stubs the driver lookups; exits 77 without NVVM (a script: its folder is on sys.path)
 from numba import cuda, types as T
 
-kc = ptx_check.kc
+from exdyna_mpi.kernels.cuda.measure import (
+    _acc_measure32,
+    _acc_measure32_warp,
+    _acc_measure64,
+    _acc_measure64_warp,
+    _hist_marked32,
+    _hist_marked64,
+    _hist_range32,
+    _hist_range64,
+)
+from exdyna_mpi.kernels.cuda.scatter_gather import _zero_words
 
 
 def main():
@@ -20,8 +30,8 @@ def main():
     wa = T.Array(T.int64, 1, "C")
     ma = T.Array(T.uint32, 1, "C")
     for ft, width, kmeasure, kwarp, krange, kmarked in (
-            (T.float32, 32, kc._acc_measure32, kc._acc_measure32_warp, kc._hist_range32, kc._hist_marked32),
-            (T.float64, 64, kc._acc_measure64, kc._acc_measure64_warp, kc._hist_range64, kc._hist_marked64)):
+            (T.float32, 32, _acc_measure32, _acc_measure32_warp, _hist_range32, _hist_marked32),
+            (T.float64, 64, _acc_measure64, _acc_measure64_warp, _hist_range64, _hist_marked64)):
         fa = T.Array(ft, 1, "C")
         measure_sig = (fa, fa, fa, i64, i64, ft, i64, wa, wa, ma, i64, i64, i64, i64, i64, i64, wa, i64)
         sigs = [(kmeasure, measure_sig), (kwarp, measure_sig),
@@ -41,7 +51,7 @@ def main():
             assert "atom.global.add.u64" in ptx, f"{name}: no global flush"
             assert "approx" not in ptx, f"{name}: approximate math would break bit-identity"
             print(f"ok {name}{sig}")
-    ptx, _ = cuda.compile_ptx(kc._zero_words.py_func, (wa, i64), cc=ptx_check.CC)
+    ptx, _ = cuda.compile_ptx(_zero_words.py_func, (wa, i64), cc=ptx_check.CC)
     print("PTX HIST OK")
 
 

@@ -4,6 +4,7 @@ import pytest
 
 from exdyna_mpi.kernels import cpu
 from exdyna_mpi.kernels import cuda as kc
+from exdyna_mpi.kernels.cuda.select import _compact_kernel, _compacts, _scan
 
 
 def _bits(a):
@@ -50,25 +51,33 @@ def test_accumulate_select_matches_cpu(n, lo, hi, thr, bad, dtype):
     np.testing.assert_array_equal(_bits(g), _bits(g0))
 
 
-@pytest.mark.parametrize("block,grid,ipt", [(64, 3, 4), (48, 1, 1), (32, 2, 5)])
-def test_other_launch_shapes(monkeypatch, block, grid, ipt):
-    """Several warps per block, a block that is not a whole number of warps, 3 blocks, ipt 1."""
-    monkeypatch.setattr(kc, "BLOCK", block)
-    monkeypatch.setattr(kc, "GRID_MAX", grid)
-    monkeypatch.setattr(kc, "IPT", ipt)
-    monkeypatch.setattr(kc, "ITEMS", 1)
+def _select_twice(seed):
+    """``accumulate_select`` twice on one scratch (nothing may leak from the previous call), each
+    equal to the CPU kernel's."""
     n, lo, hi = 700, 45, 611
-    r, g = _inputs(n, np.float32, seed=block, nonfinite=((650, np.inf),))
+    r, g = _inputs(n, np.float32, seed=seed, nonfinite=((650, np.inf),))
     t = np.float32(0.8)
     acc_c, idx_c = np.empty(n, np.float32), np.empty(hi - lo, np.int32)
     acc_g, idx_g = np.empty(n, np.float32), np.full(hi - lo, -1, np.int32)
     want = cpu.accumulate_select(r, g, acc_c, lo, hi, t, idx_c)
     scratch = kc.new_scratch()
-    for _ in range(2):  # the scratch is reused: nothing may leak from the previous call
+    for _ in range(2):
         got = kc.accumulate_select(r, g, acc_g, lo, hi, t, idx_g, scratch=scratch)
         assert got == want
         np.testing.assert_array_equal(idx_g[: got[0]], idx_c[: want[0]])
         np.testing.assert_array_equal(_bits(acc_g), _bits(acc_c))
+
+
+@pytest.mark.parametrize("block,grid,ipt", [(64, 3, 4), (48, 1, 1), (32, 2, 5)])
+def test_other_launch_shapes(block, grid, ipt):
+    """Several warps per block, a block that is not a whole number of warps, 3 blocks, ipt 1."""
+    launched = []
+    with kc.configured(block=block, grid_max=grid, ipt=ipt, items=1,
+                       on_launch=lambda k, nb, bd, args: launched.append((k, nb, bd))):
+        _select_twice(seed=block)
+    # the configured shape, and the compaction built for this ipt, were what ran
+    assert (_compacts[(False, False, ipt)], grid, block) in launched
+    assert all(nb <= grid for _, nb, _ in launched)
 
 
 @pytest.mark.parametrize("lo,hi,thr", [(0, 900, 1.0), (33, 805, 2.0), (400, 400, 0.1), (10, 40, 99.0)])
@@ -88,7 +97,7 @@ def test_scan(nb, threads):
     s = kc.new_scratch()
     s.block_counts[:nb] = rng.integers(0, 50, nb)
     s.block_bad[:nb] = rng.integers(0, 3, nb)
-    kc._scan[1, threads](s.block_counts, s.block_bad, nb, s.offsets, s.totals)
+    _scan[1, threads](s.block_counts, s.block_bad, nb, s.offsets, s.totals)
     want = np.concatenate([[0], np.cumsum(s.block_counts[:nb])[:-1]])
     np.testing.assert_array_equal(s.offsets[:nb], want)
     assert list(s.totals) == [s.block_counts[:nb].sum(), s.block_bad[:nb].sum()]
@@ -129,6 +138,51 @@ def test_gather_scatter_zero(dtype, k):
 
 
 def test_variant_choice():
-    assert kc.SIMULATOR and kc.VARIANT == "safe"
+    assert kc.SIMULATOR and kc.CONFIG.variant == "safe"
     with pytest.raises(RuntimeError, match="warp intrinsics"):
-        kc._compact_kernel("fast")
+        _compact_kernel("fast")
+    with pytest.raises(RuntimeError, match="warp intrinsics"):
+        kc.select_range(np.ones(8, np.float32), 0, 8, np.float32(0.5), np.empty(8, np.int32), variant="fast")
+    with pytest.raises(RuntimeError, match="warp intrinsics"):
+        kc.CONFIG.variant = "fast"
+    assert kc.CONFIG.variant == "safe"
+
+
+def test_configured_sets_and_restores():
+    before = kc.CONFIG.values()
+    seen = []
+    with kc.configured(block=64, scan_threads=1, on_launch=lambda k, nb, bd, args: seen.append((nb, bd))) as cfg:
+        assert cfg is kc.CONFIG and (cfg.block, cfg.scan_threads) == (64, 1)
+        assert kc.grid_shape(10_000) == (kc.CONFIG.grid_max, 64)
+        kc.count_range(np.ones(300, np.float32), 0, 300, np.float32(0.5))
+    assert kc.CONFIG.values() == before
+    assert seen == [(kc.CONFIG.grid_max, 64), (1, 1)]   # the count pass, then the scan
+    with pytest.raises(ZeroDivisionError):
+        with kc.configured(block=96):
+            1 / 0
+    assert kc.CONFIG.values() == before   # restored after an exception too
+
+
+@pytest.mark.parametrize("changes,err", [
+    (dict(block=0), ValueError), (dict(block=2048), ValueError), (dict(grid_max=kc.NB_MAX + 1), ValueError),
+    (dict(scan_threads=0), ValueError), (dict(items=1.5), ValueError), (dict(ipt=True), ValueError),
+    (dict(variant="quick"), ValueError), (dict(launch="cupy"), ValueError), (dict(on_launch=3), TypeError),
+    (dict(blocks=64), TypeError)])
+def test_config_refuses_bad_values(changes, err):
+    before = kc.CONFIG.values()
+    with pytest.raises(err):
+        with kc.configured(**changes):
+            pass
+    with pytest.raises(err):
+        kc.CONFIG.update(**changes)
+    assert kc.CONFIG.values() == before
+
+
+def test_other_ipt_builds_its_kernels_once():
+    """The default ipt's kernels are those built at import; another ipt compiles its own once."""
+    default = kc.CONFIG.ipt
+    assert _compact_kernel(None) is _compacts[(False, False, default)]
+    with kc.configured(ipt=default + 3):
+        k = _compact_kernel(None)
+        assert k is not _compacts[(False, False, default)] and _compact_kernel(None) is k
+    assert _compact_kernel(None) is _compacts[(False, False, default)]

@@ -10,6 +10,7 @@ import pytest
 from exdyna_mpi.algorithm.controllers import MeasuredController
 from exdyna_mpi.kernels import cpu
 from exdyna_mpi.kernels import cuda as kc
+from exdyna_mpi.kernels.cuda.measure import _marks_cover
 
 
 def _values(n, seed):
@@ -112,7 +113,7 @@ def test_zoom_histogram_from_marks_equals_hist_range(dtype, where):
     s = kc.new_scratch()
     kc.accumulate_measure_async(np.zeros_like(x), x.copy(), x.copy(), lo, hi, mark, 10, 100, 4, s)
     got = np.zeros(nh, np.int64)
-    used = kc._marks_cover(s, x, lo, hi, shift, key0)
+    used = _marks_cover(s, x, lo, hi, shift, key0)
     assert used == (where != "below")
     kc.hist_range(x, lo, hi, shift, key0, got, scratch=s)
     assert np.array_equal(got, want)

@@ -74,12 +74,8 @@ def _run(r, g, lo, hi, mark, coarse, fine, stride):
 def _launched(run, *args):
     """``run(*args)``'s result and the (kernel, blocks, threads) it launched."""
     launched = []
-    real = kc._go
-    kc._go = lambda k, nb, bd, *a: launched.append((k, nb, bd)) or real(k, nb, bd, *a)
-    try:
+    with kc.configured(on_launch=lambda k, nb, bd, a: launched.append((k, nb, bd))):
         return run(*args), launched
-    finally:
-        kc._go = real
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -87,7 +83,7 @@ def _launched(run, *args):
 @pytest.mark.parametrize("stride", [1, 4, 32])
 @pytest.mark.parametrize("with_fine", [True, False])
 def test_measure_kernel_matches_reference(dtype, lo, hi, stride, with_fine):
-    assert kc.BLOCK % stride == 0   # the block the other launches use
+    assert kc.CONFIG.block % stride == 0   # the block the other launches use
     n = 1000
     r, g = _inputs(n, dtype, seed=lo + 7 * stride)
     mark = 0.04
@@ -95,7 +91,7 @@ def test_measure_kernel_matches_reference(dtype, lo, hi, stride, with_fine):
     if not with_fine:
         fine = (0, 0, 0)
     (acc, words, hits), launched = _launched(_run, r, g, lo, hi, mark, coarse, fine, stride)
-    assert (kc._measure_kernel(dtype), kc._shape(n)[0], kc.BLOCK) in launched
+    assert (kc.measure_kernel(dtype), kc.grid_shape(n)[0], kc.CONFIG.block) in launched
     want_acc, want_words, want_hits = _reference(r, g, lo, hi, mark, coarse, fine, stride)
     assert acc.tobytes() == want_acc.tobytes()
     assert words == want_words
@@ -106,11 +102,11 @@ def test_stride_above_the_block_widens_it():
     """A coarse stride larger than the block (the simulator's 32 threads, the controller's strides
     up to 64) launches blocks of ``stride`` threads: a thread's elements keep their index mod the
     stride, and the words are the same."""
-    n, dtype, stride = 700, np.float32, 2 * kc.BLOCK
+    n, dtype, stride = 700, np.float32, 2 * kc.CONFIG.block
     r, g = _inputs(n, dtype, seed=2)
     coarse, fine = _windows(dtype, 0.04)
     (acc, words, hits), launched = _launched(_run, r, g, 50, 650, 0.04, coarse, fine, stride)
-    assert [bd for k, _, bd in launched if k is kc._acc_measure32] == [stride]
+    assert [bd for k, _, bd in launched if k is kc.measure_kernel(dtype)] == [stride]
     want_acc, want_words, want_hits = _reference(r, g, 50, 650, 0.04, coarse, fine, stride)
     assert (acc.tobytes(), words) == (want_acc.tobytes(), want_words) and np.array_equal(hits, want_hits)
 

@@ -9,7 +9,7 @@ from mpi4py import MPI
 import exdyna_mpi
 from exdyna_mpi.algorithm.controllers import MeasuredController
 from exdyna_mpi.arrays import cuda_ops
-from exdyna_mpi.kernels import cuda as K
+from exdyna_mpi.kernels.cuda.finish import _resolve_fine
 from .simdevice import simulated
 
 
@@ -28,8 +28,8 @@ def _device_pick(c, plan, words, nonfinite=0, threads=8):
     word = np.zeros(1, np.int64)
     ctl = np.zeros(2, np.int64)
     totals = np.array([0, nonfinite], np.int64)
-    K._resolve_fine[1, threads](np.ascontiguousarray(words[nb:nb + n]), n, c.k, shift, key0, cap,
-                                float(c.fine_tol(plan)), totals, ctl, word.view(ity)[:1])
+    _resolve_fine[1, threads](np.ascontiguousarray(words[nb:nb + n]), n, c.k, shift, key0, cap,
+                              float(c.fine_tol(plan)), totals, ctl, word.view(ity)[:1])
     if ctl[0] == 0:
         return None
     return float(word.view(dt)[0]), int(ctl[1])

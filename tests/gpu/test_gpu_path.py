@@ -191,20 +191,22 @@ def test_driver_launch_takes_any_grid_with_one_entry(cp):
     # a grid that follows the selection's size (gather, scatter) must not make a launch entry, nor
     # go through Numba's launch, per size: one entry per kernel and argument kinds, right results
     from exdyna_mpi.kernels import cuda as kc
+    from exdyna_mpi.kernels.cuda.launch import _fast
+    from exdyna_mpi.kernels.cuda.scatter_gather import _gather
 
-    if not kc._DRIVER:
+    if kc.CONFIG.launch != "fast":
         pytest.skip("EXDYNA_CUDA_LAUNCH is not 'fast': the raw driver launch is off")
     stream = kc.cuda.external_stream(cp.cuda.get_current_stream().ptr)
     src = cp.arange(100_000, dtype=cp.float32)
-    kc._fast.clear()
+    _fast.clear()
     for m in (1, 7, 1000, 33_333, 99_999):
         idx = cp.asarray(np.random.default_rng(m).choice(100_000, m, replace=False).astype(np.int32))
         out = cp.full(m, -1, cp.float32)
         kc.gather(src, idx, out, stream)
         cp.cuda.get_current_stream().synchronize()
         assert cp.array_equal(out, src[idx]), m
-    keys = [k for k in kc._fast if k[0] == id(kc._gather)]
-    assert len(keys) == 1 and kc._fast[keys[0]], keys
+    keys = [k for k in _fast if k[0] == id(_gather)]
+    assert len(keys) == 1 and _fast[keys[0]], keys
 
 
 @pytest.mark.parametrize("out_kind", ["none", "grad"])
