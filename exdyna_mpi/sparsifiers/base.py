@@ -31,7 +31,7 @@ from ..arrays import (ACCEPTED_DTYPES, HALF_DTYPES, as_input, check_vector, comp
 from ..arrays.half import WireFormat
 from ..arrays.ops import cuda_available
 from .._errors import CollectiveError, InputCode
-from ..transport import Exchange, agree_problems, device_exchange, node_ranks, world
+from ..transport import Exchange, ExchangeProtocol, agree_problems, device_exchange, node_ranks, world
 from .roles import ErrorFeedback, RankWords, Selection, Selector, Step, StepWords, agree_arguments, imbalance
 from .timing import timed
 
@@ -94,8 +94,9 @@ class Sparsifier(Selector):
     Construction and every step are collective over ``comm``: all ranks must call them, and a bad
     argument on any rank raises the same ``ValueError`` on every rank.
 
-    Public roles: ``memory`` (``ErrorFeedback``), ``exchange`` (``transport.Exchange`` or, on a CUDA
-    device, ``DeviceExchange``), ``ops`` (the ``arrays.Ops`` of the bound device, None until bound).
+    Public roles: ``memory`` (``ErrorFeedback``), ``exchange`` (a ``transport.ExchangeProtocol``:
+    ``transport.Exchange``, or on a CUDA device its subclass ``DeviceExchange``), ``ops`` (the
+    ``arrays.Ops`` of the bound device, None until bound).
 
     Args:
         numel: the flat gradient's length, the same on every rank.
@@ -121,6 +122,7 @@ class Sparsifier(Selector):
     iteration: int               # the next step's index
     stats: Stats | None          # what the last step did (None before the first)
     ops: Any                     # the per-element ops of the device (None until it is bound)
+    exchange: ExchangeProtocol   # every MPI call and the byte counter (a device one once bound to CUDA)
 
     def __init__(self, numel: int, density: float, comm: Any = None, *, device: str = "auto",
                  nonfinite: str = "raise", **options: Any) -> None:
@@ -207,7 +209,7 @@ class Sparsifier(Selector):
         # where the ops' buffers live: CUDA buffers are NumPy arrays under the simulator
         self._input_device = "cpu" if self.ops.xp is np else device
         if device == "cuda":
-            self.exchange = device_exchange(self.exchange)
+            self.exchange = device_exchange(self.comm)
 
     def _bind(self, inp):
         """Fix device and dtype from the first good gradient; allocate the residual there (float32
@@ -292,8 +294,8 @@ class Sparsifier(Selector):
         if n_sum:   # a summed first collective: measure, agree, then choose (roles.Selector.sum_size)
             with timed(sec, "sum_words"):
                 sums = sel.sums if err is None else np.zeros(n_sum, np.int64)
-                summed = self._host_exchange().sum_words(np.concatenate((StepWords.flags(err, code), sums)),
-                                                         self._word_dtype())
+                summed = self.exchange.sum_words(np.concatenate((StepWords.flags(err, code), sums)),
+                                                 self._word_dtype())
             if not StepWords.flags_ok(summed, self.nranks):
                 words = self.exchange.agree(StepWords.make(0, err, code))   # the error path: details
                 if self._refused(words, acc):
@@ -333,10 +335,6 @@ class Sparsifier(Selector):
         if skip:
             self.memory.keep(acc)
         return skip
-
-    def _host_exchange(self):
-        """The host ``Exchange`` (a ``DeviceExchange`` wraps one): summed words are host words."""
-        return getattr(self.exchange, "host", self.exchange)
 
     def _word_dtype(self):
         """int32 for summed words while any sum of per-element counts fits (numel < 2**31)."""

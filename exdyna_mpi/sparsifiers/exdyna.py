@@ -104,7 +104,7 @@ class _OwnedRange:
         return hist
 
     def sum(self, words: np.ndarray) -> np.ndarray:
-        return self.sp._host_exchange().sum_words(words, self.sp._word_dtype())
+        return self.sp.exchange.sum_words(words, self.sp._word_dtype())
 
 
 class ExDyna(_deadline.DeadlineOption, Sparsifier):

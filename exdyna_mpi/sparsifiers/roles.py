@@ -13,7 +13,8 @@ split and the state object of PyTorch's PowerSGD hook:
   ``combine(step, sel, words)`` runs the exchange and returns the output and the stats; ``words``
   is a ``RankWords`` (every rank's count and report words), the same whichever first collective
   the step ran.
-- **exchange** (``transport.Exchange`` / ``DeviceExchange``): every MPI call and byte counter.
+- **exchange** (``transport.ExchangeProtocol``: ``transport.Exchange``, or its subclass
+  ``DeviceExchange`` on a CUDA device): every MPI call and the ``ByteCounter``.
 - **controller** (``algorithm.controllers.Controller``, ExDyna and MiCRO): the threshold.
 
 ``StepWords`` is the error-word protocol of the first collective; ``RankWords`` what ``combine``

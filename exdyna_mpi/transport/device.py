@@ -1,4 +1,4 @@
-"""Transport layer, CUDA side: ``DeviceExchange``, the ``Exchange`` methods on device buffers.
+"""Transport layer, CUDA side: ``DeviceExchange``, a subclass of ``Exchange`` for device buffers.
 
 Two ways to move a device buffer through MPI:
 
@@ -13,7 +13,12 @@ mpi4py loaded: ``MPIX_GPU_query_support`` on MPICH >= 4, ``MPIX_Query_cuda_suppo
 then the MPI-4.1 info key ``mpi_memory_alloc_kinds``; staged when unsure). Rank 0 logs the choice
 once on the ``exdyna_mpi`` logger. Ranks may differ (the collectives mean the same either way).
 
-Byte counters live in the wrapped host ``Exchange`` so both paths account identically.
+``DeviceExchange`` inherits the host-word methods (``agree``, ``sum_words``, ``gather_objects``,
+``alltoall_counts``, ``rotating_rounds``) and the ``ByteCounter``, and overrides the array methods
+(``allgatherv``, ``allgather_indices``, ``sum_identical``, ``mean_wire``, ``bcast_from``): staged,
+they run the host collective (``super()``) on pinned copies; direct, they hand it the device buffers
+(or run the host method's calls on them), so both paths count the same bytes. Building one binds no
+GPU unless ``EXDYNA_BIND_GPU=1`` (``binding.py``; ``exdyna_mpi.bind_local_gpu`` is the call).
 """
 import ctypes
 import logging
@@ -24,6 +29,8 @@ import numpy as np
 from ..arrays.cuda_ops import CudaOps
 from ..kernels import cuda as _k
 from ..arrays.device import BACKEND
+from .binding import bind_local_gpu, binds_at_construction
+from .exchange import Exchange
 from .watchdog import watched
 
 log = logging.getLogger("exdyna_mpi")
@@ -127,68 +134,6 @@ def decide_cuda_aware(env=None, probe=probe_cuda_aware):
     return bool(got), f"auto: {how} says {'yes' if got else 'no'}{note}"
 
 
-# ---------------------------------------------------------------------------- device binding
-BIND_ENV = "EXDYNA_BIND_GPU"
-# Node-local rank as launchers publish it: Open MPI, MPICH/Intel MPI (Hydra), MVAPICH, Slurm, Cray PALS.
-_LOCAL_RANK_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK",
-                    "SLURM_LOCALID", "PALS_LOCAL_RANKID", "FLUX_TASK_LOCAL_ID")
-
-
-def local_rank(comm=None):
-    """This rank's index among the ranks on its node.
-
-    With ``comm``: a ``COMM_TYPE_SHARED`` split (collective: every rank of ``comm`` must call).
-    Without: the launcher's environment (no communication; None when no launcher variable is set).
-    """
-    if comm is not None:
-        from mpi4py import MPI
-
-        local = comm.Split_type(MPI.COMM_TYPE_SHARED)
-        try:
-            return local.Get_rank()
-        finally:
-            local.Free()
-    for var in _LOCAL_RANK_VARS:
-        v = os.environ.get(var)
-        if v is not None and v.strip().isdigit():
-            return int(v)
-    return None
-
-
-def bind_local_device(comm=None, env=None):
-    """Give each rank of a node its own GPU when there are several: device = local rank mod count.
-
-    Call it with ``comm`` at start-up (collective) for the portable ``COMM_TYPE_SHARED`` route;
-    ``DeviceExchange`` calls it without (launcher variables only), because it may be built inside
-    a step that only some ranks reach. ``EXDYNA_BIND_GPU=1`` binds whenever there are several GPUs,
-    ``0`` never, ``auto`` (default) only while nothing in this process has used the GPU yet
-    (current device 0, CuPy's pool empty, no torch/JAX/TensorFlow imported): once a gradient lives
-    on a device, moving our buffers to another would break every launch. Returns the current
-    device id (None under the simulator).
-    """
-    if BACKEND.simulated:
-        return None
-    import sys
-
-    import cupy
-
-    mode = (os.environ.get(BIND_ENV, "auto") if env is None else env).strip().lower()
-    cur = cupy.cuda.Device().id
-    if mode in ("0", "off", "no"):
-        return cur
-    lrank = local_rank(comm)  # collective first when comm is given, whatever is decided below
-    ndev = cupy.cuda.runtime.getDeviceCount()
-    if ndev < 2 or lrank is None:
-        return cur
-    if mode not in ("1", "on", "yes"):
-        untouched = (cur == 0 and cupy.get_default_memory_pool().used_bytes() == 0
-                     and not any(m in sys.modules for m in ("torch", "jax", "tensorflow")))
-        if not untouched:
-            return cur
-    cupy.cuda.Device(lrank % ndev).use()
-    return cupy.cuda.Device().id
-
-
 # ---------------------------------------------------------------------------- host staging
 # Pinned buffers and asynchronous copies are the arrays layer's backend (simulator or CuPy).
 def _to_host_async(dev, host):
@@ -199,29 +144,38 @@ def _to_device_async(host, dev):
     BACKEND.to_device_async(host, dev)
 
 
-class DeviceExchange:
+class DeviceExchange(Exchange):
     """``Exchange`` for device buffers: direct when MPI is CUDA-aware, staged through pinned memory.
 
-    Same methods and attributes as ``exchange.Exchange``; host buffers (the count words) pass
-    straight through to it.
+    The host-word methods (``agree``, ``sum_words``, ``gather_objects``, ``alltoall_counts``,
+    ``rotating_rounds``) and the byte counter are ``Exchange``'s; the array methods take device
+    buffers.
 
     Example::
 
-        >>> xch = DeviceExchange(Exchange(comm))            # logs direct/staged once on rank 0
+        >>> xch = DeviceExchange(comm)                      # logs direct/staged once on rank 0
         >>> union = xch.allgatherv(idx[:count], counts)     # a device array of sum(counts) indices
         >>> xch.sum_identical(vals)                         # in place, same bits on every rank
+
+    Args:
+        comm: the communicator.
+        cuda_aware: True (device buffers to MPI), False (staged), None (``EXDYNA_CUDA_AWARE``, else
+            the probe: ``decide_cuda_aware``).
+
+    Raises:
+        Nothing of its own.
     """
 
-    def __init__(self, host_exchange, cuda_aware=None):
-        self.host = host_exchange
-        self.comm = host_exchange.comm
-        self.rank = host_exchange.rank
-        self.size = host_exchange.size
+    def __init__(self, comm, cuda_aware=None):
+        super().__init__(comm)
         if cuda_aware is None:
             self.cuda_aware, self.reason = decide_cuda_aware()
         else:
             self.cuda_aware, self.reason = bool(cuda_aware), "set by the caller"
-        self.device_id = bind_local_device()  # no collective here: see bind_local_device
+        if binds_at_construction():
+            # launcher variables only, no collective: an exchange may be built inside a step that
+            # only some ranks reach (the first gradient's device)
+            bind_local_gpu()
         self._pinned = {}  # (role, dtype) -> pinned host buffer, grown when a step needs more
         global _logged
         if self.rank == 0 and not _logged:
@@ -229,30 +183,6 @@ class DeviceExchange:
             log.info("exdyna_mpi: device buffers go to MPI %s (%s)",
                      "directly (CUDA-aware)" if self.cuda_aware else "staged through pinned host memory",
                      self.reason)
-
-    # byte counters are the host Exchange's, so both paths count the same way
-    @property
-    def bytes_sent(self):
-        return self.host.bytes_sent
-
-    @bytes_sent.setter
-    def bytes_sent(self, v):
-        self.host.bytes_sent = v
-
-    @property
-    def bytes_received(self):
-        return self.host.bytes_received
-
-    @bytes_received.setter
-    def bytes_received(self, v):
-        self.host.bytes_received = v
-
-    def reset_counters(self):
-        self.host.reset_counters()
-
-    def agree(self, words):
-        """Host words (counts and error codes): the host ``Exchange`` as is."""
-        return self.host.agree(words)
 
     def _buffer(self, role, n, dtype):
         """A pinned host buffer of at least ``n`` elements for ``role``, kept for the next step."""
@@ -262,16 +192,6 @@ class DeviceExchange:
             grown = max(n, 1) if buf is None else max(n, 2 * buf.shape[0])
             buf = self._pinned[key] = BACKEND.pinned_empty(grown, dtype)
         return buf[:n]
-
-    def gather_objects(self, obj):
-        return self.host.gather_objects(obj)
-
-    def alltoall_counts(self, send_counts):
-        return self.host.alltoall_counts(send_counts)
-
-    def rotating_rounds(self, parts, recv_counts, dtypes, tags, bucket=4):
-        """Host buffers only (Ok-Topk runs its split-and-reduce on the host)."""
-        return self.host.rotating_rounds(parts, recv_counts, dtypes, tags, bucket)
 
     def allgatherv(self, send, counts, out=None):
         """Every rank's ``send[:counts[r]]`` concatenated in rank order, as a device array."""
@@ -287,13 +207,13 @@ class DeviceExchange:
             out = ops.empty(total, send.dtype)
         if self.cuda_aware:
             ops.synchronize()
-            return self.host.allgatherv(send, counts, out=out)
+            return super().allgatherv(send, counts, out=out)
         mine = int(counts[self.rank])
         hs = self._buffer("send", mine, send.dtype)
         _to_host_async(send[:mine], hs)
         ops.synchronize()  # the one wait before MPI reads the staged payload
         hr = self._buffer("recv", total, send.dtype)
-        self.host.allgatherv(hs, counts, out=hr)
+        super().allgatherv(hs, counts, out=hr)
         _to_device_async(hr, out[:total])
         return out
 
@@ -314,7 +234,7 @@ class DeviceExchange:
         _to_host_async(idx[:mine], hs)
         ops.synchronize()  # the one wait before the host encodes the staged selection
         hr = self._buffer("recv", total, idx.dtype)
-        self.host.allgather_indices(hs, counts, spans, out=hr)
+        super().allgather_indices(hs, counts, spans, out=hr)
         _to_device_async(hr, out[:total])
         return out
 
@@ -330,21 +250,21 @@ class DeviceExchange:
         hv = self._buffer("vals", n, vals.dtype)
         _to_host_async(vals, hv)
         ops.synchronize()
-        self.host.sum_identical(hv)
+        super().sum_identical(hv)
         _to_device_async(hv, vals)
         return vals
 
     @watched
     def _sum_direct(self, vals):
-        # The host Exchange's Reduce_scatter + Allgatherv, with the partial sums on the device.
+        # Exchange.sum_identical's Reduce_scatter + Allgatherv, with the partial sums on the device.
         from mpi4py import MPI
 
         n = vals.shape[0]
-        counts, displs = self.host._shares(n, self.size)
+        counts, displs = self._shares(n, self.size)
         mine = CudaOps.empty(int(counts[self.rank]), vals.dtype)
         self.comm.Reduce_scatter(vals, mine, counts, op=MPI.SUM)
         self.comm.Allgatherv(mine, [vals, (counts, displs)])
-        self.host._account_reduce(n, vals.itemsize)
+        self.bytes.reduce(n, vals.itemsize)
         return vals
 
     @watched
@@ -352,7 +272,7 @@ class DeviceExchange:
         """``Exchange.mean_wire`` on a device buffer: ``vals`` (float32, device) becomes what this
         rank keeps; returns the 16-bit means as a device array, the same on every rank. Direct: the
         rounding and the owner's float32 sum are device kernels and MPI reads device buffers.
-        Staged: ``vals`` goes to pinned host memory, the host ``Exchange`` does the rest, the means
+        Staged: ``vals`` goes to pinned host memory, ``Exchange.mean_wire`` does the rest, the means
         and ``vals`` come back (2 bytes + 4 bytes per value, as ``sum_identical`` moves 4 + 4)."""
         n = vals.shape[0]
         ops = CudaOps
@@ -361,24 +281,24 @@ class DeviceExchange:
             hv = self._buffer("vals", n, vals.dtype)
             _to_host_async(vals, hv)
             ops.synchronize()
-            hm = self.host.mean_wire(hv, fmt)
+            hm = super().mean_wire(hv, fmt)
             _to_device_async(hv, vals)
             _to_device_async(hm, means)
             return means
         p, me = self.size, self.rank
-        counts, displs = self.host._shares(n, p)
+        counts, displs = self._shares(n, p)
         c, d = int(counts[me]), int(displs[me])
         stream = BACKEND.stream()
         sent = ops.empty(n, np.uint16)
         _k.wire_round(vals, fmt.mode, sent, d, d + c, stream)
         recv = ops.empty(p * c, np.uint16)
         ops.synchronize()
-        self.host._to_owners(sent, counts, displs, recv)
+        self._to_owners(sent, counts, displs, recv)
         mine = ops.empty(c, np.uint16)
         _k.owner_mean(recv.reshape(p, c), vals[d: d + c], me, p, fmt.mode, mine, stream)
         ops.synchronize()
         self.comm.Allgatherv(mine, [means, (counts, displs)])
-        self.host._account_allgather(counts, 2)
+        self.bytes.allgather(counts, 2)
         return means
 
     def bcast_from(self, buf, root):
@@ -388,13 +308,13 @@ class DeviceExchange:
         ops = CudaOps
         if self.cuda_aware:
             ops.synchronize()
-            return self.host.bcast_from(buf, root)
+            return super().bcast_from(buf, root)
         flat = buf.reshape(-1)
         hb = self._buffer("bcast", flat.shape[0], buf.dtype)
         if self.rank == root:
             _to_host_async(flat, hb)
         ops.synchronize()
-        self.host.bcast_from(hb, root)
+        super().bcast_from(hb, root)
         if self.rank != root:
             _to_device_async(hb, flat)
         return buf

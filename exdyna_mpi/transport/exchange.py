@@ -1,11 +1,12 @@
 """Transport layer: every MPI call of the package and its adapters, with byte accounting.
 
-``Exchange`` is the exchange role of a sparsifier (one communicator, the byte counters): the word
-agreement of the first collective (``agree``), the error texts behind a refusal
-(``gather_objects``), ``allgatherv``, bit-identical sums (``sum_identical``), broadcast
-(``bcast_from``) and the point-to-point calls of Ok-Topk's split-and-reduce (``alltoall_counts``,
-``rotating_rounds``; later WAGMA's group averaging and a deadline exchange go beside them).
-``broadcast`` is the seam the adapters use (rank 0's parameters at start-up).
+``ExchangeProtocol`` is the exchange role of a sparsifier, every member sparsifiers and adapters
+use: one communicator, its ``ByteCounter``, the word agreement of the first collective (``agree``,
+``sum_words``), the error texts behind a refusal (``gather_objects``), ``allgatherv``,
+bit-identical sums (``sum_identical``), broadcast (``bcast_from``) and the point-to-point calls of
+Ok-Topk's split-and-reduce (``alltoall_counts``, ``rotating_rounds``). ``Exchange`` implements it
+on host (NumPy) buffers; ``device.DeviceExchange`` subclasses it for CUDA buffers. ``broadcast`` is
+the seam the adapters use (rank 0's parameters at start-up).
 
 ``allgather_indices`` sends each rank's selection in the smallest of three compact forms (uint32
 offsets, 16-bit offsets per 65,536-element segment, or a bitmap of the rank's span; chosen from the
@@ -20,7 +21,10 @@ rank only and then copied, so the bits cannot differ between ranks (MPI does not
 Allreduce). Byte counts follow the bandwidth-optimal ring algorithms (Thakur, Rabenseifner, Gropp
 2005): what crosses this rank's link in each direction, the same model for every sparsifier.
 """
+from __future__ import annotations
+
 import os
+from typing import Any, Iterator, Protocol, runtime_checkable
 
 import numpy as np
 from mpi4py import MPI
@@ -62,39 +66,134 @@ def node_ranks(comm):
         node.Free()
 
 
-class Exchange:
-    """The MPI side of one sparsifier: one communicator, counters of bytes moved.
+class ByteCounter:
+    """The bytes one rank's exchange moved over its link since the last ``reset``, by the ring model.
 
-    Host (NumPy) buffers only; the CUDA transport stages or passes device buffers (see
-    ``transport.device``) and calls the same methods.
+    ``sent`` and ``received`` (ints); ``allgather`` and ``reduce`` add a collective's bytes as the
+    bandwidth-optimal ring moves them, ``add`` what a point-to-point call moved. The host and device
+    exchanges own one each and count the same calls the same way, so a device step reports the
+    host step's bytes.
+
+    Args:
+        rank: this rank's index in the communicator.
+        size: the communicator's size (P).
+
+    Raises:
+        Nothing of its own.
+    """
+
+    __slots__ = ("rank", "size", "sent", "received")
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size = int(rank), int(size)
+        self.sent = 0
+        self.received = 0
+
+    def reset(self) -> None:
+        """Start counting again from zero (the template does at the start of every step)."""
+        self.sent = 0
+        self.received = 0
+
+    def add(self, sent: int, received: int) -> None:
+        """Add ``sent`` and ``received`` bytes (point-to-point calls, another transport's bytes)."""
+        self.sent += int(sent)
+        self.received += int(received)
+
+    def allgather(self, counts: Any, itemsize: int) -> None:
+        """An ``Allgather(v)`` of ``counts[r]`` elements of ``itemsize`` bytes from each rank r: a
+        ring receives everything but its own and sends everything but its successor's."""
+        p = self.size
+        if p == 1:
+            return
+        total = int(np.sum(counts))
+        self.received += (total - int(counts[self.rank])) * itemsize
+        self.sent += (total - int(counts[(self.rank + 1) % p])) * itemsize
+
+    def reduce(self, n: int, itemsize: int) -> None:
+        """A sum of ``n`` elements over the ranks (Reduce_scatter + Allgatherv, or an Allreduce):
+        2 (P - 1) / P of the vector each way."""
+        p = self.size
+        if p == 1:
+            return
+        b = 2 * (p - 1) * n * itemsize // p
+        self.sent += b
+        self.received += b
+
+
+@runtime_checkable
+class ExchangeProtocol(Protocol):
+    """The exchange role: every member the sparsifiers and adapters use (``Exchange`` on host
+    buffers, ``DeviceExchange`` on CUDA buffers). Collective methods: every rank of ``comm`` calls
+    them, with the same sizes where the docstrings say so."""
+
+    comm: Any
+    rank: int
+    size: int
+    bytes: ByteCounter
+
+    @property
+    def bytes_sent(self) -> int: ...
+
+    @property
+    def bytes_received(self) -> int: ...
+
+    def reset_counters(self) -> None: ...
+
+    def agree(self, words: Any) -> np.ndarray: ...
+
+    def sum_words(self, words: Any, dtype: Any = np.int64) -> np.ndarray: ...
+
+    def gather_objects(self, obj: Any) -> list: ...
+
+    def allgatherv(self, send: Any, counts: Any, out: Any = None) -> Any: ...
+
+    def allgather_indices(self, idx: Any, counts: Any, spans: np.ndarray, out: Any = None) -> Any: ...
+
+    def sum_identical(self, vals: Any) -> Any: ...
+
+    def mean_wire(self, vals: Any, fmt: Any) -> Any: ...
+
+    def bcast_from(self, buf: Any, root: int) -> Any: ...
+
+    def alltoall_counts(self, send_counts: Any) -> np.ndarray: ...
+
+    def rotating_rounds(self, parts: Any, recv_counts: Any, dtypes: Any, tags: Any,
+                        bucket: int = 4) -> Iterator[tuple]: ...
+
+
+class Exchange:
+    """The MPI side of one sparsifier on host (NumPy) buffers: one communicator and the
+    ``ByteCounter`` of what it moved (``ExchangeProtocol``).
+
+    ``device.DeviceExchange`` subclasses it for CUDA buffers: it inherits the host-word methods and
+    overrides the array ones with staged or direct versions around these.
+
+    Args:
+        comm: the communicator (an ``mpi4py`` ``Comm``).
+
+    Raises:
+        Nothing of its own (MPI errors from ``Get_rank``/``Get_size``).
     """
 
     def __init__(self, comm):
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
-        self.bytes_sent = 0
-        self.bytes_received = 0
+        self.bytes = ByteCounter(self.rank, self.size)
+
+    @property
+    def bytes_sent(self):
+        """Bytes this rank sent since the last ``reset_counters`` (``bytes.sent``)."""
+        return self.bytes.sent
+
+    @property
+    def bytes_received(self):
+        """Bytes this rank received since the last ``reset_counters`` (``bytes.received``)."""
+        return self.bytes.received
 
     def reset_counters(self):
-        self.bytes_sent = 0
-        self.bytes_received = 0
-
-    def _account_allgather(self, counts, itemsize):
-        p = self.size
-        if p == 1:
-            return
-        total = int(np.sum(counts))
-        self.bytes_received += (total - int(counts[self.rank])) * itemsize
-        self.bytes_sent += (total - int(counts[(self.rank + 1) % p])) * itemsize
-
-    def _account_reduce(self, n, itemsize):
-        p = self.size
-        if p == 1:
-            return
-        b = 2 * (p - 1) * n * itemsize // p
-        self.bytes_sent += b
-        self.bytes_received += b
+        """Zero the byte counter."""
+        self.bytes.reset()
 
     @watched
     def agree(self, words):
@@ -104,7 +203,7 @@ class Exchange:
             return send.reshape(1, -1).copy()
         recv = np.empty((self.size, send.shape[0]), dtype=WORD)
         self.comm.Allgather(send, recv)
-        self._account_allgather(np.full(self.size, send.shape[0]), send.itemsize)
+        self.bytes.allgather(np.full(self.size, send.shape[0]), send.itemsize)
         return recv
 
     @watched
@@ -117,7 +216,7 @@ class Exchange:
             recv[:] = send
             return recv
         self.comm.Allreduce(send, recv, op=MPI.SUM)
-        self._account_reduce(send.shape[0], send.itemsize)
+        self.bytes.reduce(send.shape[0], send.itemsize)
         return recv
 
     @watched
@@ -139,7 +238,7 @@ class Exchange:
         np.cumsum(counts[:-1], out=displs[1:])
         mine = send[: int(counts[self.rank])]
         self.comm.Allgatherv(mine, [out, (counts, displs)])
-        self._account_allgather(counts, send.itemsize)
+        self.bytes.allgather(counts, send.itemsize)
         return out
 
     @watched
@@ -153,7 +252,7 @@ class Exchange:
         mine = np.empty(int(counts[self.rank]), dtype=vals.dtype)
         self.comm.Reduce_scatter(vals, mine, counts, op=MPI.SUM)
         self.comm.Allgatherv(mine, [vals, (counts, displs)])
-        self._account_reduce(n, vals.itemsize)
+        self.bytes.reduce(n, vals.itemsize)
         return vals
 
     @staticmethod
@@ -176,8 +275,7 @@ class Exchange:
         rcounts = np.full(p, c, dtype=np.int64)
         rcounts[me] = 0
         self.comm.Alltoallv([sent, (scounts, displs)], [recv, (rcounts, np.arange(p, dtype=np.int64) * c)])
-        self.bytes_sent += int(scounts.sum()) * sent.itemsize
-        self.bytes_received += int(rcounts.sum()) * sent.itemsize
+        self.bytes.add(int(scounts.sum()) * sent.itemsize, int(rcounts.sum()) * sent.itemsize)
 
     @watched
     def allgather_indices(self, idx, counts, spans, out=None):
@@ -201,7 +299,7 @@ class Exchange:
         np.cumsum(nbytes[:-1], out=bdispls[1:])
         recv = np.empty(int(nbytes.sum()), dtype=np.uint8)
         self.comm.Allgatherv(send, [recv, (nbytes, bdispls)])
-        self._account_allgather(nbytes, 1)
+        self.bytes.allgather(nbytes, 1)
         at = 0
         for r in range(self.size):
             c = int(counts[r])
@@ -236,7 +334,7 @@ class Exchange:
         own = vals[d: d + c]
         _kh.owner_mean(recv, own, me, p, fmt.mode, fmt.table, mine, own)
         self.comm.Allgatherv(mine, [means, (counts, displs)])
-        self._account_allgather(counts, 2)
+        self.bytes.allgather(counts, 2)
         return means
 
     @watched
@@ -245,10 +343,8 @@ class Exchange:
         if self.size > 1:
             self.comm.Bcast(buf, root=root)
             n = buf.size * buf.itemsize
-            if self.rank == root:
-                self.bytes_sent += n
-            else:
-                self.bytes_received += n
+            root_sends = self.rank == root
+            self.bytes.add(n if root_sends else 0, 0 if root_sends else n)
         return buf
 
     # ------------------------------------------------------------------ point-to-point (Ok-Topk)
@@ -258,8 +354,7 @@ class Exchange:
         send = np.ascontiguousarray(send_counts, dtype=np.int64)
         recv = np.empty(self.size, dtype=np.int64)
         self.comm.Alltoall(send, recv)
-        self.bytes_sent += (self.size - 1) * 8
-        self.bytes_received += (self.size - 1) * 8
+        self.bytes.add((self.size - 1) * 8, (self.size - 1) * 8)
         return recv
 
     @watched
@@ -286,8 +381,7 @@ class Exchange:
                 for b, tag in zip(out, tags):
                     reqs.append(self.comm.Isend(b, dest=dst, tag=tag))
                 n_out = out[0].shape[0] if out else 0
-                self.bytes_sent += int(n_out * sum(sizes))
-                self.bytes_received += int(n_in * sum(sizes))
+                self.bytes.add(int(n_out * sum(sizes)), int(n_in * sum(sizes)))
                 got.append(bufs)
             MPI.Request.Waitall(reqs)
             yield from got
