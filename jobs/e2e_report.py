@@ -837,6 +837,9 @@ def _launch_glob(labels):
     return ", ".join(dict.fromkeys(re.sub(r"s\d+(?=[/.])", "s*", x, count=1) for x in labels))
 
 
+MIN_SEEDS = 3   # held-out seeds the protocol asks for at each rate
+
+
 def _readme_block(records, workloads, page, readme):
     """A row per workload and headline method, a column per link rate: time to target against DDP
     (mean and min–max over the launches; how many reached), the loss at the budget against DDP's
@@ -855,6 +858,8 @@ def _readme_block(records, workloads, page, readme):
                 ttt = "not reached" if r["reached"] == 0 else _ratio_cell(r["vs"].get("ddp"))
                 if 0 < r["reached"] < r["n"]:
                     ttt += f", reached {r['reached']}/{r['n']}"
+                if r["n"] < MIN_SEEDS:   # a cell from fewer seeds than the protocol asks says so
+                    ttt += f" ({r['n']} seed{'s' if r['n'] > 1 else ''} only)"
                 cells.setdefault(name, {})[rate] = ttt
                 first.setdefault(name, r["method"])
                 if isinstance(r["loss_vs_ddp_pct"], (int, float)):

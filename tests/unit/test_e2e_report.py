@@ -273,6 +273,22 @@ def test_write_docs_page_and_readme_block(tmp_path):
     assert text.index("10000 Mbit/s") > text.index("1000 Mbit/s") > text.index("**lm**, 100 Mbit/s")
 
 
+def test_readme_cell_from_fewer_seeds_says_so(tmp_path):
+    """A rate run on fewer held-out seeds than the protocol asks is marked in its cell, not averaged
+    silently beside three-seed cells."""
+    recs = _docs_records(tmp_path)
+    one = [r for r in recs if not (r.get("workload", "lm") == "lm" and r.get("rate_mbit") == 100.0
+                                   and r.get("seed") in (2, 3))]
+    lm100 = [r for r in one if r.get("rate_mbit") == 100.0 and r.get("workload") == "lm"]
+    assert lm100 and {r.get("seed") for r in lm100 if "seed" in r} == {1}
+    readme = tmp_path / "README.md"
+    readme.write_text(f"{er.README_BEGIN}\n{er.README_END}\n")
+    er.write_docs(one, str(tmp_path / "page.md"), readme=str(readme), plot=False)
+    row = next(line for line in readme.read_text().splitlines() if line.startswith("| lm | exdyna |"))
+    cells = row.split(" | ")
+    assert cells[2].endswith("(1 seed only)") and "only" not in cells[3] and "only" not in cells[4]
+
+
 def test_write_docs_without_markers_or_over_the_limit(tmp_path):
     recs = _docs_records(tmp_path)
     readme = tmp_path / "README.md"
