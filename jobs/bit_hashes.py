@@ -6,6 +6,10 @@ A refactor that must not change behaviour runs this before and after and compare
     mpiexec -n 4 python -m mpi4py jobs/bit_hashes.py --out results/bit_hashes/P4.jsonl
     NUMBA_ENABLE_CUDASIM=1 python jobs/bit_hashes.py --device cuda --streams cnn16 --steps 3 \
         --sparsifiers exdyna,micro          # the CUDA kernels, simulated
+    python jobs/bit_hashes.py --compare cpu.jsonl cuda.jsonl cuda_again.jsonl   # exit 1 on a difference
+
+On a real GPU ``--device cuda`` feeds each step a CuPy copy of the recorded gradient; the lane
+``hashes`` of ``jobs/gpu_lane.sh`` runs the CPU once and the GPU twice and compares them.
 
 Each setting steps a fresh sparsifier through ``--steps`` steps of a recorded stream (jobs/streams.py,
 recorded on first use, deterministically); the hash covers every step's output and the final
@@ -36,12 +40,35 @@ def run(stream, name, options, density, steps, comm, device):
     sp = exdyna_mpi.make(name, src.numel, density, comm, device=device, **options)
     h = hashlib.sha256()
     for _ in range(steps):
-        h.update(np.ascontiguousarray(sp.ops.to_host(sp.step(src.next()))).tobytes())
+        h.update(np.ascontiguousarray(sp.ops.to_host(sp.step(sp.ops.from_host(src.next())))).tobytes())
     residual = getattr(sp, "residual", None)      # dense keeps none
     if residual is not None:
-        h.update(np.ascontiguousarray(residual).tobytes())
+        h.update(np.ascontiguousarray(sp.ops.to_host(residual)).tobytes())
     digests = comm.gather(h.hexdigest(), root=0)
     return hashlib.sha256("".join(digests).encode()).hexdigest() if rank == 0 else None
+
+
+def compare(paths):
+    """Every (stream, ranks, sparsifier, options, density, steps) found in more than one of the files
+    ``paths``, with its hash in each; returns the lines that differ (printed), one per setting."""
+    seen = {}
+    for i, path in enumerate(paths):
+        with open(path) as f:
+            for line in f:
+                if line.strip():
+                    r = json.loads(line)
+                    key = json.dumps({k: r[k] for k in ("stream", "ranks", "sparsifier", "options", "density",
+                                                        "steps")}, sort_keys=True)
+                    seen.setdefault(key, {})[i] = r["sha256"][:16]
+    bad = []
+    for key, by_file in sorted(seen.items()):
+        if len(by_file) > 1 and len(set(by_file.values())) > 1:
+            bad.append(f"DIFFERS {key}: " + ", ".join(f"{paths[i]} {h}" for i, h in sorted(by_file.items())))
+    compared = sum(len(v) > 1 for v in seen.values())
+    for line in bad:
+        print(line)
+    print(f"{compared} settings compared across {len(paths)} files, {len(bad)} differ")
+    return bad
 
 
 def main(argv=None):
@@ -52,7 +79,11 @@ def main(argv=None):
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (a GPU, or the simulator)")
     ap.add_argument("--sparsifiers", default=None, help="comma-separated names (default: every setting)")
     ap.add_argument("--out", default=None, help="JSON lines (rank 0); stdout too")
+    ap.add_argument("--compare", nargs="+", metavar="JSONL", default=None,
+                    help="compare earlier --out files setting by setting (no run); exit 1 on a difference")
     args = ap.parse_args(argv)
+    if args.compare:
+        raise SystemExit(1 if compare(args.compare) else 0)
     comm = MPI.COMM_WORLD
     lines = []
     for stream in args.streams.split(","):

@@ -6,6 +6,9 @@
 #   2. tests/cudasim (the simulator lane, as CI runs it)
 #   3. jobs/gpu_static.py (sm_90 registers/spills/SASS per element vs jobs/gpu_budgets.json)
 #   4. jobs/bench_gpu.py (table on stdout, JSON under $out)
+#   5. hashes (not in the default lanes): jobs/bit_hashes.py at P=2 for ExDyna's settings and MiCRO on
+#      the recorded streams, once on the CPU and twice on the GPU, compared (the CUDA path must give
+#      the CPU's bits, run after run); needs torch to record the streams unless EXDYNA_STREAMS holds them
 # Usage: bash jobs/gpu_lane.sh [bench_gpu.py args, e.g. --numel 1e7,1e8 --reps 50]
 # Env: EXDYNA_GPU_OUT (default out/gpu), EXDYNA_MPI_TIMEOUT (default 900 s), EXDYNA_CUDA_AWARE,
 #      EXDYNA_GPU_LANES  the lanes to run (default "gpu gpu-mpi-2 cudasim static bench"),
@@ -57,4 +60,15 @@ on gpu-mpi-2 && mpi_lane gpu-mpi-2 2 tests/gpu tests/mpi/test_contract.py --juni
 on cudasim && lane cudasim env NUMBA_ENABLE_CUDASIM=1 python $PYTEST tests/cudasim --junitxml="$out/cudasim.xml"
 on static && lane static env -u NUMBA_ENABLE_CUDASIM python jobs/gpu_static.py --json "$out/gpu_static.json"
 on bench && lane bench python jobs/bench_gpu.py --json "$out/bench_gpu.json" "$@"
+hashes() {
+    local dev tag
+    for tag in cpu cuda cuda_again; do
+        dev=${tag%_again}
+        timeout -k 10 "$MPI_TIMEOUT" mpiexec -n 2 python -m mpi4py jobs/bit_hashes.py --device "$dev" \
+            --streams "${EXDYNA_HASH_STREAMS:-cnn16,mlp}" --steps "${EXDYNA_HASH_STEPS:-20}" \
+            --sparsifiers exdyna,micro --out "$out/hashes_$tag.jsonl" >/dev/null || return 1
+    done
+    python jobs/bit_hashes.py --compare "$out"/hashes_cpu.jsonl "$out"/hashes_cuda.jsonl "$out"/hashes_cuda_again.jsonl
+}
+on hashes && lane hashes hashes
 exit $status

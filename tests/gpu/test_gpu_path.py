@@ -258,3 +258,69 @@ def test_half_gradients_on_the_device_equal_the_host(cp, dtype, wcomm):
         mpi_assert(np.array_equal(got, want), f"{dtype}: device and host differ", wcomm)
         allo = allgather_array(got, wcomm)
         mpi_assert((allo == allo[0]).all(), f"{dtype}: ranks differ", wcomm)
+
+
+def test_bind_local_gpu_on_a_real_device(cp, monkeypatch):
+    """The real-GPU branch of ``bind_local_gpu``: with the shared-memory split or the launcher's
+    variable, the current device becomes ``local rank mod GPUs`` (with one GPU it stays), the id is
+    returned, and ``EXDYNA_BIND_GPU=1`` makes a device exchange bind the same way when it is built."""
+    from exdyna_mpi.transport import binding
+    from exdyna_mpi.transport import device as dt
+
+    comm = MPI.COMM_WORLD
+    ndev = cp.cuda.runtime.getDeviceCount()
+    lrank = binding.local_rank(comm)
+    before = cp.cuda.Device().id
+    try:
+        got = exdyna_mpi.bind_local_gpu(comm)
+        want = lrank % ndev if ndev >= 2 else before
+        mpi_assert(got == want == cp.cuda.Device().id, f"bound {got}, want {want}, current {cp.cuda.Device().id}")
+        # the launcher's variable path (no collective) agrees with the split on a one-node launch
+        for v in binding._LOCAL_RANK_VARS:
+            monkeypatch.delenv(v, raising=False)
+        monkeypatch.setenv("SLURM_LOCALID", str(lrank))
+        monkeypatch.setenv(binding.BIND_ENV, "1")
+        cp.cuda.Device(before).use()
+        dt.DeviceExchange(comm, cuda_aware=False)
+        mpi_assert(cp.cuda.Device().id == want, f"the exchange bound {cp.cuda.Device().id}, want {want}")
+    finally:
+        cp.cuda.Device(before).use()
+
+
+def _skewed_stream(n, steps, rank):
+    """AR(0.9) gradients whose large values drift across the vector, larger on rank 0: the
+    partitions' loads move, so faithful rebalancing and the quotas act."""
+    rng = np.random.default_rng(100 + rank)
+    g = rng.standard_normal(n).astype(np.float32)
+    pos = np.arange(n, dtype=np.float32) / n
+    for t in range(steps):
+        g = (0.9 * g + 0.44 * rng.standard_normal(n)).astype(np.float32)
+        bump = np.exp(-((pos - (t / steps)) ** 2) / 0.01).astype(np.float32) * (3.0 if rank == 0 else 1.5)
+        yield (g * 0.02 * (1.0 + bump)).astype(np.float32)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("name,options", [("exdyna", {}), ("micro", {}), ("exdyna", {"balance": "faithful"}),
+                                          ("exdyna", {"max_imbalance": 0.05}),
+                                          ("exdyna", {"controller": "faithful"}),
+                                          ("exdyna", {"deadline_ms": 1000.0})],
+                         ids=["default", "micro", "faithful-balance", "quotas", "faithful-controller", "deadline"])
+def test_every_exdyna_setting_on_cupy_matches_cpu_and_repeats(cp, name, options):
+    """Each ``jobs/bit_hashes.py`` setting of ExDyna and MiCRO gives the CPU's bits on CuPy at every
+    step, and the same bits when run again (no launch-order or atomic-order dependence)."""
+    comm = MPI.COMM_WORLD
+    n, steps = 300_007, 20
+    gs = list(_skewed_stream(n, steps, comm.Get_rank()))
+    ref = exdyna_mpi.make(name, n, 0.01, comm, device="cpu", **options)
+    runs = [exdyna_mpi.make(name, n, 0.01, comm, device="cuda", **options) for _ in range(2)]
+    first_bad = None
+    for t, g in enumerate(gs):
+        want = ref.step(g.copy())
+        for dev in runs:
+            got = dev.step(cp.asarray(g))
+            same = (cp.asnumpy(got).tobytes() == want.tobytes()
+                    and cp.asnumpy(dev.residual).tobytes() == ref.residual.tobytes())
+            if not same and first_bad is None:
+                first_bad = (t, runs.index(dev), list(ref.stats.counts), list(dev.stats.counts))
+    mpi_assert(first_bad is None, f"{name} {options}: (step, run, CPU counts, CuPy counts) first differing: "
+                                  f"{first_bad}")
