@@ -19,6 +19,7 @@ class InputCode(enum.IntEnum):
     BAD_OUT = 11
     # 12: no longer used (half gradients on a CUDA device were refused before the device kernels)
     WIRE = 13
+    HOST_STEP = 14
 
 
 class CollectiveError(ValueError):
@@ -62,6 +63,9 @@ def describe(code, detail, numel, dtype_names, accepted=None):
     if code == InputCode.WIRE:
         return (f"grad has dtype {dtype_names.get(detail, '?')}; values travel in 16 bits (wire_dtype) only "
                 "from float32, float16 or bfloat16 gradients")
+    if code == InputCode.HOST_STEP:
+        return ("grad lives on a CUDA device, and this sparsifier's step is host NumPy code: give it host "
+                "gradients (a NumPy array, tensor.cpu()), or use a sparsifier with a CUDA step")
     if code == InputCode.BAD_OUT:
         return "out must be a contiguous 1-D array of numel elements, same dtype and device as grad"
     return f"error code {int(code)}"

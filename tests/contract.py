@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import exdyna_mpi
+from exdyna_mpi.sparsifiers.registry import REGISTRY
 from tests.conftest import allgather_array, mpi_assert
 
 NAMES = exdyna_mpi.available()
@@ -20,9 +21,10 @@ N, DENSITY, STEPS = 240, 0.05, 3
 #: small, so the simulator (one OS thread per CUDA thread) stays quick
 OPTIONS = {"exdyna": dict(n_blocks=16, block_align=4), "fft": dict(block=64),
            "oktopk": dict(local_period=2, global_period=2, region_period=2)}
-#: on a real GPU the baselines keep host NumPy code in places; the simulator (NumPy device
-#: buffers) runs every sparsifier on the CUDA ops
-GPU_NAMES = ("exdyna", "micro")
+#: the sparsifiers whose step runs on CUDA buffers on a real GPU (``DEVICE_STEP``); the others' step is
+#: host NumPy code, refused there (tests/gpu checks the refusal). The simulator (NumPy device
+#: buffers) runs every sparsifier on the CUDA ops.
+GPU_NAMES = tuple(n for n in NAMES if REGISTRY[n].DEVICE_STEP)
 
 
 def _cuda_is_simulated():
@@ -48,7 +50,7 @@ def _grads(rank, steps=STEPS, dtype=np.float32):
 
 def _skip_unsupported(name, backend):
     if backend == "cuda" and not _cuda_is_simulated() and name not in GPU_NAMES:
-        pytest.skip(f"{name}: host NumPy code in its step; the device path is checked under the simulator")
+        pytest.skip(f"{name}: host NumPy code in its step, refused on a CUDA device; the simulator runs it")
 
 
 def _host(sp, x):

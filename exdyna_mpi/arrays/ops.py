@@ -323,6 +323,17 @@ def gpu_available():
         return False
 
 
+def cuda_simulated():
+    """True when ``device="cuda"`` runs in the Numba CUDA simulator (NumPy device buffers)."""
+    from numba.core import config
+
+    if not getattr(config, "ENABLE_CUDASIM", False):
+        return False
+    from .device import SIMULATOR
+
+    return SIMULATOR
+
+
 def cuda_available():
     """True when ``device="cuda"`` can run: a CUDA device CuPy sees, or the Numba CUDA simulator
     (``NUMBA_ENABLE_CUDASIM=1``; its device buffers are NumPy arrays)."""

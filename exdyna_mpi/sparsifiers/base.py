@@ -29,7 +29,7 @@ import numpy as np
 from ..arrays import (ACCEPTED_DTYPES, HALF_DTYPES, as_input, check_vector, compute_dtype, dtype_code,
                       host_threads, ops_for)
 from ..arrays.half import WireFormat
-from ..arrays.ops import cuda_available
+from ..arrays.ops import cuda_available, cuda_simulated
 from .._errors import CollectiveError, InputCode
 from ..transport import Exchange, ExchangeProtocol, agree_problems, device_exchange, node_ranks, world
 from .roles import ErrorFeedback, RankWords, Selection, Selector, Step, StepWords, agree_arguments, imbalance
@@ -116,6 +116,10 @@ class Sparsifier(Selector):
     #: whether the values can travel in 16 bits (``wire_dtype``; a half gradient's default): the
     #: sparsifiers whose step ends in ``average_at`` and dense
     WIRE_HALF = False
+    #: whether the step runs on CUDA buffers (CuPy, torch CUDA tensors) on a real GPU; False: its step
+    #: is host NumPy code, so ``device="cuda"`` and CUDA gradients are refused with a clear error
+    #: (the Numba CUDA simulator, whose device buffers are NumPy arrays, runs it either way)
+    DEVICE_STEP = True
     #: indices in compact form on the wire (host); False sends int32/int64 indices (benchmarks)
     COMPACT_INDICES = True
 
@@ -144,6 +148,9 @@ class Sparsifier(Selector):
             errors.append(f"device must be one of {DEVICES}, got {device!r}")
         elif device == "cuda" and not cuda_available():
             errors.append("device='cuda' but no CUDA device is available to CuPy")
+        elif device == "cuda" and not self.DEVICE_STEP and not cuda_simulated():
+            errors.append(f"device='cuda': {self.name}'s step is host NumPy code (no CUDA step); give it host "
+                          f"gradients with device='cpu', or use one of {', '.join(_device_step_names())}")
         wire_dtype = options.pop("wire_dtype", None)
         if wire_dtype is not None and wire_dtype not in WIRE_DTYPES:
             errors.append(f"wire_dtype must be None or one of {WIRE_DTYPES}, got {wire_dtype!r}")
@@ -235,6 +242,8 @@ class Sparsifier(Selector):
         """View ``grad`` (and ``out``) as backend arrays; the local problem, if any, as (code, detail)."""
         inp = as_input(grad)
         err = check_vector(inp, self.numel, self._grad_dtype, self._input_device, ACCEPTED_DTYPES)
+        if err is None and inp.device == "cuda" and not self.DEVICE_STEP:
+            err = (InputCode.HOST_STEP, 0)
         if err is None and self._grad_dtype is None and self._dtype is not None \
                 and compute_dtype(inp.dtype) != self._dtype:
             # a loaded residual whose gradient dtype was not recorded: the residual's dtype decides
@@ -490,12 +499,22 @@ class Sparsifier(Selector):
         self._load_extra_state(d)
 
 
-def _wire_half_names():
-    """The names of the sparsifier classes whose values can travel in 16 bits."""
+def _names_where(flag):
+    """The names of the sparsifier classes whose class attribute ``flag`` is true."""
     names, todo = set(), [Sparsifier]
     while todo:
         cls = todo.pop()
         todo.extend(cls.__subclasses__())
-        if cls.WIRE_HALF and cls.name != "base":
+        if getattr(cls, flag) and cls.name != "base":
             names.add(cls.name)
     return sorted(names)
+
+
+def _wire_half_names():
+    """The names of the sparsifier classes whose values can travel in 16 bits."""
+    return _names_where("WIRE_HALF")
+
+
+def _device_step_names():
+    """The names of the sparsifier classes with a CUDA step."""
+    return _names_where("DEVICE_STEP")

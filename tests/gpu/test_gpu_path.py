@@ -9,6 +9,7 @@ from mpi4py import MPI
 
 import exdyna_mpi
 from exdyna_mpi.arrays import gpu_available
+from exdyna_mpi.sparsifiers.registry import REGISTRY
 from tests.conftest import allgather_array, mpi_assert
 
 pytestmark = [
@@ -324,3 +325,27 @@ def test_every_exdyna_setting_on_cupy_matches_cpu_and_repeats(cp, name, options)
                 first_bad = (t, runs.index(dev), list(ref.stats.counts), list(dev.stats.counts))
     mpi_assert(first_bad is None, f"{name} {options}: (step, run, CPU counts, CuPy counts) first differing: "
                                   f"{first_bad}")
+    outs = allgather_array(cp.asnumpy(got))
+    mpi_assert((outs == outs[0]).all(), f"{name} {options}: ranks hold different outputs on CuPy")
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("name", [n for n in exdyna_mpi.available() if not REGISTRY[n].DEVICE_STEP])
+def test_host_step_sparsifiers_refuse_cuda_clearly(cp, name):
+    """A sparsifier whose step is host NumPy code refuses ``device="cuda"`` at construction and a
+    CuPy gradient at its first step, with the same clear error on every rank and no state changed;
+    host gradients still work."""
+    from exdyna_mpi import StepError
+    from tests.conftest import same_error_everywhere
+
+    comm = MPI.COMM_WORLD
+    n = 4096
+    msg = same_error_everywhere(lambda: exdyna_mpi.make(name, n, 0.05, comm, device="cuda"), comm)
+    assert "host NumPy code" in msg and "exdyna" in msg
+    sp = exdyna_mpi.make(name, n, 0.05, comm)
+    g = (np.random.default_rng(comm.Get_rank()).standard_normal(n) * 0.1).astype(np.float32)
+    with pytest.raises(StepError, match="host NumPy code"):
+        sp.step(cp.asarray(g))
+    mpi_assert(sp.iteration == 0 and sp.ops is None, "a refused step changed the state")
+    out = sp.step(g)
+    mpi_assert(isinstance(out, np.ndarray) and sp.device == "cpu", "host gradients no longer work")

@@ -72,6 +72,8 @@ class FFTSparsifier(Sparsifier):
     """
 
     name = "fft"
+    #: host NumPy code in its step (numpy.fft, host sorts): refused on a real CUDA device
+    DEVICE_STEP = False
     OPTIONS = {"block": (4096, _block), "bits": (8, _bits)}
 
     def __init__(self, numel, density, comm=None, **kw):

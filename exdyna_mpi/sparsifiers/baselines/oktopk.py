@@ -86,6 +86,8 @@ class OkTopk(Sparsifier):
     """
 
     name = "oktopk"
+    #: host NumPy code in its step (region sorts and the sparse reduce-scatter): refused on a real CUDA device
+    DEVICE_STEP = False
     OPTIONS = {
         "local_period": (32, positive_int),
         "global_period": (32, positive_int),
