@@ -4,6 +4,8 @@
 A refactor that must not change behaviour runs this before and after and compares the lines::
 
     mpiexec -n 4 python -m mpi4py jobs/bit_hashes.py --out results/bit_hashes/P4.jsonl
+    mpiexec -n 2 python -m mpi4py jobs/bit_hashes.py --streams skewed,ar0.9 \
+        --out results/bit_hashes/synthetic_P2.jsonl   # synthetic streams: the same bits on any machine
     NUMBA_ENABLE_CUDASIM=1 python jobs/bit_hashes.py --device cuda --streams cnn16 --steps 3 \
         --sparsifiers exdyna,micro          # the CUDA kernels, simulated
     python jobs/bit_hashes.py --compare cpu.jsonl cuda.jsonl cuda_again.jsonl   # exit 1 on a difference
@@ -11,9 +13,12 @@ A refactor that must not change behaviour runs this before and after and compare
 On a real GPU ``--device cuda`` feeds each step a CuPy copy of the recorded gradient; the lane
 ``hashes`` of ``jobs/gpu_lane.sh`` runs the CPU once and the GPU twice and compares them.
 
-Each setting steps a fresh sparsifier through ``--steps`` steps of a recorded stream (jobs/streams.py,
-recorded on first use, deterministically); the hash covers every step's output and the final
-residual on every rank, in rank order, so any difference anywhere changes it.
+Each setting steps a fresh sparsifier through ``--steps`` steps of a stream (jobs/streams.py): a
+recorded one (recorded on first use, deterministically, with torch's CPU kernels, whose bits depend
+on the CPU: compare recorded-stream hashes only between runs on one machine) or a synthetic one
+(``--numel`` elements, NumPy's generator: the same bits on every machine). The hash covers every
+step's output and the final residual on every rank, in rank order, so any difference anywhere
+changes it.
 """
 import argparse
 import hashlib
@@ -34,9 +39,9 @@ SETTINGS = [(name, {}) for name in exdyna_mpi.available()] + [
 ]
 
 
-def run(stream, name, options, density, steps, comm, device):
+def run(stream, name, options, density, steps, comm, device, numel=0):
     rank, size = comm.Get_rank(), comm.Get_size()
-    src = streams.open_stream(stream, 0, rank, size)
+    src = streams.open_stream(stream, numel, rank, size)
     sp = exdyna_mpi.make(name, src.numel, density, comm, device=device, **options)
     h = hashlib.sha256()
     for _ in range(steps):
@@ -57,8 +62,8 @@ def compare(paths):
             for line in f:
                 if line.strip():
                     r = json.loads(line)
-                    key = json.dumps({k: r[k] for k in ("stream", "ranks", "sparsifier", "options", "density",
-                                                        "steps")}, sort_keys=True)
+                    key = json.dumps({k: r.get(k) for k in ("stream", "ranks", "sparsifier", "options", "density",
+                                                            "steps", "numel")}, sort_keys=True)
                     seen.setdefault(key, {})[i] = r["sha256"][:16]
     bad = []
     for key, by_file in sorted(seen.items()):
@@ -74,6 +79,8 @@ def compare(paths):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--streams", default="cnn16,mlp")
+    ap.add_argument("--numel", type=int, default=200_000,
+                    help="length of the synthetic streams (recorded ones have their own)")
     ap.add_argument("--density", type=float, default=0.01)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (a GPU, or the simulator)")
@@ -93,11 +100,13 @@ def main(argv=None):
         for name, options in SETTINGS:
             if args.sparsifiers and name not in args.sparsifiers.split(","):
                 continue
-            digest = run(stream, name, options, args.density, args.steps, comm, args.device)
+            digest = run(stream, name, options, args.density, args.steps, comm, args.device, args.numel)
             if comm.Get_rank() == 0:
                 rec = {"stream": stream, "ranks": comm.Get_size(), "device": args.device,
                        "sparsifier": name, "options": options,
                        "density": args.density, "steps": args.steps, "sha256": digest}
+                if stream not in streams.RECORDED:
+                    rec["numel"] = args.numel
                 lines.append(json.dumps(rec, sort_keys=True))
                 print(lines[-1], flush=True)
     if args.out and comm.Get_rank() == 0:

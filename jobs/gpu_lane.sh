@@ -6,9 +6,10 @@
 #   2. tests/cudasim (the simulator lane, as CI runs it)
 #   3. jobs/gpu_static.py (sm_90 registers/spills/SASS per element vs jobs/gpu_budgets.json)
 #   4. jobs/bench_gpu.py (table on stdout, JSON under $out)
-#   5. hashes (not in the default lanes): jobs/bit_hashes.py at P=2 for ExDyna's settings and MiCRO on
-#      the recorded streams, once on the CPU and twice on the GPU, compared (the CUDA path must give
-#      the CPU's bits, run after run); needs torch to record the streams unless EXDYNA_STREAMS holds them
+#   5. hashes (not in the default lanes): jobs/bit_hashes.py at P=2 for ExDyna's settings and MiCRO,
+#      once on the CPU and twice on the GPU, compared (the CUDA path must give the CPU's bits, run
+#      after run). EXDYNA_HASH_STREAMS (default "skewed,ar0.9", synthetic: no torch needed; "cnn16,mlp"
+#      records from training first unless EXDYNA_STREAMS holds them), EXDYNA_HASH_STEPS (default 20)
 # Usage: bash jobs/gpu_lane.sh [bench_gpu.py args, e.g. --numel 1e7,1e8 --reps 50]
 # Env: EXDYNA_GPU_OUT (default out/gpu), EXDYNA_MPI_TIMEOUT (default 900 s), EXDYNA_CUDA_AWARE,
 #      EXDYNA_GPU_LANES  the lanes to run (default "gpu gpu-mpi-2 cudasim static bench"),
@@ -65,7 +66,7 @@ hashes() {
     for tag in cpu cuda cuda_again; do
         dev=${tag%_again}
         timeout -k 10 "$MPI_TIMEOUT" mpiexec -n 2 python -m mpi4py jobs/bit_hashes.py --device "$dev" \
-            --streams "${EXDYNA_HASH_STREAMS:-cnn16,mlp}" --steps "${EXDYNA_HASH_STEPS:-20}" \
+            --streams "${EXDYNA_HASH_STREAMS:-skewed,ar0.9}" --steps "${EXDYNA_HASH_STEPS:-20}" \
             --sparsifiers exdyna,micro --out "$out/hashes_$tag.jsonl" >/dev/null || return 1
     done
     python jobs/bit_hashes.py --compare "$out"/hashes_cpu.jsonl "$out"/hashes_cuda.jsonl "$out"/hashes_cuda_again.jsonl
