@@ -48,3 +48,16 @@ def test_the_check_sees_a_dead_link(tmp_path):
     page.write_text("[ok](there.md) [web](https://example.org) [anchor](#a)\n```\n[in code](nowhere.md)\n```\n"
                     "[gone](nowhere.md#part) `kernel[cfg](*args)`\n")
     assert dead_links(str(page)) == [(5, "nowhere.md#part")]
+
+
+def test_pages_stay_short_enough_to_read():
+    """The guide (README) stays at most 200 lines and every docs page at most 400: longer material,
+    such as dated experiment narratives, belongs in results/ beside its records."""
+    too_long = []
+    for path, limit in [(os.path.join(ROOT, "README.md"), 200)] + [
+            (p, 400) for p in glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True)]:
+        with open(path, encoding="utf-8") as f:
+            n = sum(1 for _ in f)
+        if n > limit:
+            too_long.append(f"{os.path.relpath(path, ROOT)}: {n} lines (at most {limit})")
+    assert not too_long, too_long
