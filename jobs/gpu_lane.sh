@@ -61,15 +61,25 @@ on gpu-mpi-2 && mpi_lane gpu-mpi-2 2 tests/gpu tests/mpi/test_contract.py --juni
 on cudasim && lane cudasim env NUMBA_ENABLE_CUDASIM=1 python $PYTEST tests/cudasim --junitxml="$out/cudasim.xml"
 on static && lane static env -u NUMBA_ENABLE_CUDASIM python jobs/gpu_static.py --json "$out/gpu_static.json"
 on bench && lane bench python jobs/bench_gpu.py --json "$out/bench_gpu.json" "$@"
+hash_run() {   # $1 device, $2 tag, then environment assignments for the run
+    local dev=$1 tag=$2; shift 2
+    env "$@" timeout -k 10 "$MPI_TIMEOUT" mpiexec -n 2 python -m mpi4py jobs/bit_hashes.py --device "$dev" \
+        --streams "${EXDYNA_HASH_STREAMS:-skewed,ar0.9}" --steps "${EXDYNA_HASH_STEPS:-20}" \
+        --sparsifiers exdyna,micro --out "$out/hashes_$tag.jsonl" >/dev/null
+}
 hashes() {
-    local dev tag
-    for tag in cpu cuda cuda_again; do
-        dev=${tag%_again}
-        timeout -k 10 "$MPI_TIMEOUT" mpiexec -n 2 python -m mpi4py jobs/bit_hashes.py --device "$dev" \
-            --streams "${EXDYNA_HASH_STREAMS:-skewed,ar0.9}" --steps "${EXDYNA_HASH_STEPS:-20}" \
-            --sparsifiers exdyna,micro --out "$out/hashes_$tag.jsonl" >/dev/null || return 1
+    hash_run cpu cpu && hash_run cuda cuda && hash_run cuda cuda_again || return 1
+    python jobs/bit_hashes.py --compare "$out"/hashes_cpu.jsonl "$out"/hashes_cuda.jsonl "$out"/hashes_cuda_again.jsonl \
+        && return 0
+    # a difference: which GPU-only piece removes it (the shared-memory kernels, Numba's own launch,
+    # synchronous launches), each against the CPU
+    local probe
+    for probe in EXDYNA_CUDA_KERNELS=safe EXDYNA_CUDA_LAUNCH=numba CUDA_LAUNCH_BLOCKING=1; do
+        echo "--- with $probe"
+        hash_run cuda "cuda_${probe%%=*}" "$probe" \
+            && python jobs/bit_hashes.py --compare "$out"/hashes_cpu.jsonl "$out/hashes_cuda_${probe%%=*}.jsonl"
     done
-    python jobs/bit_hashes.py --compare "$out"/hashes_cpu.jsonl "$out"/hashes_cuda.jsonl "$out"/hashes_cuda_again.jsonl
+    return 1
 }
 on hashes && lane hashes hashes
 exit $status
