@@ -48,13 +48,13 @@ def run(stream, name, options, density, steps, comm, device, numel=0):
         h.update(np.ascontiguousarray(sp.ops.to_host(sp.step(sp.ops.from_host(src.next())))).tobytes())
     residual = getattr(sp, "residual", None)      # dense keeps none
     if residual is not None:
-        h.update(np.ascontiguousarray(sp.ops.to_host(residual)).tobytes())
+        h.update(np.ascontiguousarray(residual).tobytes())   # a host copy on every device
     digests = comm.gather(h.hexdigest(), root=0)
     return hashlib.sha256("".join(digests).encode()).hexdigest() if rank == 0 else None
 
 
 def compare(paths):
-    """Every (stream, ranks, sparsifier, options, density, steps) found in more than one of the files
+    """Every (stream, ranks, sparsifier, options, density, steps, numel) found in more than one of the files
     ``paths``, with its hash in each; returns the lines that differ (printed), one per setting."""
     seen = {}
     for i, path in enumerate(paths):

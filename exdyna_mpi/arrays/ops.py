@@ -337,12 +337,4 @@ def cuda_simulated():
 def cuda_available():
     """True when ``device="cuda"`` can run: a CUDA device CuPy sees, or the Numba CUDA simulator
     (``NUMBA_ENABLE_CUDASIM=1``; its device buffers are NumPy arrays)."""
-    if gpu_available():
-        return True
-    from numba.core import config
-
-    if not getattr(config, "ENABLE_CUDASIM", False):
-        return False
-    from .device import SIMULATOR
-
-    return SIMULATOR
+    return gpu_available() or cuda_simulated()
