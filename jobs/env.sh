@@ -9,7 +9,8 @@
 #   EXDYNA_TORCH  torch requirement to install    (default: torch==2.13.0, the CPU wheel here; "" skips)
 #   EXDYNA_EXTRAS more extras of pyproject.toml, comma-separated (e.g. "frameworks": JAX, TensorFlow)
 _exdyna_env() {
-    local root venv mpi torch extras want stamp log
+    local root venv mpi torch extras want stamp log free_mb
+    local -a nocache
     root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
     venv="${EXDYNA_VENV:-$root/.venv}"
     mpi="${EXDYNA_MPI:-wheel}"
@@ -35,10 +36,23 @@ _exdyna_env() {
     if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
         echo "[env] installing exdyna_mpi[$extras] $torch into $venv" >&2
         log="$venv/.exdyna-install.log"
+        # The venv takes about 2 GB (torch 0.75, CUDA compiler wheels 0.33); pip's cache would hold
+        # a second copy of every download, so it is skipped where the disk is short.
+        free_mb="$(df -Pm "$venv" 2>/dev/null | awk 'NR==2 {print $4}')"
+        nocache=()
+        if [ -n "$free_mb" ] && [ "$free_mb" -lt 6000 ]; then
+            echo "[env] $free_mb MB free on $venv's disk: installing without pip's cache" >&2
+            nocache=(--no-cache-dir)
+        fi
         # shellcheck disable=SC2086
-        if ! python -m pip install -q --disable-pip-version-check -e "$root[$extras]" $torch >"$log" 2>&1; then
+        if ! python -m pip install -q --disable-pip-version-check "${nocache[@]}" -e "$root[$extras]" $torch \
+                >"$log" 2>&1; then
             grep -v -e "^WARNING: Location" -e "is ignored" "$log" >&2 || true
             echo "[env] FAILED: pip install -e '$root[$extras]' $torch (full log: $log)" >&2
+            if grep -q "No space left on device" "$log"; then
+                echo "[env] the disk filled up: the venv needs about 2.5 GB free on $(df -Pm "$venv" | awk 'NR==2 {print $6}')" \
+                     "(had $free_mb MB), and pip's temporary files need room in ${TMPDIR:-/tmp}" >&2
+            fi
             return 1
         fi
         if ! python -c "import exdyna_mpi, mpi4py.MPI" >>"$log" 2>&1; then
