@@ -20,7 +20,7 @@ import numpy as np
 from numba import cuda
 
 from .blocks import _block_total2, _mark
-from .config import CONFIG, HIST_MAX, HIST_SPARE, SIMULATOR, check_variant
+from .config import CONFIG, FULL_MASK, HIST_MAX, HIST_SPARE, SIMULATOR, check_variant
 from .launch import _round32, chunk_size, device_view, grid_shape, launch_kernel
 from .scatter_gather import _zero_words
 from .scratch import new_scratch
@@ -156,19 +156,27 @@ def _make_measure(bits, sign_off, warp):
         key0 >= 1`` for the non-negative ``b``). A window this thread does not fill (no fine window;
         a coarse one it does not sample) has ``lo_*`` at the top of the int64 range, buckets
         ``at_*`` in a spare shared word and a register count dropped at the end: no test per
-        element. ``warp``: marks by ballot (a GPU; lanes of a warp are consecutive elements, a mask
-        word, and active as a prefix of the warp); else one atomic or per mark (the simulator, which
-        has no warp intrinsics)."""
+        element. ``warp``: marks by ballot (a GPU; lanes of a warp are consecutive elements of one
+        mask word; the active lanes need not include lane 0); else one atomic or per mark (the
+        simulator, which has no warp intrinsics)."""
         shift, key0, lo_c, at_c, top_c = win_c
         shift_f, key0_f, lo_f, at_f, top_f = win_f
         cnt, bad, low, low_f = counts
         if v - v != 0:  # inf and NaN give NaN; the CPU kernel uses the same test
             bad += 1
         hit = abs(v) >= mark
-        if warp:   # the 32 lanes of a warp hold the 32 elements of one mask word: one store, no atomics
-            word = cuda.ballot_sync(cuda.activemask(), hit)
-            if word != 0 and cuda.laneid == 0:
-                mask[(i - lo) >> 5] = word
+        if warp:   # the lanes of a warp hold the elements of one mask word: one ballot, one store
+            active = cuda.activemask()
+            word = cuda.ballot_sync(active, hit)
+            # The lowest active lane stores, not lane 0: where a chunk's length is not a multiple of
+            # 32 (the last partition ends at numel) the four-wide loop's exit splits a warp, and the
+            # upper lanes reach the one-wide loop without lane 0. Their ballot holds only their own
+            # bits, so it is or-ed into a word the lower lanes also write; a full warp owns its word.
+            if word != 0 and (active & ((np.uint32(1) << np.uint32(cuda.laneid)) - np.uint32(1))) == 0:
+                if active == FULL_MASK:
+                    mask[(i - lo) >> 5] = word
+                else:
+                    cuda.atomic.or_(mask, (i - lo) >> 5, word)
         elif hit:
             _mark(mask, i, lo)
         if hit:
