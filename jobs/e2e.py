@@ -43,7 +43,12 @@ Methods (``--methods``, run one after another in one launch, ``ddp`` first and, 
 - ``diloco-h16``, ``diloco-h64``: DiLoCo as torchft runs it: H local steps of the run's optimiser
   (no communication), then the pseudo-gradient (global minus local parameters) averaged in one dense
   float32 allreduce and applied to the global parameters by Nesterov SGD (lr 0.7, momentum 0.9);
-  the global parameters are what is evaluated.
+  the global parameters are what is evaluated. ``diloco-exdyna-h16``/``-h64`` (``-bf16-h16``: 16-bit
+  values) and ``diloco-dense-h16``: the library's ``DiLoCo`` with the delta exchanged by ExDyna at
+  ``--density`` (error feedback) or densely, the same outer Nesterov SGD. ``sloco-h16``: SparseLoCo's
+  recipe on the library's ``DiLoCo``: ExDyna on the delta, the residual decayed by 0.95 after each
+  outer step (``error_decay``), a plain outer SGD at lr 1 in place of Nesterov momentum;
+  ``sloco-ef-h16``: the same without the decay.
 - ``dense``, ``exdyna``, ``topk``, ``oktopk``, ``micro``: ``exdyna_mpi.adapters.torch.
   DistributedOptimizer`` with that sparsifier at ``--density`` (the library's defaults for the
   optimiser given), the exchange after backward; ``exdyna-q``: ExDyna with ``max_imbalance=0.05``
@@ -112,7 +117,8 @@ ALL_METHODS = DEFAULT_METHODS + ("dense", "ddp-exdyna", "topk", "oktopk", "micro
                                  "wagma", "ddp-exdyna-bucket", "exdyna-bf16", "dense-bf16", "exdyna-mc",
                                  "exdyna-q02", "exdyna-dw", "exdyna-mcq", "exdyna-plain", "exdyna-mcq02",
                                  "exdyna-adam", "exdyna-adam-g", "exdyna-adam-u", "dense-adam-u", "diloco-exdyna-h16",
-                                 "diloco-exdyna-h64", "diloco-exdyna-bf16-h16", "diloco-dense-h16")
+                                 "diloco-exdyna-h64", "diloco-exdyna-bf16-h16", "diloco-dense-h16", "sloco-h16",
+                                 "sloco-ef-h16")
 DDP_METHODS = ("ddp", "ddp-bv", "ddp-accum", "ddp-powersgd", "ddp-bf16")
 #: DiLoCo (Douillard et al. 2023; torchft): H local steps of the inner optimiser, then the averaged
 #: parameter delta applied by an outer Nesterov SGD (lr 0.7, momentum 0.9, the paper's values)
@@ -122,7 +128,11 @@ DILOCO = {"diloco-h16": 16, "diloco-h64": 64}
 #: densely (``diloco-dense-h16``: the library's exact mean, against torchft's recipe above)
 DILOCO_LIB = {"diloco-exdyna-h16": (16, "exdyna", {}), "diloco-exdyna-h64": (64, "exdyna", {}),
               "diloco-exdyna-bf16-h16": (16, "exdyna", {"wire_dtype": "bfloat16"}),
-              "diloco-dense-h16": (16, "dense", {})}
+              "diloco-dense-h16": (16, "dense", {}),
+              # SparseLoCo's recipe (Sarfi et al. 2025): the error feedback decayed by 0.95 before the delta
+              # joins it, and a plain outer SGD at lr 1 (the decayed accumulator is the outer momentum)
+              "sloco-h16": (16, "exdyna", {}, {"decay": 0.95, "outer": (1.0, 0.0)}),
+              "sloco-ef-h16": (16, "exdyna", {}, {"decay": 1.0, "outer": (1.0, 0.0)})}
 #: methods that only exist for momentum SGD (they move SGD's momentum in front of the exchange)
 SGD_ONLY = ("exdyna-mc", "exdyna-mcq", "exdyna-mcq02")
 HOOK_METHODS = {"ddp-exdyna": "model", "ddp-exdyna-bucket": "bucket"}   # DDP + exdyna_hook, by scope
@@ -441,7 +451,14 @@ def build(method, wl, args, comm, numel):
     if method in DILOCO_LIB:
         from exdyna_mpi.adapters.torch import DiLoCo
 
-        h, name, options = DILOCO_LIB[method]
+        h, name, options, *more = DILOCO_LIB[method]
+        recipe = more[0] if more else {}
+        if "outer" in recipe:
+            outer_lr, outer_momentum = recipe["outer"]
+            options = dict(options, outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=outer_lr,
+                                                                                momentum=outer_momentum))
+        if recipe.get("decay", 1.0) != 1.0:
+            options = dict(options, error_decay=recipe["decay"])
         opt = DiLoCo(make_optimizer(model.parameters(), args, lr), model, sync_every=h, sparsifier=name,
                      density=args.density, comm=comm, **options)
         # stats of the step that just took an outer step (bytes per outer step), None between them

@@ -69,12 +69,16 @@ class DiLoCo:
         comm: the ranks that average (default ``MPI.COMM_WORLD``).
         outer_optimizer: a factory ``params -> torch.optim.Optimizer`` for the global parameters;
             default ``nesterov_sgd`` (lr 0.7, momentum 0.9).
+        error_decay: the error feedback's decay ``beta`` in (0, 1]: after each outer exchange the
+            residual is multiplied by it, so the next one sends from ``beta * residual + delta``
+            (SparseLoCo's accumulator, used there with a plain outer SGD at lr 1 in place of
+            Nesterov momentum). Default 1.0: plain error feedback.
         broadcast: broadcast rank 0's model at construction (default True).
         **options: the sparsifier's options (``wire_dtype="bfloat16"``, ``max_imbalance``, ...).
 
     Raises:
-        ValueError: a bad ``sync_every`` or parameters of mixed dtypes or devices (on every rank:
-            the check is agreed).
+        ValueError: a bad ``sync_every`` or ``error_decay``, or parameters of mixed dtypes or
+            devices (on every rank: the check is agreed).
 
     Attributes:
         sparsifier: the sparsifier of the outer exchange; ``stats`` its last stats (``bytes_sent``
@@ -97,19 +101,23 @@ class DiLoCo:
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None, *,
                  sync_every: int, sparsifier: str = "dense", density: float = 0.01, comm: MPI.Comm | None = None,
                  outer_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] = nesterov_sgd,
-                 broadcast: bool = True, **options: Any) -> None:
+                 error_decay: float = 1.0, broadcast: bool = True, **options: Any) -> None:
         torch = _torch()
         comm, params = _wrapped_params(optimizer, model, comm, "DiLoCo")
         self._exchange = transport.Exchange(comm)
         problem = None
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
             problem = f"sync_every must be an integer >= 1, got {sync_every!r}"
+        elif (isinstance(error_decay, bool) or not isinstance(error_decay, (int, float))
+              or not 0.0 < float(error_decay) <= 1.0):
+            problem = f"error_decay must be a number in (0, 1], got {error_decay!r}"
         transport.agree_problems(self._exchange, problem, "DiLoCo: bad arguments")
         self.params, self.numel = _flat_layout(params, "DiLoCo")
         if broadcast:
             _broadcast_model(model, self.params, comm)
         self.optimizer = optimizer
         self.sync_every = sync_every
+        self.error_decay = float(error_decay)
         self.sparsifier = exdyna_mpi.make(sparsifier, self.numel, 1.0 if sparsifier == "dense" else density, comm,
                                           **options)
         with torch.no_grad():
@@ -204,6 +212,8 @@ class DiLoCo:
             delta = self._local_flat()
             torch.sub(self.global_params.detach(), delta, out=delta)   # global - local, in the same buffer
             self.sparsifier.step(delta, out=delta)
+            # after the step, not before it: a refused step leaves the residual as it was
+            self.sparsifier.scale_residual(self.error_decay)
             self.global_params.grad = delta
             self.outer.step()
             self.global_params.grad = None
@@ -236,7 +246,8 @@ class DiLoCo:
             (``torch.save`` / ``torch.load(weights_only=True)`` round-trip it).
         """
         return {"inner": self.optimizer.state_dict(),
-                _KEY: {"version": _VERSION, "sync_every": self.sync_every, "inner_steps": self.inner_steps,
+                _KEY: {"version": _VERSION, "sync_every": self.sync_every, "error_decay": self.error_decay,
+                       "inner_steps": self.inner_steps,
                        "outer_steps": self.outer_steps, "global": self.global_params.detach().clone(),
                        "outer": copy.deepcopy(self.outer.state_dict()),
                        "sparsifier": _to_torch(self.sparsifier.state_dict())}}
@@ -250,6 +261,9 @@ class DiLoCo:
                 return f"version {own['version']!r}, this DiLoCo writes {_VERSION}", None
             if own["sync_every"] != self.sync_every:
                 return f"the dict has sync_every={own['sync_every']!r}, this DiLoCo {self.sync_every}", None
+            if float(own.get("error_decay", 1.0)) != self.error_decay:   # (dicts before it had none: 1.0)
+                return (f"the dict has error_decay={own.get('error_decay')!r}, this DiLoCo "
+                        f"{self.error_decay}"), None
             inner_steps, outer_steps = int(own["inner_steps"]), int(own["outer_steps"])
             if not 0 <= inner_steps <= self.sync_every or outer_steps < 0:
                 return f"inner_steps={inner_steps}, outer_steps={outer_steps} out of range", None

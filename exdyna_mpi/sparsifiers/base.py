@@ -21,6 +21,7 @@ The roles are in ``roles.py``; the controller protocol in ``algorithm/controller
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Callable, Literal, Mapping
 
@@ -208,6 +209,30 @@ class Sparsifier(Selector):
     def residual(self) -> np.ndarray:
         """A copy of the error-feedback buffer (zeros before the first step), on the host."""
         return self.memory.host_copy(self.dtype)
+
+    def scale_residual(self, factor: float) -> None:
+        """Multiply the error-feedback residual by ``factor`` in place: a decayed accumulator
+        (SparseLoCo's ``e <- beta * e + delta`` is this, then the next step). Not collective; call
+        it alike on every rank, between steps, to keep their residuals' roles the same.
+
+        Args:
+            factor: a finite number (0 clears the residual, 1 changes nothing).
+
+        Returns:
+            None.
+
+        Raises:
+            ValueError: ``factor`` is not finite.
+
+        Example::
+
+            >>> sp.step(delta, out=delta)
+            >>> sp.scale_residual(0.95)    # what the next step adds its gradient to
+        """
+        if not math.isfinite(float(factor)):
+            raise ValueError(f"scale_residual: the factor must be finite, got {factor!r}")
+        if float(factor) != 1.0:
+            self.memory.scale(float(factor))
 
     def _use_device(self, device):
         """Bind the per-element ops and the exchange to ``device`` ("cpu" or "cuda")."""

@@ -120,6 +120,14 @@ class ErrorFeedback:
             return np.zeros(self.numel, dtype=default_dtype)
         return np.array(self.ops.to_host(self.residual), copy=True)
 
+    def scale(self, factor):
+        """Multiply the residual by ``factor`` in place (bound or waiting for ``bind``), elementwise
+        in its own dtype: the same bits on every backend."""
+        if self.residual is not None:
+            self.residual *= self.dtype.type(factor)
+        elif self._pending is not None:
+            self._pending *= self.dtype.type(factor)
+
     def load(self, ops, dtype, host):
         """Restore from a state dict: ``host`` None means unbound (no step seen). With ``ops`` None
         (no device chosen yet: ``device="auto"`` before its first step) the residual waits on the

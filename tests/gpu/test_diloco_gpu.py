@@ -1,7 +1,7 @@
 """GPU lane: ``DiLoCo`` with a CUDA model (the outer delta through the device exchange).
 
 Ranks identical after every outer step, for the dense and the ExDyna outer exchange (16-bit values
-too), and a resume in the middle of a period reaching the straight run's bits. Runs where CuPy sees a
+and the decayed residual too), and a resume in the middle of a period reaching the straight run's bits. Runs where CuPy sees a
 CUDA device and torch was built with CUDA (the lane runs it serially and under ``mpiexec -n 2``).
 """
 import io
@@ -43,7 +43,8 @@ def _flat(model):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu().numpy()
 
 
-@pytest.mark.parametrize("name, options", [("dense", {}), ("exdyna", {}), ("exdyna", {"wire_dtype": "bfloat16"})])
+@pytest.mark.parametrize("name, options", [("dense", {}), ("exdyna", {}), ("exdyna", {"wire_dtype": "bfloat16"}),
+                                           ("exdyna", {"error_decay": 0.95})])
 def test_cuda_diloco_ranks_identical_and_resume_bit_exact(name, options):
     comm = MPI.COMM_WORLD
     model, opt = _build(name, options)

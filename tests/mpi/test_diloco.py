@@ -8,7 +8,9 @@
   after); 16-bit values halve the value bytes;
 - resume between any two inner steps (a new model, inner optimizer and ``DiLoCo`` loaded from the
   dicts) reaches the straight run's bits;
-- refusals: a bad ``sync_every`` and a dict corrupt on one rank (the same error on every rank,
+- ``error_decay`` (SparseLoCo's decayed accumulator): what was sent equals the decayed error
+  feedback's account, ranks identical, resume bit-exact, another decay refused at load;
+- refusals: a bad ``sync_every`` or ``error_decay`` and a dict corrupt on one rank (the same error on every rank,
   nothing changed); a non-finite delta on one rank raises ``StepError`` everywhere.
 """
 import copy
@@ -164,6 +166,76 @@ def test_resume_between_inner_steps_is_bit_exact(name, at, wcomm):
         _step(model, opt, rank, s)
     mpi_assert(np.array_equal(straight.view(np.uint32), _flat(model).view(np.uint32)),
                f"{name} resumed at {at}: differs from the straight run", wcomm)
+
+
+def test_decayed_error_feedback_is_sparselocos_accumulator(wcomm):
+    """``error_decay=beta`` with a plain outer SGD at lr 1 (SparseLoCo's recipe): every outer step
+    sends from ``beta * e + delta`` and keeps the rest, so with the residual read after each step
+    (already decayed) ``P x applied == sum over ranks of (delta + e_before - e_after / beta)``; the
+    global parameters move by exactly the applied delta; ranks identical."""
+    rank, size = wcomm.Get_rank(), wcomm.Get_size()
+    beta = 0.5
+    model = _model()
+    opt = DiLoCo(_inner(model), model, sync_every=H, sparsifier="exdyna", density=0.05, comm=wcomm,
+                 outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=1.0), error_decay=beta)
+    for s in range(4 * H):
+        if (s + 1) % H != 0:
+            _step(model, opt, rank, s)
+            continue
+        glob = opt.global_params.detach().numpy().astype(np.float64)
+        e_before = opt.sparsifier.residual.astype(np.float64)
+        _step(model, opt.optimizer, rank, s)
+        delta = glob - _flat(model)
+        opt.inner_steps += 1
+        opt.sync()
+        e_after = opt.sparsifier.residual.astype(np.float64)
+        applied = glob - opt.global_params.detach().numpy()
+        sent = allgather_array(delta + e_before - e_after / beta, wcomm).sum(axis=0)
+        mpi_assert(np.allclose(size * applied, sent, rtol=1e-3, atol=1e-6),
+                   f"outer step {opt.outer_steps}: off by {np.abs(size * applied - sent).max():.3g}", wcomm)
+        mpi_assert(np.abs(e_after).max() > 0, "nothing left in the residual: the test shows nothing", wcomm)
+    digests = wcomm.allgather(_flat(model).tobytes())
+    mpi_assert(len(set(digests)) == 1, "ranks differ after the outer steps", wcomm)
+    opt.close()
+
+
+def test_decayed_error_feedback_resumes_bit_exact_and_refuses_another_decay(wcomm):
+    rank = wcomm.Get_rank()
+
+    def build(decay=0.9):
+        model = _model()
+        return model, DiLoCo(_inner(model), model, sync_every=H, sparsifier="exdyna", density=0.05, comm=wcomm,
+                             error_decay=decay)
+
+    model, opt = build()
+    for s in range(3 * H):
+        _step(model, opt, rank, s)
+    straight = _flat(model)
+    model, opt = build()
+    for s in range(H + 1):
+        _step(model, opt, rank, s)
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    other_model, other = build(decay=0.5)
+    msg = same_error_everywhere(lambda: other.load_state_dict(ckpt["opt"]), wcomm)
+    mpi_assert("error_decay" in msg, msg, wcomm)
+    model, opt = build()
+    model.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["opt"])
+    for s in range(H + 1, 3 * H):
+        _step(model, opt, rank, s)
+    mpi_assert(np.array_equal(straight.view(np.uint32), _flat(model).view(np.uint32)),
+               "resumed with a decayed residual: differs from the straight run", wcomm)
+
+
+def test_bad_error_decay_is_refused_everywhere(wcomm):
+    model = _model()
+    for bad in (0.0, 1.5, float("nan"), True, "0.9"):
+        msg = same_error_everywhere(lambda: DiLoCo(_inner(model), model, sync_every=H, error_decay=bad,
+                                                   comm=wcomm), wcomm)
+        mpi_assert("error_decay" in msg, msg, wcomm)
 
 
 def test_bad_sync_every_is_refused_everywhere(wcomm):

@@ -194,15 +194,19 @@ def test_run_e2e_on_the_testbed(tmp_path):
 def test_library_diloco_methods_take_outer_steps(tmp_path):
     """The library's DiLoCo in the harness: 16 inner steps, then the outer step; the dense one close
     to torchft's recipe (``diloco-h16``, gloo's allreduce) after it, ranks identical, the sparse
-    one's bytes per step those of one outer step over 16."""
+    one's bytes per step those of one outer step over 16; SparseLoCo's recipe (``sloco-h16``) sends
+    the same and steps otherwise."""
     recs = e2e(tmp_path, *SGD, "--steps", "16", "--max-steps", "16", "--eval-every", "16", "--warmup", "1",
                "--density", "0.05", "--methods", "ddp,diloco-h16,diloco-dense-h16,diloco-exdyna-h16,"
-               "diloco-exdyna-bf16-h16")
+               "diloco-exdyna-bf16-h16,sloco-h16")
     runs = {r["method"]: r for r in recs if r["kind"] == "run"}
-    for m in ("diloco-dense-h16", "diloco-exdyna-h16", "diloco-exdyna-bf16-h16"):
+    for m in ("diloco-dense-h16", "diloco-exdyna-h16", "diloco-exdyna-bf16-h16", "sloco-h16"):
         assert runs[m]["params_identical"] and runs[m]["steps_run"] == 16, m
         assert runs[m]["evals"][-1][2] != runs[m]["evals"][0][2], m
     assert abs(runs["diloco-dense-h16"]["evals"][-1][2] - runs["diloco-h16"]["evals"][-1][2]) < 1e-4
     assert runs["diloco-exdyna-h16"]["density"] == 0.05 and runs["diloco-dense-h16"]["density"] is None
     sparse, half = runs["diloco-exdyna-h16"]["bytes_per_step"], runs["diloco-exdyna-bf16-h16"]["bytes_per_step"]
     assert 0 < half < sparse < runs["diloco-dense-h16"]["bytes_per_step"]
+    # SparseLoCo's outer step (plain SGD at lr 1) is not the Nesterov one (0.7 x 1.9 the first delta)
+    assert runs["sloco-h16"]["bytes_per_step"] == sparse
+    assert runs["sloco-h16"]["evals"][-1][2] != runs["diloco-exdyna-h16"]["evals"][-1][2]

@@ -45,3 +45,30 @@ def test_a_refused_first_step_after_load_keeps_the_loaded_residual():
         b.step(gs[1].astype(np.float64))   # the loaded state is float32
     assert b.residual.tobytes() == state["residual"].tobytes() and b.iteration == state["iteration"]
     assert b.step(gs[1].copy()).tobytes() == a.step(gs[1].copy()).tobytes()
+
+
+@pytest.mark.parametrize("bound", [True, False])
+def test_scale_residual_multiplies_in_place_bound_or_waiting(bound):
+    """``scale_residual`` (DiLoCo's ``error_decay``): each element times the factor in the residual's
+    own dtype, whether the residual is on its device or loaded and waiting for the first gradient;
+    a non-finite factor is refused and changes nothing."""
+    gs = _grads(4)
+    a = exdyna_mpi.ExDyna(N, 0.01, MPI.COMM_SELF)
+    for g in gs[:2]:
+        a.step(g.copy())
+    before = a.residual
+    if not bound:
+        b = exdyna_mpi.ExDyna(N, 0.01, MPI.COMM_SELF)
+        b.load_state_dict(a.state_dict())
+        assert b.ops is None
+        a = b
+    a.scale_residual(0.95)
+    want = before * np.float32(0.95)
+    assert a.residual.dtype == np.float32 and a.residual.tobytes() == want.tobytes()
+    assert np.abs(want).max() > 0
+    with pytest.raises(ValueError, match="finite"):
+        a.scale_residual(float("nan"))
+    assert a.residual.tobytes() == want.tobytes()
+    fresh = exdyna_mpi.ExDyna(N, 0.01, MPI.COMM_SELF)
+    fresh.scale_residual(0.5)   # nothing held yet: nothing to scale, no device chosen
+    assert fresh.ops is None and not fresh.residual.any()
