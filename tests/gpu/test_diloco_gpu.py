@@ -1,8 +1,9 @@
 """GPU lane: ``DiLoCo`` with a CUDA model (the outer delta through the device exchange).
 
 Ranks identical after every outer step, for the dense and the ExDyna outer exchange (16-bit values
-and the decayed residual too), and a resume in the middle of a period reaching the straight run's bits. Runs where CuPy sees a
-CUDA device and torch was built with CUDA (the lane runs it serially and under ``mpiexec -n 2``).
+and the decayed residual too), and a resume in the middle of a period reaching the straight run's
+bits. Runs where CuPy sees a CUDA device and torch was built with CUDA (the lane runs it serially
+and under ``mpiexec -n 2``).
 """
 import io
 
