@@ -48,7 +48,8 @@ Methods (``--methods``, run one after another in one launch, ``ddp`` first and, 
   ``--density`` (error feedback) or densely, the same outer Nesterov SGD. ``sloco-h16``: SparseLoCo's
   recipe on the library's ``DiLoCo``: ExDyna on the delta, the residual decayed by 0.95 after each
   outer step (``error_decay``), a plain outer SGD at lr 1 in place of Nesterov momentum;
-  ``sloco-ef-h16``: the same without the decay; ``sloco-h64``: the recipe with 64 inner steps.
+  ``sloco-ef-h16``: the same without the decay; ``sloco-h64``: the recipe with 64 inner steps;
+  ``sloco-bf16-h16``: with 16-bit values.
 - ``dense``, ``exdyna``, ``topk``, ``oktopk``, ``micro``: ``exdyna_mpi.adapters.torch.
   DistributedOptimizer`` with that sparsifier at ``--density`` (the library's defaults for the
   optimiser given), the exchange after backward; ``exdyna-q``: ExDyna with ``max_imbalance=0.05``
@@ -118,7 +119,7 @@ ALL_METHODS = DEFAULT_METHODS + ("dense", "ddp-exdyna", "topk", "oktopk", "micro
                                  "exdyna-q02", "exdyna-dw", "exdyna-mcq", "exdyna-plain", "exdyna-mcq02",
                                  "exdyna-adam", "exdyna-adam-g", "exdyna-adam-u", "dense-adam-u", "diloco-exdyna-h16",
                                  "diloco-exdyna-h64", "diloco-exdyna-bf16-h16", "diloco-dense-h16", "sloco-h16",
-                                 "sloco-ef-h16", "sloco-h64")
+                                 "sloco-ef-h16", "sloco-h64", "sloco-bf16-h16")
 DDP_METHODS = ("ddp", "ddp-bv", "ddp-accum", "ddp-powersgd", "ddp-bf16")
 #: DiLoCo (Douillard et al. 2023; torchft): H local steps of the inner optimiser, then the averaged
 #: parameter delta applied by an outer Nesterov SGD (lr 0.7, momentum 0.9, the paper's values)
@@ -133,7 +134,9 @@ DILOCO_LIB = {"diloco-exdyna-h16": (16, "exdyna", {}), "diloco-exdyna-h64": (64,
               # joins it, and a plain outer SGD at lr 1 (the decayed accumulator is the outer momentum)
               "sloco-h16": (16, "exdyna", {}, {"decay": 0.95, "outer": (1.0, 0.0)}),
               "sloco-ef-h16": (16, "exdyna", {}, {"decay": 1.0, "outer": (1.0, 0.0)}),
-              "sloco-h64": (64, "exdyna", {}, {"decay": 0.95, "outer": (1.0, 0.0)})}
+              "sloco-h64": (64, "exdyna", {}, {"decay": 0.95, "outer": (1.0, 0.0)}),
+              "sloco-bf16-h16": (16, "exdyna", {"wire_dtype": "bfloat16"},
+                                 {"decay": 0.95, "outer": (1.0, 0.0)})}
 #: methods that only exist for momentum SGD (they move SGD's momentum in front of the exchange)
 SGD_ONLY = ("exdyna-mc", "exdyna-mcq", "exdyna-mcq02")
 HOOK_METHODS = {"ddp-exdyna": "model", "ddp-exdyna-bucket": "bucket"}   # DDP + exdyna_hook, by scope
