@@ -968,12 +968,15 @@ bash jobs/run_e2e.sh --workload cnn --rate 20 --tuned out/cnn_tune/tuned.json --
   this model's ratio (1.12) is close to the 10.8M model's at 1 Gbit/s (0.95, 2026-11-25), and to
   2 Gbit/s for the fast-network end (ratio 0.08: communication nearly free). The performance model
   below carries the measured steps to other rates (modelled, marked so). The slow end (20 Mbit/s,
-  ratio 10.6, the 10.8M model's 100 Mbit/s) is measured on seed 1 only (2026-11-27): DDP's two
-  passes take 45 minutes per seed here, a launch 90. In that launch DDP's first pass and the
-  `exdyna` run shared the cores with other work (`exdyna`'s compute probe read 0.58 s against
-  0.14–0.24 s for the other runs, DDP's passes 2.47 and 2.26 s a step), so `exdyna`'s 20 Mbit/s
-  step time is not a measurement of the method; its "not reached" comes from its loss, which does
-  not depend on the machine.
+  ratio 10.6, the 10.8M model's 100 Mbit/s) is measured on seeds 1 and 2 (2026-11-27), seed 3
+  not yet: DDP's two passes take 45 minutes per seed here, a launch 90. Seed 2 ran on a 2-core
+  Intel Xeon VM, not the AMD EPYC VM of every other launch: its ratios are taken within its own
+  launch like every other (DDP's two passes 1316 and 1321 s to target), but its step times are that
+  machine's, and torch's CPU kernels there give other last bits (its losses differ from the AMD
+  launches' of seed 2 by up to 0.05 %, PowerSGD's by 0.5 %). In seed 1's launch DDP's first pass
+  and the `exdyna` run shared the cores with other work (`exdyna`'s compute probe read 0.58 s
+  against 0.14–0.24 s for the other runs), so `exdyna`'s 20 Mbit/s step time there is not a
+  measurement of the method; its "not reached" comes from its loss.
 - **The CNN as CNNs are trained.** The digits CNN at width 48 (141,066 parameters), momentum SGD
   (0.9, weight decay 1e-4, no clipping, constant learning rate), 264 batches of 32 per rank at P = 4
   (24 epochs). The target is DDP's test cross-entropy at the budget on the 360 held-out images
