@@ -124,19 +124,28 @@ DDP_METHODS = ("ddp", "ddp-bv", "ddp-accum", "ddp-powersgd", "ddp-bf16")
 #: DiLoCo (Douillard et al. 2023; torchft): H local steps of the inner optimiser, then the averaged
 #: parameter delta applied by an outer Nesterov SGD (lr 0.7, momentum 0.9, the paper's values)
 DILOCO = {"diloco-h16": 16, "diloco-h64": 64}
-#: the library's ``DiLoCo`` (exdyna_mpi.adapters.torch): (H, sparsifier, its options); the outer delta
-#: exchanged by ExDyna at ``--density`` with error feedback (``-bf16``: 16-bit values on the wire), or
-#: densely (``diloco-dense-h16``: the library's exact mean, against torchft's recipe above)
+
+
+def _plain_sgd(params):
+    """SparseLoCo's outer step: the averaged delta applied as it is (SGD at lr 1, no momentum)."""
+    import torch
+
+    return torch.optim.SGD(params, lr=1.0)
+
+
+#: the library's ``DiLoCo`` (exdyna_mpi.adapters.torch): (H, sparsifier, DiLoCo's and the sparsifier's
+#: options); the outer delta exchanged by ExDyna at ``--density`` with error feedback (``-bf16``: 16-bit
+#: values on the wire), or densely (``diloco-dense-h16``: the library's exact mean, against torchft's recipe above)
 DILOCO_LIB = {"diloco-exdyna-h16": (16, "exdyna", {}), "diloco-exdyna-h64": (64, "exdyna", {}),
               "diloco-exdyna-bf16-h16": (16, "exdyna", {"wire_dtype": "bfloat16"}),
               "diloco-dense-h16": (16, "dense", {}),
               # SparseLoCo's recipe (Sarfi et al. 2025): the error feedback decayed by 0.95 before the delta
               # joins it, and a plain outer SGD at lr 1 (the decayed accumulator is the outer momentum)
-              "sloco-h16": (16, "exdyna", {}, {"decay": 0.95, "outer": (1.0, 0.0)}),
-              "sloco-ef-h16": (16, "exdyna", {}, {"decay": 1.0, "outer": (1.0, 0.0)}),
-              "sloco-h64": (64, "exdyna", {}, {"decay": 0.95, "outer": (1.0, 0.0)}),
-              "sloco-bf16-h16": (16, "exdyna", {"wire_dtype": "bfloat16"},
-                                 {"decay": 0.95, "outer": (1.0, 0.0)})}
+              "sloco-h16": (16, "exdyna", {"error_decay": 0.95, "outer_optimizer": _plain_sgd}),
+              "sloco-ef-h16": (16, "exdyna", {"outer_optimizer": _plain_sgd}),
+              "sloco-h64": (64, "exdyna", {"error_decay": 0.95, "outer_optimizer": _plain_sgd}),
+              "sloco-bf16-h16": (16, "exdyna", {"wire_dtype": "bfloat16", "error_decay": 0.95,
+                                                "outer_optimizer": _plain_sgd})}
 #: methods that only exist for momentum SGD (they move SGD's momentum in front of the exchange)
 SGD_ONLY = ("exdyna-mc", "exdyna-mcq", "exdyna-mcq02")
 HOOK_METHODS = {"ddp-exdyna": "model", "ddp-exdyna-bucket": "bucket"}   # DDP + exdyna_hook, by scope
@@ -455,14 +464,7 @@ def build(method, wl, args, comm, numel):
     if method in DILOCO_LIB:
         from exdyna_mpi.adapters.torch import DiLoCo
 
-        h, name, options, *more = DILOCO_LIB[method]
-        recipe = more[0] if more else {}
-        if "outer" in recipe:
-            outer_lr, outer_momentum = recipe["outer"]
-            options = dict(options, outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=outer_lr,
-                                                                                momentum=outer_momentum))
-        if recipe.get("decay", 1.0) != 1.0:
-            options = dict(options, error_decay=recipe["decay"])
+        h, name, options = DILOCO_LIB[method]
         opt = DiLoCo(make_optimizer(model.parameters(), args, lr), model, sync_every=h, sparsifier=name,
                      density=args.density, comm=comm, **options)
         # stats of the step that just took an outer step (bytes per outer step), None between them
