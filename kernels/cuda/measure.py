@@ -146,7 +146,7 @@ def _make_measure(bits, sign_off, warp):
     """The measuring pass for one float width; ``warp``: marks by warp ballot (real GPUs)."""
 
     @cuda.jit(device=True)
-    def _measure(v, i, lo, mark, mask, sh, win_c, win_f, counts):
+    def _measure(v, ok, i, lo, mark, mask, sh, win_c, win_f, counts):
         """One element of the measuring pass: non-finite, the mark, the fine bucket (every element)
         and the coarse one; returns the updated ``counts = (cnt, bad, low, low_f)``. A window,
         coarse ``win_c`` or fine ``win_f``, is ``(shift, key0, lo_*, at_*, top_*)``, set once per
@@ -156,29 +156,28 @@ def _make_measure(bits, sign_off, warp):
         key0 >= 1`` for the non-negative ``b``). A window this thread does not fill (no fine window;
         a coarse one it does not sample) has ``lo_*`` at the top of the int64 range, buckets
         ``at_*`` in a spare shared word and a register count dropped at the end: no test per
-        element. ``warp``: marks by ballot (a GPU; lanes of a warp are consecutive elements of one
-        mask word; the active lanes need not include lane 0); else one atomic or per mark (the
-        simulator, which has no warp intrinsics)."""
+        element. ``ok``: ``i`` lies in the chunk (a lane past its end still takes part in the
+        warp's ballot, and counts nothing). ``warp``: marks by ballot (a GPU: the 32 lanes of a warp
+        are the consecutive elements of one mask word, and the kernel's loops keep them together);
+        else one atomic or per mark (the simulator, which has no warp intrinsics)."""
         shift, key0, lo_c, at_c, top_c = win_c
         shift_f, key0_f, lo_f, at_f, top_f = win_f
         cnt, bad, low, low_f = counts
-        if v - v != 0:  # inf and NaN give NaN; the CPU kernel uses the same test
-            bad += 1
-        hit = abs(v) >= mark
-        if warp:   # the lanes of a warp hold the elements of one mask word: one ballot, one store
-            active = cuda.activemask()
-            word = cuda.ballot_sync(active, hit)
-            # The lowest active lane stores, not lane 0: where a chunk's length is not a multiple of
-            # 32 (the last partition ends at numel) the four-wide loop's exit splits a warp, and the
-            # upper lanes reach the one-wide loop without lane 0. Their ballot holds only their own
-            # bits, so it is or-ed into a word the lower lanes also write; a full warp owns its word.
-            if word != 0 and (active & ((np.uint32(1) << np.uint32(cuda.laneid)) - np.uint32(1))) == 0:
-                if active == FULL_MASK:
-                    mask[(i - lo) >> 5] = word
-                else:
-                    cuda.atomic.or_(mask, (i - lo) >> 5, word)
+        hit = ok and abs(v) >= mark
+        if warp:   # the 32 lanes of a warp hold the elements of one mask word: one ballot, one store
+            # All 32 lanes reach every ballot (the loops' conditions are the warp's, not the lane's),
+            # so lane 0 holds the whole word and owns it: a plain store, no atomic. A ballot over
+            # whatever lanes happen to be active would not do: a split warp's upper lanes would
+            # store without lane 0, or overwrite its word.
+            word = cuda.ballot_sync(FULL_MASK, hit)
+            if word != 0 and cuda.laneid == 0:
+                mask[(i - lo) >> 5] = word
         elif hit:
             _mark(mask, i, lo)
+        if not ok:
+            return cnt, bad, low, low_f
+        if v - v != 0:  # inf and NaN give NaN; the CPU kernel uses the same test
+            bad += 1
         if hit:
             cnt += 1
         b = bits(v) & sign_off
@@ -227,9 +226,15 @@ def _make_measure(bits, sign_off, warp):
         bad = 0
         low = 0
         low_f = 0
+        # The loops test the warp's first or last element (``w0`` = this lane's index minus its lane),
+        # not the lane's own, so a warp never splits between them: the ballot needs all 32 lanes.
+        # A chunk starts on a mask word and ``bd`` is a multiple of 32 (a GPU's launch), so
+        # ``w0`` is the warp's first element; under the simulator (any ``bd``) the tests only
+        # widen or narrow which loop takes an element, never drop or repeat one.
+        w0 = i - (t & 31)
         # indices are cast to uint64 where they index: a signed index costs a wrap-around of negative
         # values (shift, and, add) on every access
-        while i + 3 * bd < e:
+        while w0 + 31 + 3 * bd < e:
             i1 = i + bd
             i2 = i1 + bd
             i3 = i2 + bd
@@ -242,17 +247,21 @@ def _make_measure(bits, sign_off, warp):
             acc[u1] = v1
             acc[u2] = v2
             acc[u3] = v3
-            cnt, bad, low, low_f = _measure(v0, i, lo, mark, mask, sh, win_c, win_f, (cnt, bad, low, low_f))
-            cnt, bad, low, low_f = _measure(v1, i1, lo, mark, mask, sh, win_c, win_f, (cnt, bad, low, low_f))
-            cnt, bad, low, low_f = _measure(v2, i2, lo, mark, mask, sh, win_c, win_f, (cnt, bad, low, low_f))
-            cnt, bad, low, low_f = _measure(v3, i3, lo, mark, mask, sh, win_c, win_f, (cnt, bad, low, low_f))
+            cnt, bad, low, low_f = _measure(v0, True, i, lo, mark, mask, sh, win_c, win_f, (cnt, bad, low, low_f))
+            cnt, bad, low, low_f = _measure(v1, True, i1, lo, mark, mask, sh, win_c, win_f, (cnt, bad, low, low_f))
+            cnt, bad, low, low_f = _measure(v2, True, i2, lo, mark, mask, sh, win_c, win_f, (cnt, bad, low, low_f))
+            cnt, bad, low, low_f = _measure(v3, True, i3, lo, mark, mask, sh, win_c, win_f, (cnt, bad, low, low_f))
             i += 4 * bd
-        while i < e:
-            u0 = np.uint64(i)
+            w0 += 4 * bd
+        while w0 < e:   # the chunk's last words; the lanes past its end only take part in the ballot
+            ok = i < e
+            u0 = np.uint64(i if ok else w0)   # past the end: a load the warp makes anyway, not kept
             v0 = r[u0] + g[u0]
-            acc[u0] = v0
-            cnt, bad, low, low_f = _measure(v0, i, lo, mark, mask, sh, win_c, win_f, (cnt, bad, low, low_f))
+            if ok:
+                acc[u0] = v0
+            cnt, bad, low, low_f = _measure(v0, ok, i, lo, mark, mask, sh, win_c, win_f, (cnt, bad, low, low_f))
             i += bd
+            w0 += bd
         if not fine:
             low_f = 0
         if not coarse:
