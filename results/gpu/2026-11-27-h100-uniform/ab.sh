@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # device check: the warp-uniform measuring pass (new) against HEAD's fix (fix1) and the pre-fix kernel
+# measure_new.py, measure_fix1.py, measure_prefix.py: kernels/cuda/measure.py at 7d4757d, at 15e7b58
+# and at 63b8050^ (git show REV:kernels/cuda/measure.py > measure_NAME.py), copied beside this script.
 set -o pipefail
 export PYTHONUNBUFFERED=1 EXDYNA_STREAMS=/tmp/streams
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > $OUT/nvidia.txt
