@@ -119,7 +119,7 @@ ALL_METHODS = DEFAULT_METHODS + ("dense", "ddp-exdyna", "topk", "oktopk", "micro
                                  "exdyna-q02", "exdyna-dw", "exdyna-mcq", "exdyna-plain", "exdyna-mcq02",
                                  "exdyna-adam", "exdyna-adam-g", "exdyna-adam-u", "dense-adam-u", "diloco-exdyna-h16",
                                  "diloco-exdyna-h64", "diloco-exdyna-bf16-h16", "diloco-dense-h16", "sloco-h16",
-                                 "sloco-ef-h16", "sloco-h64", "sloco-bf16-h16")
+                                 "sloco-ef-h16", "sloco-h64", "sloco-bf16-h16", "exdyna-demo")
 DDP_METHODS = ("ddp", "ddp-bv", "ddp-accum", "ddp-powersgd", "ddp-bf16")
 #: DiLoCo (Douillard et al. 2023; torchft): H local steps of the inner optimiser, then the averaged
 #: parameter delta applied by an outer Nesterov SGD (lr 0.7, momentum 0.9, the paper's values)
@@ -159,9 +159,11 @@ LIBRARY = {"dense": ("dense", {}), "exdyna": ("exdyna", {}), "topk": ("topk", {}
            "exdyna-mcq": ("exdyna", {"max_imbalance": 0.05}), "exdyna-mcq02": ("exdyna", {"max_imbalance": 0.2}),
            "exdyna-plain": ("exdyna", {"momentum_correction": 0.0, "max_imbalance": None}),
            "exdyna-adam": ("exdyna", {"adam": "frozen"}), "exdyna-adam-g": ("exdyna", {"adam": "frozen-gradient"}),
-           "exdyna-adam-u": ("exdyna", {"adam": "update"}), "dense-adam-u": ("dense", {"adam": "update"})}
-#: Adam's own paths (``DistributedOptimizer(adam=...)``): the update exchanged, the variance frozen; AdamW only
-ADAM_ONLY = ("exdyna-adam", "exdyna-adam-g", "exdyna-adam-u", "dense-adam-u")
+           "exdyna-adam-u": ("exdyna", {"adam": "update"}), "dense-adam-u": ("dense", {"adam": "update"}),
+           "exdyna-demo": ("exdyna", {"adam": "demo"})}
+#: Adam's own paths (``DistributedOptimizer(adam=...)``): the update exchanged, the variance frozen, DeMo's
+#: decoupled momentum (the residual as momentum, sign of the average applied); AdamW only
+ADAM_ONLY = ("exdyna-adam", "exdyna-adam-g", "exdyna-adam-u", "dense-adam-u", "exdyna-demo")
 #: the training recipe's options, set from the run's arguments in _build: momentum correction with the
 #: run's momentum (the wrapped SGD then runs without it); DGC's density warm-up, 25 %, 6.25 %, 1.5625 %,
 #: each stage an eighth of the step budget (an epoch of the CNN's)

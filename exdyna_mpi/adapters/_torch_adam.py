@@ -64,7 +64,7 @@ if TYPE_CHECKING:
     import torch
 
 ADAM_KEY = "exdyna_adam"
-MODES = ("live", "update", "frozen", "frozen-gradient")
+MODES = ("live", "update", "frozen", "frozen-gradient", "demo")
 
 
 def is_adam(optimizer) -> bool:
@@ -78,6 +78,8 @@ def make_adam_path(optimizer, params, mode: str) -> "AdamPath | None":
     steps on the exchanged gradient), else ``LocalUpdateAdam`` or ``FrozenVarianceAdam``."""
     if mode == "live":
         return None
+    if mode == "demo":
+        return DecoupledMomentum(optimizer, params)
     return LocalUpdateAdam(optimizer, params, mode) if mode == "update" else FrozenVarianceAdam(optimizer, params, mode)
 
 
@@ -95,6 +97,10 @@ class AdamPath:
     Raises:
         ValueError: ``amsgrad``, ``maximize`` or complex parameters (not supported).
     """
+
+    #: what the sparsifier's residual is multiplied by after each exchange that was not skipped (None:
+    #: left alone); ``DistributedOptimizer.step`` applies it
+    residual_decay: float | None = None
 
     def __init__(self, optimizer, params, mode: str) -> None:
         torch = _torch()
@@ -232,6 +238,79 @@ class LocalUpdateAdam(AdamPath):
         fresh = self.step == 0 or d.get("m") is None
         self.m = None if fresh else d["m"].detach().clone()
         self.v = None if fresh else d["v"].detach().clone()
+
+
+class DecoupledMomentum(AdamPath):
+    """``adam="demo"``: DeMo's decoupled momentum (Peng et al. 2024) with ExDyna's selection.
+
+    The sparsifier's error-feedback residual is the momentum. Each step a rank's gradient joins it
+    (``m = beta1 m + g``, the decay applied after the previous exchange), the sparsifier sends the
+    largest entries of ``m`` over its exclusive partitions and removes what it sent from ``m``, and
+    every rank applies the sign of the exchanged average: AdamW's decay ``theta *= 1 - lr * wd``,
+    then ``theta -= lr * sign(q_avg)`` (signSGD on the sent coordinates; the others do not move this
+    step). ``torch.optim.Adam``'s coupled decay adds ``wd * theta`` to the gradient first. No second
+    moment: the sign plays the part of Adam's normalisation. ``beta1`` (the groups' ``betas[0]``,
+    the same in every group) is the momentum's decay; ``beta2`` and ``eps`` are not used.
+
+    What changes from DeMo: the selection is ExDyna's (exclusive partitions, one owner per
+    coordinate, its threshold holding the density) rather than a top-k of DCT chunks per rank, so
+    a sent coordinate carries its owner's momentum, divided by P. The momentum is in the
+    sparsifier's state (``"exdyna_sparsifier"``); this path keeps only its step count. A skipped
+    exchange (``nonfinite="skip"``) changes nothing, the decay included.
+    """
+
+    def __init__(self, optimizer, params) -> None:
+        super().__init__(optimizer, params, "demo")
+        betas = {float(g["betas"][0]) for g in optimizer.param_groups}
+        if len(betas) != 1:
+            raise ValueError(f"DistributedOptimizer: adam='demo' needs one betas[0] for every param group, "
+                             f"got {sorted(betas)}")
+        self.residual_decay = betas.pop()
+        if not 0.0 <= self.residual_decay < 1.0:
+            raise ValueError(f"DistributedOptimizer: adam='demo' needs 0 <= betas[0] < 1, got {self.residual_decay}")
+        self.step = 0
+
+    @property
+    def owns_step(self) -> bool:
+        return True
+
+    def prepare(self, optimizer, flat, dense: bool) -> None:
+        if self.decoupled:
+            return
+        with _torch().no_grad():
+            for p, g, off, n in self.slices:
+                wd = float(g["weight_decay"])
+                if wd:
+                    flat[off:off + n].add_(p.detach().reshape(-1), alpha=wd)
+
+    def update(self, flat, skipped: bool) -> None:
+        torch = _torch()
+        if skipped:
+            return
+        self.step += 1
+        with torch.no_grad():
+            for p, g, off, n in self.slices:
+                lr, wd = float(g["lr"]), float(g["weight_decay"])
+                if wd and self.decoupled:
+                    p.mul_(1 - lr * wd)
+                p.add_(torch.sign(flat[off:off + n]).view_as(p), alpha=-lr)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"mode": self.mode, "step": self.step, "beta1": self.residual_decay}
+
+    def check(self, d: dict[str, Any]) -> None:
+        """Raise ``ValueError`` if ``d`` cannot be loaded (another mode, another ``beta1``: the
+        residual it saved is a momentum of that decay); changes nothing."""
+        self._check_mode(d)
+        if int(d.get("step", -1)) < 0:
+            raise ValueError(f"DistributedOptimizer.load_state_dict: exdyna_adam.step is {d.get('step')!r}")
+        if d.get("beta1") != self.residual_decay:
+            raise ValueError(f"DistributedOptimizer.load_state_dict: exdyna_adam.beta1 is {d.get('beta1')!r}, "
+                             f"this optimizer's betas[0] is {self.residual_decay}")
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        """Load a dict that ``check`` accepted."""
+        self.step = int(d["step"])
 
 
 class FrozenVarianceAdam(AdamPath):

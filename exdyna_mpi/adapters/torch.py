@@ -167,6 +167,8 @@ class _DistributedMixin(_OptimizerMixinBase):
         adam = self._exdyna_adam
         if adam is not None and adam.owns_step:
             adam.update(self._exdyna_grads.flat, stats.skipped)
+            if adam.residual_decay is not None and not stats.skipped:   # adam="demo": the residual is the momentum
+                self._exdyna_last.scale_residual(adam.residual_decay)
             return None
         return super().step()
 
@@ -310,7 +312,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
     ``warmup_steps`` (required, >= 1) dense steps of exact Adam, then freezes the second moment,
     exchanges the gradient divided by it (selection by update size) with error feedback and applies
     Adam with the frozen variance; ``"frozen-gradient"`` the same with the division after the
-    exchange.
+    exchange; ``"demo"`` is DeMo's decoupled momentum: the sparsifier's residual is the momentum
+    (decayed by ``betas[0]`` after each exchange), and every rank applies ``lr * sign`` of the
+    exchanged average after AdamW's decay (no second moment).
 
     Args:
         optimizer: the ``torch.optim`` optimizer to wrap (its state is shared, not copied).

@@ -1,0 +1,151 @@
+"""DistributedOptimizer(adam="demo"): DeMo's decoupled momentum, the residual as the momentum.
+
+- With the union top-k exchange, the parameters and every rank's residual equal a reference
+  computed here: each rank's momentum ``m = beta1 m + g`` (Adam's coupled decay in ``g``), its
+  top-k by magnitude, the union of the ranks' selections averaged, ``theta -= lr * sign(avg)``
+  after AdamW's decoupled decay, the sent entries removed from every rank's momentum.
+- With ExDyna at 5 %: every rank holds the same parameters, the residuals differ (each rank's own
+  momentum), and a state dict resumes bit-exactly.
+- A step skipped everywhere leaves parameters, residual (the decay included) and step count as
+  they were; a dict of another ``beta1`` or mode is refused on every rank with the same error;
+  param groups with different ``betas[0]`` are refused at construction.
+"""
+import io
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed")
+
+from exdyna_mpi.adapters.torch import DistributedOptimizer  # noqa: E402
+from tests.conftest import allgather_array, mpi_assert, same_error_everywhere  # noqa: E402
+from tests.mpi.test_torch_adam import _grad_at  # noqa: E402
+from tests.mpi.test_torch_options import _batch, _flat, _model, _step  # noqa: E402
+
+pytestmark = pytest.mark.mpi
+LR, BETAS, WD = 1e-2, (0.9, 0.95), 0.1
+
+
+def _make(model, wcomm, cls=torch.optim.AdamW, betas=BETAS, **kw):
+    opt = cls(model.parameters(), lr=LR, betas=betas, weight_decay=WD)
+    return DistributedOptimizer(opt, model, comm=wcomm, adam="demo", **kw)
+
+
+@pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.Adam])
+def test_topk_exchange_equals_decoupled_momentum_computed_here(wcomm, cls):
+    rank, size = wcomm.Get_rank(), wcomm.Get_size()
+    model = _model()
+    density = 0.1
+    opt = _make(model, wcomm, cls, sparsifier="topk", density=density)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))   # the lr is read at each step
+    theta = _flat(model.parameters()).astype(np.float64)
+    n = theta.shape[0]
+    k = max(1, int(density * n))
+    m = np.zeros(n)
+    beta1 = BETAS[0]
+    decoupled = cls is torch.optim.AdamW
+    for t in range(1, 9):
+        lr = LR / t
+        x, y = _batch(rank, t)
+        g = _grad_at(model, theta, x, y)
+        if not decoupled:
+            g = g + WD * theta
+        m = m + g                                    # decayed after the previous exchange (below)
+        every = allgather_array(m, wcomm)
+        union = np.zeros(n, bool)
+        for mr in every:                             # each rank's top-k by magnitude, ties at the k-th taken
+            union |= np.abs(mr) >= np.sort(np.abs(mr))[-k]
+        avg = every.mean(axis=0)
+        expect = theta * (1 - lr * WD) if decoupled else theta.copy()
+        expect[union] -= lr * np.sign(avg[union])
+        m[union] = 0.0
+        m *= beta1
+        _step(model, opt, x, y)
+        sched.step()
+        got = _flat(model.parameters()).astype(np.float64)
+        err = np.abs(got - expect).max()
+        mpi_assert(err < 1e-5, f"{cls.__name__} step {t}: max |theta - reference| {err:.3g}", wcomm)
+        res_err = np.abs(opt.sparsifier.residual.astype(np.float64) - m).max() / max(np.abs(m).max(), 1e-30)
+        mpi_assert(res_err < 1e-5, f"step {t}: the residual is not the decayed momentum ({res_err:.3g})", wcomm)
+        theta = got
+    mpi_assert(opt._exdyna_adam.step == 8, f"steps counted: {opt._exdyna_adam.step}", wcomm)
+    if size > 1:
+        res = allgather_array(opt.sparsifier.residual, wcomm)
+        mpi_assert(res[0].tobytes() != res[1].tobytes(), "each rank's momentum is its own", wcomm)
+
+
+def _train(model, opt, rank, steps):
+    for s in steps:
+        _step(model, opt, *_batch(rank, s))
+
+
+def test_exdyna_ranks_identical_and_resume_bit_exact(wcomm):
+    rank = wcomm.Get_rank()
+    model = _model()
+    opt = _make(model, wcomm, sparsifier="exdyna", density=0.05)
+    _train(model, opt, rank, range(6))
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    _train(model, opt, rank, range(6, 10))
+    mine = _flat(model.parameters())
+    every = allgather_array(mine, wcomm)
+    mpi_assert(all(r.tobytes() == mine.tobytes() for r in every), "ranks hold different parameters", wcomm)
+    mpi_assert(opt.stats.density < 0.2, f"the exchange is sparse (density {opt.stats.density:.3g})", wcomm)
+
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    model2 = _model(seed=99)
+    opt2 = _make(model2, wcomm, sparsifier="exdyna", density=0.05)
+    model2.load_state_dict(saved["model"])
+    opt2.load_state_dict(saved["opt"])
+    _train(model2, opt2, rank, range(6, 10))
+    mpi_assert(_flat(model2.parameters()).tobytes() == mine.tobytes(), "resume is not bit-exact", wcomm)
+    mpi_assert(opt2.sparsifier.residual.tobytes() == opt.sparsifier.residual.tobytes(),
+               "the resumed momentum differs", wcomm)
+
+
+def test_a_skipped_step_changes_nothing(wcomm):
+    rank = wcomm.Get_rank()
+    model = _model()
+    opt = _make(model, wcomm, sparsifier="exdyna", density=0.05, nonfinite="skip")
+    _train(model, opt, rank, range(3))
+    path = opt._exdyna_adam
+    kept = (_flat(model.parameters()), opt.sparsifier.residual, path.step)
+    opt.zero_grad()
+    x, y = _batch(rank, 3)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    if rank == wcomm.Get_size() - 1:
+        with torch.no_grad():
+            next(model.parameters()).grad[0, 0] = float("nan")
+    opt.step()
+    mpi_assert(opt.stats.skipped, "the step was skipped on every rank", wcomm)
+    mpi_assert(_flat(model.parameters()).tobytes() == kept[0].tobytes()
+               and opt.sparsifier.residual.tobytes() == kept[1].tobytes() and path.step == kept[2],
+               "a skipped step changed the state (or decayed the momentum)", wcomm)
+    _train(model, opt, rank, range(4, 6))
+    mpi_assert(path.step == kept[2] + 2, f"steps counted after the skip: {path.step}", wcomm)
+
+
+def test_refusals_are_collective_and_change_nothing(wcomm):
+    rank = wcomm.Get_rank()
+    model = _model()
+    opt = _make(model, wcomm, sparsifier="exdyna", density=0.05)
+    _train(model, opt, rank, range(3))
+    good = opt.state_dict()
+    kept = (opt.sparsifier.residual, opt._exdyna_adam.step, opt.sparsifier.state_dict()["iteration"])
+    bad = dict(good, exdyna_adam=dict(good["exdyna_adam"]))
+    if rank == wcomm.Get_size() - 1:
+        bad["exdyna_adam"]["beta1"] = 0.5   # a momentum of another decay
+    msg = same_error_everywhere(lambda: opt.load_state_dict(bad), wcomm)
+    mpi_assert("beta1" in msg, f"the error names beta1: {msg}", wcomm)
+    mpi_assert(opt.sparsifier.residual.tobytes() == kept[0].tobytes() and opt._exdyna_adam.step == kept[1]
+               and opt.sparsifier.state_dict()["iteration"] == kept[2], "a refused load changed the state", wcomm)
+    other = dict(good, exdyna_adam=dict(good["exdyna_adam"], mode="update"))
+    msg = same_error_everywhere(lambda: opt.load_state_dict(other), wcomm)
+    mpi_assert("adam='update'" in msg and "adam='demo'" in msg, f"names both modes: {msg}", wcomm)
+    two = torch.nn.Linear(4, 2)
+    groups = [{"params": [two.weight], "betas": (0.9, 0.95)}, {"params": [two.bias], "betas": (0.8, 0.95)}]
+    with pytest.raises(ValueError, match="one betas"):
+        DistributedOptimizer(torch.optim.AdamW(groups, lr=LR), two, comm=wcomm, adam="demo")
+    with pytest.raises(ValueError, match="needs torch.optim.Adam or AdamW"):
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, comm=wcomm, adam="demo")
