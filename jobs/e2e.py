@@ -46,8 +46,9 @@ Methods (``--methods``, run one after another in one launch, ``ddp`` first and, 
   the global parameters are what is evaluated. ``diloco-exdyna-h16``/``-h64`` (``-bf16-h16``: 16-bit
   values) and ``diloco-dense-h16``: the library's ``DiLoCo`` with the delta exchanged by ExDyna at
   ``--density`` (error feedback) or densely, the same outer Nesterov SGD. ``sloco-h16``: SparseLoCo's
-  recipe on the library's ``DiLoCo``: ExDyna on the delta, the residual decayed by 0.95 after each
-  outer step (``error_decay``), a plain outer SGD at lr 1 in place of Nesterov momentum;
+  recipe on the library's ``DiLoCo`` (its default for a sparse exchange, spelt out): ExDyna on the
+  delta, the residual decayed by 0.95 after each outer step (``error_decay``), a plain outer SGD at
+  lr 1 in place of Nesterov momentum;
   ``sloco-ef-h16``: the same without the decay; ``sloco-h64``: the recipe with 64 inner steps;
   ``sloco-bf16-h16``: with 16-bit values.
 - ``dense``, ``exdyna``, ``topk``, ``oktopk``, ``micro``: ``exdyna_mpi.adapters.torch.
@@ -126,6 +127,14 @@ DDP_METHODS = ("ddp", "ddp-bv", "ddp-accum", "ddp-powersgd", "ddp-bf16")
 DILOCO = {"diloco-h16": 16, "diloco-h64": 64}
 
 
+def _nesterov(params):
+    """DiLoCo's outer step (Nesterov SGD, lr 0.7, momentum 0.9): the library's default for a dense
+    exchange only, named here so that ``diloco-exdyna-*`` keep it on a sparse one."""
+    from exdyna_mpi.adapters.torch import nesterov_sgd
+
+    return nesterov_sgd(params)
+
+
 def _plain_sgd(params):
     """SparseLoCo's outer step: the averaged delta applied as it is (SGD at lr 1, no momentum)."""
     import torch
@@ -134,10 +143,14 @@ def _plain_sgd(params):
 
 
 #: the library's ``DiLoCo`` (exdyna_mpi.adapters.torch): (H, sparsifier, DiLoCo's and the sparsifier's
-#: options); the outer delta exchanged by ExDyna at ``--density`` with error feedback (``-bf16``: 16-bit
-#: values on the wire), or densely (``diloco-dense-h16``: the library's exact mean, against torchft's recipe above)
-DILOCO_LIB = {"diloco-exdyna-h16": (16, "exdyna", {}), "diloco-exdyna-h64": (64, "exdyna", {}),
-              "diloco-exdyna-bf16-h16": (16, "exdyna", {"wire_dtype": "bfloat16"}),
+#: options); ``diloco-exdyna-*``: the outer delta exchanged by ExDyna at ``--density`` with plain error
+#: feedback under DiLoCo's Nesterov step (``-bf16``: 16-bit values on the wire), or densely
+#: (``diloco-dense-h16``: the library's exact mean, against torchft's recipe above); ``sloco-*``: the
+#: library's default for a sparse exchange, SparseLoCo's recipe, spelt out
+DILOCO_LIB = {"diloco-exdyna-h16": (16, "exdyna", {"outer_optimizer": _nesterov, "error_decay": 1.0}),
+              "diloco-exdyna-h64": (64, "exdyna", {"outer_optimizer": _nesterov, "error_decay": 1.0}),
+              "diloco-exdyna-bf16-h16": (16, "exdyna", {"wire_dtype": "bfloat16", "outer_optimizer": _nesterov,
+                                                        "error_decay": 1.0}),
               "diloco-dense-h16": (16, "dense", {}),
               # SparseLoCo's recipe (Sarfi et al. 2025): the error feedback decayed by 0.95 before the delta
               # joins it, and a plain outer SGD at lr 1 (the decayed accumulator is the outer momentum)

@@ -33,7 +33,7 @@ from ._torch_common import (_broadcast_model, _flat_layout, _from_torch, _Optimi
 from ._torch_adam import ADAM_KEY, MODES as ADAM_MODES, AdamPath, is_adam, make_adam_path
 from ._torch_hook import ExDynaHookState, exdyna_hook
 from ._torch_options import OPTIONS_KEY, TrainingOptions, move_momentum, recipe_for
-from .torch_diloco import DiLoCo
+from .torch_diloco import DiLoCo, nesterov_sgd, plain_sgd
 from .torch_wagma import FlatParams, GroupAveragingOptimizer
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from mpi4py import MPI
 
 __all__ = ["DiLoCo", "DistributedOptimizer", "ExDynaHookState", "FlatGrad", "FlatParams", "GroupAveragingOptimizer",
-           "broadcast_parameters", "exdyna_hook"]
+           "broadcast_parameters", "exdyna_hook", "nesterov_sgd", "plain_sgd"]
 
 
 class FlatGrad:

@@ -15,9 +15,14 @@ How it runs (DiLoCo, Douglas et al. 2023; torchft's ``DiLoCo``):
    a sparse part and keep the rest in their error-feedback residual, which joins the next outer
    step's delta (SparseLoCo's recipe). ``wire_dtype="bfloat16"`` among ``options`` sends 16-bit
    values, the rounding kept by the sender.
-3. The averaged delta is the gradient of the global parameters, and the outer optimizer (Nesterov
-   SGD, lr 0.7, momentum 0.9 by default, as in the paper) steps them; the local model restarts
-   from the new global parameters. The inner optimizer keeps its state across outer steps.
+3. The averaged delta is the gradient of the global parameters, and the outer optimizer steps
+   them; the local model restarts from the new global parameters. The inner optimizer keeps its
+   state across outer steps. By default the outer step follows the exchange: with ``"dense"``,
+   DiLoCo's Nesterov SGD (lr 0.7, momentum 0.9, the paper's values) and plain error feedback; with
+   a sparse one, SparseLoCo's recipe: the residual decayed by 0.95 after each outer exchange and
+   the average applied as it is (SGD at lr 1), the decayed residual taking the place of the outer
+   momentum. On the AdamW LM of docs/e2e.md, Nesterov momentum on top of the sparse exchange's
+   error feedback ended 28 % above the recipe (results/e2e/2026-11-27-sloco.md).
 
 Every rank holds the same global parameters, and after each outer step the same model, bit for
 bit: the averaged delta is bit-identical on every rank and the outer step is elementwise. Buffers
@@ -44,7 +49,7 @@ if TYPE_CHECKING:
     import torch
     from mpi4py import MPI
 
-__all__ = ["DiLoCo"]
+__all__ = ["DiLoCo", "nesterov_sgd", "plain_sgd"]
 
 _KEY = "diloco"
 _VERSION = 1
@@ -53,6 +58,15 @@ _VERSION = 1
 def nesterov_sgd(params: Iterable[torch.Tensor], lr: float = 0.7, momentum: float = 0.9) -> torch.optim.Optimizer:
     """DiLoCo's outer optimizer: ``torch.optim.SGD(params, lr, momentum, nesterov=True)``."""
     return _torch().optim.SGD(params, lr=lr, momentum=momentum, nesterov=True)
+
+
+def plain_sgd(params: Iterable[torch.Tensor], lr: float = 1.0) -> torch.optim.Optimizer:
+    """SparseLoCo's outer optimizer: ``torch.optim.SGD(params, lr)``, the average applied as it is."""
+    return _torch().optim.SGD(params, lr=lr)
+
+
+#: ``error_decay`` where it is not given: SparseLoCo's for a sparse exchange, none for the dense one
+SPARSE_ERROR_DECAY = 0.95
 
 
 class DiLoCo:
@@ -68,11 +82,14 @@ class DiLoCo:
         density: the sparsifier's density (ignored by ``"dense"``).
         comm: the ranks that average (default ``MPI.COMM_WORLD``).
         outer_optimizer: a factory ``params -> torch.optim.Optimizer`` for the global parameters;
-            default ``nesterov_sgd`` (lr 0.7, momentum 0.9).
+            None (the default): ``nesterov_sgd`` (lr 0.7, momentum 0.9) with ``"dense"``,
+            ``plain_sgd`` (lr 1) with any other sparsifier.
         error_decay: the error feedback's decay ``beta`` in (0, 1]: after each outer exchange the
             residual is multiplied by it, so the next one sends from ``beta * residual + delta``
             (SparseLoCo's accumulator, used there with a plain outer SGD at lr 1 in place of
-            Nesterov momentum). Default 1.0: plain error feedback.
+            Nesterov momentum). None (the default): 0.95 with a sparse exchange, 1.0 (plain error
+            feedback) with ``"dense"``, whose residual stays empty. Pass both to run DiLoCo's
+            Nesterov step on a sparse exchange (``outer_optimizer=nesterov_sgd, error_decay=1.0``).
         broadcast: broadcast rank 0's model at construction (default True).
         **options: the sparsifier's options (``wire_dtype="bfloat16"``, ``max_imbalance``, ...).
 
@@ -100,10 +117,15 @@ class DiLoCo:
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None, *,
                  sync_every: int, sparsifier: str = "dense", density: float = 0.01, comm: MPI.Comm | None = None,
-                 outer_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] = nesterov_sgd,
-                 error_decay: float = 1.0, broadcast: bool = True, **options: Any) -> None:
+                 outer_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None,
+                 error_decay: float | None = None, broadcast: bool = True, **options: Any) -> None:
         torch = _torch()
         comm, params = _wrapped_params(optimizer, model, comm, "DiLoCo")
+        sparse = sparsifier != "dense"
+        if outer_optimizer is None:
+            outer_optimizer = plain_sgd if sparse else nesterov_sgd
+        if error_decay is None:
+            error_decay = SPARSE_ERROR_DECAY if sparse else 1.0
         self._exchange = transport.Exchange(comm)
         problem = None
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:

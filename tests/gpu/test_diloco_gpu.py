@@ -24,7 +24,7 @@ pytestmark = [
                        reason="needs a CUDA device visible to CuPy and a torch built with CUDA"),
 ]
 
-from exdyna_mpi.adapters.torch import DiLoCo  # noqa: E402
+from exdyna_mpi.adapters.torch import DiLoCo, nesterov_sgd  # noqa: E402
 
 H = 2
 
@@ -45,7 +45,7 @@ def _flat(model):
 
 
 @pytest.mark.parametrize("name, options", [("dense", {}), ("exdyna", {}), ("exdyna", {"wire_dtype": "bfloat16"}),
-                                           ("exdyna", {"error_decay": 0.95})])
+                                           ("exdyna", {"outer_optimizer": nesterov_sgd, "error_decay": 1.0})])
 def test_cuda_diloco_ranks_identical_and_resume_bit_exact(name, options):
     comm = MPI.COMM_WORLD
     model, opt = _build(name, options)

@@ -10,6 +10,8 @@
   dicts) reaches the straight run's bits;
 - ``error_decay`` (SparseLoCo's decayed accumulator): what was sent equals the decayed error
   feedback's account, ranks identical, resume bit-exact, another decay refused at load;
+- the defaults: a sparse exchange runs SparseLoCo's recipe (decay 0.95, outer SGD at lr 1), the
+  dense one DiLoCo's Nesterov step, bit for bit the same as those options given;
 - refusals: a bad ``sync_every`` or ``error_decay`` and a dict corrupt on one rank (the same error on every rank,
   nothing changed); a non-finite delta on one rank raises ``StepError`` everywhere.
 """
@@ -22,7 +24,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="PyTorch is not installed")
 
 import exdyna_mpi  # noqa: E402
-from exdyna_mpi.adapters.torch import DiLoCo  # noqa: E402
+from exdyna_mpi.adapters.torch import DiLoCo, nesterov_sgd, plain_sgd  # noqa: E402
 from tests.conftest import allgather_array, mpi_assert, same_error_everywhere  # noqa: E402
 
 pytestmark = pytest.mark.mpi
@@ -93,7 +95,8 @@ def test_exdyna_outer_exchange_is_identical_on_every_rank_and_loses_nothing(wire
     rank, size = wcomm.Get_rank(), wcomm.Get_size()
     model = _model()
     options = {} if wire is None else {"wire_dtype": wire}
-    opt = DiLoCo(_inner(model), model, sync_every=H, sparsifier="exdyna", density=0.05, comm=wcomm, **options)
+    opt = DiLoCo(_inner(model), model, sync_every=H, sparsifier="exdyna", density=0.05, comm=wcomm,
+                 outer_optimizer=nesterov_sgd, error_decay=1.0, **options)   # the applied delta from the momentum
     for s in range(4 * H):
         if (s + 1) % H == 0:
             glob = opt.global_params.detach().numpy().copy()
@@ -167,6 +170,27 @@ def test_resume_between_inner_steps_is_bit_exact(name, options, at, wcomm):
         _step(model, opt, rank, s)
     mpi_assert(np.array_equal(straight.view(np.uint32), _flat(model).view(np.uint32)),
                f"{name} {options} resumed at {at}: differs from the straight run", wcomm)
+
+
+@pytest.mark.parametrize("name, explicit, decay, outer", [
+    ("exdyna", {"outer_optimizer": plain_sgd, "error_decay": 0.95}, 0.95, {"lr": 1.0, "momentum": 0}),
+    ("dense", {"outer_optimizer": nesterov_sgd, "error_decay": 1.0}, 1.0, {"lr": 0.7, "momentum": 0.9})])
+def test_defaults_follow_the_exchange(name, explicit, decay, outer, wcomm):
+    rank = wcomm.Get_rank()
+    runs = []
+    for options in ({}, explicit):
+        model = _model()
+        opt = DiLoCo(_inner(model), model, sync_every=H, sparsifier=name, density=0.05, comm=wcomm, **options)
+        for s in range(3 * H):
+            _step(model, opt, rank, s)
+        runs.append((_flat(model), opt))
+    (default_bits, opt), (explicit_bits, _) = runs
+    group = opt.outer.param_groups[0]
+    mpi_assert(opt.error_decay == decay and all(group[k] == v for k, v in outer.items())
+               and group["nesterov"] == (name == "dense"), f"{name}: decay {opt.error_decay}, outer {group}", wcomm)
+    mpi_assert(default_bits.tobytes() == explicit_bits.tobytes(), f"{name}: the default is not {explicit}", wcomm)
+    for _, o in runs:
+        o.close()
 
 
 def test_decayed_error_feedback_is_sparselocos_accumulator(wcomm):

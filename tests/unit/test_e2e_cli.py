@@ -210,3 +210,21 @@ def test_library_diloco_methods_take_outer_steps(tmp_path):
     # SparseLoCo's outer step (plain SGD at lr 1) is not the Nesterov one (0.7 x 1.9 the first delta)
     assert runs["sloco-h16"]["bytes_per_step"] == sparse
     assert runs["sloco-h16"]["evals"][-1][2] != runs["diloco-exdyna-h16"]["evals"][-1][2]
+
+
+def test_adam_paths_train_with_adamw(tmp_path):
+    """The harness's Adam paths (``DistributedOptimizer(adam=...)``) under the AdamW protocol: each
+    trains, every rank holds the same parameters, and the paths differ from each other and from
+    the default (``adam="live"``); an Adam path under SGD is refused."""
+    recs = e2e(tmp_path, "--optimizer", "adamw", "--lr", "2e-3", "--steps", "4", "--max-steps", "4",
+               "--eval-every", "4", "--warmup", "1", "--density", "0.05",
+               "--methods", "ddp,exdyna,exdyna-adam-u,exdyna-demo")
+    runs = {r["method"]: r for r in recs if r["kind"] == "run"}
+    finals = set()
+    for m in ("exdyna", "exdyna-adam-u", "exdyna-demo"):
+        assert runs[m]["params_identical"] and runs[m]["steps_run"] == 4, m
+        assert runs[m]["evals"][-1][2] < runs[m]["evals"][0][2], m
+        finals.add(runs[m]["evals"][-1][2])
+    assert len(finals) == 3
+    with pytest.raises(AssertionError, match="are Adam paths"):
+        e2e(tmp_path / "sgd", *SGD, "--steps", "2", "--methods", "ddp,exdyna-demo")
