@@ -56,12 +56,46 @@ _VERSION = 1
 
 
 def nesterov_sgd(params: Iterable[torch.Tensor], lr: float = 0.7, momentum: float = 0.9) -> torch.optim.Optimizer:
-    """DiLoCo's outer optimizer: ``torch.optim.SGD(params, lr, momentum, nesterov=True)``."""
+    """DiLoCo's outer optimizer, ``DiLoCo``'s default with ``"dense"``.
+
+    Args:
+        params: the global parameters.
+        lr: the outer learning rate (the paper's 0.7).
+        momentum: Nesterov momentum (the paper's 0.9).
+
+    Returns:
+        ``torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=True)``.
+
+    Raises:
+        ValueError: from ``torch.optim.SGD`` (a negative ``lr``, say).
+
+    Example::
+
+        >>> opt = DiLoCo(inner, model, sync_every=16, sparsifier="exdyna", density=0.03,
+        ...              outer_optimizer=nesterov_sgd, error_decay=1.0)   # Nesterov on a sparse exchange
+    """
     return _torch().optim.SGD(params, lr=lr, momentum=momentum, nesterov=True)
 
 
 def plain_sgd(params: Iterable[torch.Tensor], lr: float = 1.0) -> torch.optim.Optimizer:
-    """SparseLoCo's outer optimizer: ``torch.optim.SGD(params, lr)``, the average applied as it is."""
+    """SparseLoCo's outer optimizer, ``DiLoCo``'s default with a sparse exchange: the averaged delta
+    applied as it is (the decayed residual takes the place of momentum).
+
+    Args:
+        params: the global parameters.
+        lr: the outer learning rate (1: the average itself).
+
+    Returns:
+        ``torch.optim.SGD(params, lr=lr)``.
+
+    Raises:
+        ValueError: from ``torch.optim.SGD`` (a negative ``lr``, say).
+
+    Example::
+
+        >>> opt = DiLoCo(inner, model, sync_every=16, sparsifier="dense",
+        ...              outer_optimizer=plain_sgd)   # a plain outer step on the exact mean
+    """
     return _torch().optim.SGD(params, lr=lr)
 
 
