@@ -66,8 +66,10 @@ Methods (``--methods``, run one after another in one launch, ``ddp`` first and, 
   before ExDyna's selection and error feedback); ``exdyna-adam-g``: ``adam="frozen-gradient"`` (the
   division after the exchange); ``exdyna-adam-u``: ``adam="update"`` (Adam's moments on each rank,
   its update exchanged by ExDyna with error feedback, the average applied); ``dense-adam-u``: the
-  same update averaged densely (what the per-rank moments cost without sparsity); all four with
-  ``--optimizer adamw`` only.
+  same update averaged densely (what the per-rank moments cost without sparsity);
+  ``exdyna-demo``: ``adam="demo"`` (DeMo's decoupled momentum: the residual as the momentum, decayed
+  by beta1 = 0.9, ``lr * sign`` of the average applied); ``exdyna-demo99``/``-demo999``: the same with
+  beta1 = 0.99/0.999; all seven with ``--optimizer adamw`` only.
 - ``ddp-exdyna``: DDP (default buckets) with the library's hook, ``exdyna_hook`` and
   ``ExDynaHookState("exdyna", density, optimizer=opt)``: one sparsifier over the whole model, exchanged
   on the hook's worker thread once the last bucket is ready, inside the same training recipe as
@@ -120,7 +122,8 @@ ALL_METHODS = DEFAULT_METHODS + ("dense", "ddp-exdyna", "topk", "oktopk", "micro
                                  "exdyna-q02", "exdyna-dw", "exdyna-mcq", "exdyna-plain", "exdyna-mcq02",
                                  "exdyna-adam", "exdyna-adam-g", "exdyna-adam-u", "dense-adam-u", "diloco-exdyna-h16",
                                  "diloco-exdyna-h64", "diloco-exdyna-bf16-h16", "diloco-dense-h16", "sloco-h16",
-                                 "sloco-ef-h16", "sloco-h64", "sloco-bf16-h16", "exdyna-demo")
+                                 "sloco-ef-h16", "sloco-h64", "sloco-bf16-h16", "exdyna-demo", "exdyna-demo99",
+                                 "exdyna-demo999")
 DDP_METHODS = ("ddp", "ddp-bv", "ddp-accum", "ddp-powersgd", "ddp-bf16")
 #: DiLoCo (Douillard et al. 2023; torchft): H local steps of the inner optimiser, then the averaged
 #: parameter delta applied by an outer Nesterov SGD (lr 0.7, momentum 0.9, the paper's values)
@@ -173,10 +176,14 @@ LIBRARY = {"dense": ("dense", {}), "exdyna": ("exdyna", {}), "topk": ("topk", {}
            "exdyna-plain": ("exdyna", {"momentum_correction": 0.0, "max_imbalance": None}),
            "exdyna-adam": ("exdyna", {"adam": "frozen"}), "exdyna-adam-g": ("exdyna", {"adam": "frozen-gradient"}),
            "exdyna-adam-u": ("exdyna", {"adam": "update"}), "dense-adam-u": ("dense", {"adam": "update"}),
-           "exdyna-demo": ("exdyna", {"adam": "demo"})}
+           "exdyna-demo": ("exdyna", {"adam": "demo"}), "exdyna-demo99": ("exdyna", {"adam": "demo"}),
+           "exdyna-demo999": ("exdyna", {"adam": "demo"})}
+#: DeMo's momentum decay where it is not AdamW's beta1 of 0.9 (``adam="demo"`` reads it from ``betas[0]``)
+DEMO_MOMENTUM = {"exdyna-demo99": 0.99, "exdyna-demo999": 0.999}
 #: Adam's own paths (``DistributedOptimizer(adam=...)``): the update exchanged, the variance frozen, DeMo's
 #: decoupled momentum (the residual as momentum, sign of the average applied); AdamW only
-ADAM_ONLY = ("exdyna-adam", "exdyna-adam-g", "exdyna-adam-u", "dense-adam-u", "exdyna-demo")
+ADAM_ONLY = ("exdyna-adam", "exdyna-adam-g", "exdyna-adam-u", "dense-adam-u", "exdyna-demo", "exdyna-demo99",
+             "exdyna-demo999")
 #: the training recipe's options, set from the run's arguments in _build: momentum correction with the
 #: run's momentum (the wrapped SGD then runs without it); DGC's density warm-up, 25 %, 6.25 %, 1.5625 %,
 #: each stage an eighth of the step budget (an epoch of the CNN's)
@@ -398,11 +405,13 @@ class GlobalView:
 
 
 def make_optimizer(params, args, lr, momentum=None):
-    """The run's optimiser: AdamW with betas (0.9, 0.95) (GPT practice) or SGD with momentum."""
+    """The run's optimiser: AdamW with betas (0.9, 0.95) (GPT practice; ``momentum`` replaces beta1)
+    or SGD with momentum."""
     import torch
 
     if args.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+        beta1 = 0.9 if momentum is None else momentum
+        return torch.optim.AdamW(params, lr=lr, betas=(beta1, 0.95), weight_decay=args.weight_decay)
     return torch.optim.SGD(params, lr=lr, momentum=args.momentum if momentum is None else momentum,
                            weight_decay=args.weight_decay)
 
@@ -492,7 +501,7 @@ def build(method, wl, args, comm, numel):
                                       sync_every=10, mode="wait_avoiding", comm=comm)
         return Method(model, model, opt, collectives=n)
     name, options = LIBRARY[method]
-    momentum = None
+    momentum = DEMO_MOMENTUM.get(method)
     if method in RECIPES:
         options = dict(options, **RECIPES[method](args))
         if options.get("momentum_correction"):
