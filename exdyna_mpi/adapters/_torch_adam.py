@@ -146,6 +146,16 @@ class AdamPath:
         """Load a dict that ``check`` accepted."""
         raise NotImplementedError
 
+    def _descend(self, u) -> None:
+        """Every parameter: AdamW's decoupled decay ``theta *= 1 - lr * wd``, then ``theta -= lr * u``
+        (``u`` flat, in the parameters' order; ``lr`` read from the group at this step)."""
+        with _torch().no_grad():
+            for p, g, off, n in self.slices:
+                lr, wd = float(g["lr"]), float(g["weight_decay"])
+                if wd and self.decoupled:
+                    p.mul_(1 - lr * wd)
+                p.add_(u[off:off + n].view_as(p), alpha=-lr)
+
     def _check_mode(self, d) -> None:
         if not isinstance(d, dict) or d.get("mode") != self.mode:
             mode = d.get("mode") if isinstance(d, dict) else None
@@ -205,18 +215,12 @@ class LocalUpdateAdam(AdamPath):
                 torch.div(mv, gv, out=gv).div_(1 - beta1 ** t)
 
     def update(self, flat, skipped: bool) -> None:
-        torch = _torch()
         if skipped or self._next is None:   # the exchange skipped the step everywhere: nothing changes
             return
         # the step's moments become the state; the old buffers are the next step's scratch
         self.m, self.v, self._next = self._next[0], self._next[1], (self.m, self.v)
         self.step += 1
-        with torch.no_grad():
-            for p, g, off, n in self.slices:
-                lr, wd = float(g["lr"]), float(g["weight_decay"])
-                if wd and self.decoupled:
-                    p.mul_(1 - lr * wd)
-                p.add_(flat[off:off + n].view_as(p), alpha=-lr)
+        self._descend(flat)
 
     def state_dict(self) -> dict[str, Any]:
         return {"mode": self.mode, "step": self.step,
@@ -288,12 +292,7 @@ class DecoupledMomentum(AdamPath):
         if skipped:
             return
         self.step += 1
-        with torch.no_grad():
-            for p, g, off, n in self.slices:
-                lr, wd = float(g["lr"]), float(g["weight_decay"])
-                if wd and self.decoupled:
-                    p.mul_(1 - lr * wd)
-                p.add_(torch.sign(flat[off:off + n]).view_as(p), alpha=-lr)
+        self._descend(torch.sign(flat))
 
     def state_dict(self) -> dict[str, Any]:
         return {"mode": self.mode, "step": self.step, "beta1": self.residual_decay}

@@ -20,6 +20,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is not installed")
 from exdyna_mpi.adapters.torch import DistributedOptimizer  # noqa: E402
 from tests.conftest import allgather_array, mpi_assert, same_error_everywhere  # noqa: E402
 from tests.mpi.test_torch_adam import _grad_at  # noqa: E402
+from tests.mpi.test_torch_adam_update import _train  # noqa: E402
 from tests.mpi.test_torch_options import _batch, _flat, _model, _step  # noqa: E402
 
 pytestmark = pytest.mark.mpi
@@ -72,11 +73,6 @@ def test_topk_exchange_equals_decoupled_momentum_computed_here(wcomm, cls):
     if size > 1:
         res = allgather_array(opt.sparsifier.residual, wcomm)
         mpi_assert(res[0].tobytes() != res[1].tobytes(), "each rank's momentum is its own", wcomm)
-
-
-def _train(model, opt, rank, steps):
-    for s in steps:
-        _step(model, opt, *_batch(rank, s))
 
 
 def test_exdyna_ranks_identical_and_resume_bit_exact(wcomm):
