@@ -146,6 +146,17 @@ class AdamPath:
         """Load a dict that ``check`` accepted."""
         raise NotImplementedError
 
+    def _couple_decay(self, flat) -> None:
+        """``torch.optim.Adam``'s coupled weight decay, ``g += wd * theta``, on this rank's flat
+        gradient (AdamW's decay is decoupled: nothing here)."""
+        if self.decoupled:
+            return
+        with _torch().no_grad():
+            for p, g, off, n in self.slices:
+                wd = float(g["weight_decay"])
+                if wd:
+                    flat[off:off + n].add_(p.detach().reshape(-1), alpha=wd)
+
     def _descend(self, u) -> None:
         """Every parameter: AdamW's decoupled decay ``theta *= 1 - lr * wd``, then ``theta -= lr * u``
         (``u`` flat, in the parameters' order; ``lr`` read from the group at this step)."""
@@ -155,6 +166,10 @@ class AdamPath:
                 if wd and self.decoupled:
                     p.mul_(1 - lr * wd)
                 p.add_(u[off:off + n].view_as(p), alpha=-lr)
+
+    def _check_step(self, d) -> None:
+        if int(d.get("step", -1)) < 0:
+            raise ValueError(f"DistributedOptimizer.load_state_dict: exdyna_adam.step is {d.get('step')!r}")
 
     def _check_mode(self, d) -> None:
         if not isinstance(d, dict) or d.get("mode") != self.mode:
@@ -200,13 +215,12 @@ class LocalUpdateAdam(AdamPath):
         m, v = self.m, self.v
         m2, v2 = self._next
         t = self.step + 1
+        self._couple_decay(flat)
         with torch.no_grad():
             for p, g, off, n in self.slices:
                 beta1, beta2 = g["betas"]
-                eps, wd = g["eps"], float(g["weight_decay"])
+                eps = g["eps"]
                 gv = flat[off:off + n]
-                if wd and not self.decoupled:
-                    gv.add_(p.detach().reshape(-1), alpha=wd)
                 mv, vv = m2[off:off + n], v2[off:off + n]
                 torch.mul(m[off:off + n], beta1, out=mv).add_(gv, alpha=1 - beta1)
                 torch.mul(v[off:off + n], beta2, out=vv).addcmul_(gv, gv, value=1 - beta2)
@@ -231,8 +245,7 @@ class LocalUpdateAdam(AdamPath):
         """Raise ``ValueError`` if ``d`` cannot be loaded (another mode, wrong lengths, non-finite
         moments); changes nothing."""
         self._check_mode(d)
-        if int(d.get("step", -1)) < 0:
-            raise ValueError(f"DistributedOptimizer.load_state_dict: exdyna_adam.step is {d.get('step')!r}")
+        self._check_step(d)
         if d["step"] > 0:
             self._check_vectors(d, ("m", "v"))
 
@@ -279,13 +292,7 @@ class DecoupledMomentum(AdamPath):
         return True
 
     def prepare(self, optimizer, flat, dense: bool) -> None:
-        if self.decoupled:
-            return
-        with _torch().no_grad():
-            for p, g, off, n in self.slices:
-                wd = float(g["weight_decay"])
-                if wd:
-                    flat[off:off + n].add_(p.detach().reshape(-1), alpha=wd)
+        self._couple_decay(flat)
 
     def update(self, flat, skipped: bool) -> None:
         torch = _torch()
@@ -301,8 +308,7 @@ class DecoupledMomentum(AdamPath):
         """Raise ``ValueError`` if ``d`` cannot be loaded (another mode, another ``beta1``: the
         residual it saved is a momentum of that decay); changes nothing."""
         self._check_mode(d)
-        if int(d.get("step", -1)) < 0:
-            raise ValueError(f"DistributedOptimizer.load_state_dict: exdyna_adam.step is {d.get('step')!r}")
+        self._check_step(d)
         if d.get("beta1") != self.residual_decay:
             raise ValueError(f"DistributedOptimizer.load_state_dict: exdyna_adam.beta1 is {d.get('beta1')!r}, "
                              f"this optimizer's betas[0] is {self.residual_decay}")
