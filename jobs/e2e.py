@@ -139,10 +139,11 @@ def _nesterov(params):
 
 
 def _plain_sgd(params):
-    """SparseLoCo's outer step: the averaged delta applied as it is (SGD at lr 1, no momentum)."""
-    import torch
+    """SparseLoCo's outer step (SGD at lr 1, no momentum): the library's default for a sparse
+    exchange, named here so that ``sloco-*`` keep it if that default moves."""
+    from exdyna_mpi.adapters.torch import plain_sgd
 
-    return torch.optim.SGD(params, lr=1.0)
+    return plain_sgd(params)
 
 
 #: the library's ``DiLoCo`` (exdyna_mpi.adapters.torch): (H, sparsifier, DiLoCo's and the sparsifier's
