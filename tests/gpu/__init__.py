@@ -1,6 +1,17 @@
 """GPU lane tests (run where CuPy sees a CUDA device and torch was built with CUDA)."""
 
 
+def needs_cuda_torch(torch):
+    """The skip mark of the tests that run torch on the GPU: a CUDA device visible to CuPy and a
+    torch built with CUDA."""
+    import pytest
+
+    from exdyna_mpi.arrays import gpu_available
+
+    return pytest.mark.skipif(not gpu_available() or not torch.cuda.is_available(),
+                              reason="needs a CUDA device visible to CuPy and a torch built with CUDA")
+
+
 def cuda_steps(net, opt, start, stop):
     """Steps ``start`` .. ``stop - 1`` of the loop the GPU tests share: this rank's batch of 64 (32
     features, 10 classes, seeded by step and rank) on the device, cross-entropy, ``opt.step()``."""

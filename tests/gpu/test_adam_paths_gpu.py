@@ -12,17 +12,15 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from exdyna_mpi.arrays import gpu_available
 from tests.conftest import mpi_assert
-from tests.gpu import cuda_steps
+from tests.gpu import cuda_steps, needs_cuda_torch
 
 torch = pytest.importorskip("torch")
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.mpi(min_size=1),
-    pytest.mark.skipif(not gpu_available() or not torch.cuda.is_available(),
-                       reason="needs a CUDA device visible to CuPy and a torch built with CUDA"),
+    needs_cuda_torch(torch),
 ]
 
 from exdyna_mpi.adapters.torch import DistributedOptimizer  # noqa: E402

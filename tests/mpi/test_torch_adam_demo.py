@@ -10,7 +10,6 @@
   they were; a dict of another ``beta1`` or mode is refused on every rank with the same error;
   param groups with different ``betas[0]`` are refused at construction.
 """
-import io
 
 import numpy as np
 import pytest
@@ -20,7 +19,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is not installed")
 from exdyna_mpi.adapters.torch import DistributedOptimizer  # noqa: E402
 from tests.conftest import allgather_array, mpi_assert, same_error_everywhere  # noqa: E402
 from tests.mpi.test_torch_adam import _grad_at  # noqa: E402
-from tests.mpi.test_torch_adam_update import _train  # noqa: E402
+from tests.mpi.test_torch_adam_update import _train, straight_and_resumed  # noqa: E402
 from tests.mpi.test_torch_options import _batch, _flat, _model, _step  # noqa: E402
 
 pytestmark = pytest.mark.mpi
@@ -76,26 +75,7 @@ def test_topk_exchange_equals_decoupled_momentum_computed_here(wcomm, cls):
 
 
 def test_exdyna_ranks_identical_and_resume_bit_exact(wcomm):
-    rank = wcomm.Get_rank()
-    model = _model()
-    opt = _make(model, wcomm, sparsifier="exdyna", density=0.05)
-    _train(model, opt, rank, range(6))
-    buf = io.BytesIO()
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
-    _train(model, opt, rank, range(6, 10))
-    mine = _flat(model.parameters())
-    every = allgather_array(mine, wcomm)
-    mpi_assert(all(r.tobytes() == mine.tobytes() for r in every), "ranks hold different parameters", wcomm)
-    mpi_assert(opt.stats.density < 0.2, f"the exchange is sparse (density {opt.stats.density:.3g})", wcomm)
-
-    buf.seek(0)
-    saved = torch.load(buf, weights_only=True)
-    model2 = _model(seed=99)
-    opt2 = _make(model2, wcomm, sparsifier="exdyna", density=0.05)
-    model2.load_state_dict(saved["model"])
-    opt2.load_state_dict(saved["opt"])
-    _train(model2, opt2, rank, range(6, 10))
-    mpi_assert(_flat(model2.parameters()).tobytes() == mine.tobytes(), "resume is not bit-exact", wcomm)
+    opt, opt2 = straight_and_resumed(lambda m: _make(m, wcomm, sparsifier="exdyna", density=0.05), wcomm)
     mpi_assert(opt2.sparsifier.residual.tobytes() == opt.sparsifier.residual.tobytes(),
                "the resumed momentum differs", wcomm)
 
