@@ -73,14 +73,29 @@ def is_adam(optimizer) -> bool:
     return isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
 
 
-def make_adam_path(optimizer, params, mode: str) -> "AdamPath | None":
-    """The path ``DistributedOptimizer(adam=mode)`` runs: None for ``"live"`` (the wrapped optimizer
-    steps on the exchanged gradient), else ``LocalUpdateAdam`` or ``FrozenVarianceAdam``."""
+def check_mode(optimizer, mode: str, warmup_steps: Any, who: str) -> None:
+    """Raise ``ValueError`` unless ``mode`` is an Adam path ``optimizer`` can run with this warm-up
+    (``"frozen"`` freezes the variance of a dense warm-up: ``warmup_steps >= 1``)."""
+    if mode not in MODES:
+        raise ValueError(f"{who}: adam must be one of {MODES}, got {mode!r}")
+    if mode != "live" and not is_adam(optimizer):
+        raise ValueError(f"{who}: adam={mode!r} needs torch.optim.Adam or AdamW, got {type(optimizer).__name__}")
+    if mode.startswith("frozen") and not (isinstance(warmup_steps, int) and warmup_steps >= 1):
+        raise ValueError(f"{who}: adam={mode!r} freezes the variance after a dense warm-up: "
+                         f"give warmup_steps >= 1, got {warmup_steps!r}")
+
+
+def make_adam_path(optimizer, params, mode: str, who: str = "DistributedOptimizer") -> "AdamPath | None":
+    """The path ``DistributedOptimizer(adam=mode)`` (or ``ExDynaHookState(adam=mode)``, ``who`` in
+    messages) runs: None for ``"live"`` (the wrapped optimizer steps on the exchanged gradient), else
+    ``LocalUpdateAdam``, ``DecoupledMomentum`` or ``FrozenVarianceAdam``."""
     if mode == "live":
         return None
     if mode == "demo":
-        return DecoupledMomentum(optimizer, params)
-    return LocalUpdateAdam(optimizer, params, mode) if mode == "update" else FrozenVarianceAdam(optimizer, params, mode)
+        return DecoupledMomentum(optimizer, params, who)
+    if mode == "update":
+        return LocalUpdateAdam(optimizer, params, mode, who)
+    return FrozenVarianceAdam(optimizer, params, mode, who)
 
 
 class AdamPath:
@@ -93,6 +108,7 @@ class AdamPath:
         optimizer: the wrapped ``torch.optim.Adam`` or ``AdamW``.
         params: the parameters in the flat gradient's order (``FlatGrad.params``).
         mode: one of ``MODES`` but ``"live"``.
+        who: the entry point's name, for messages.
 
     Raises:
         ValueError: ``amsgrad``, ``maximize`` or complex parameters (not supported).
@@ -102,15 +118,16 @@ class AdamPath:
     #: left alone); ``DistributedOptimizer.step`` applies it
     residual_decay: float | None = None
 
-    def __init__(self, optimizer, params, mode: str) -> None:
+    def __init__(self, optimizer, params, mode: str, who: str = "DistributedOptimizer") -> None:
         torch = _torch()
+        self.who = who
         if mode not in MODES[1:]:
-            raise ValueError(f"DistributedOptimizer: adam must be one of {MODES}, got {mode!r}")
+            raise ValueError(f"{self.who}: adam must be one of {MODES}, got {mode!r}")
         for g in optimizer.param_groups:
             if g.get("amsgrad") or g.get("maximize"):
-                raise ValueError(f"DistributedOptimizer: adam={mode!r} does not support amsgrad or maximize")
+                raise ValueError(f"{self.who}: adam={mode!r} does not support amsgrad or maximize")
         if any(torch.is_complex(p) for p in params):
-            raise ValueError(f"DistributedOptimizer: adam={mode!r} does not support complex parameters")
+            raise ValueError(f"{self.who}: adam={mode!r} does not support complex parameters")
         self.mode = mode
         self.decoupled = isinstance(optimizer, torch.optim.AdamW)
         group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
@@ -133,6 +150,16 @@ class AdamPath:
     def update(self, flat, skipped: bool) -> None:
         """Step every parameter with the exchanged average ``flat``; identical on every rank."""
         raise NotImplementedError
+
+    def apply(self, flat, skipped: bool, sp) -> None:
+        """``update``, then the residual decay of ``sp`` (the sparsifier that ran the step) when the
+        path sets one (``adam="demo"``: the residual is the momentum) and the step was not skipped."""
+        self.update(flat, skipped)
+        if self.residual_decay is not None and not skipped:
+            sp.scale_residual(self.residual_decay)
+
+    def place(self, device) -> None:
+        """Move this path's tensors to ``device`` (a state loaded as host copies); a no-op where they are."""
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state of the path (tensors and plain values), under ``"exdyna_adam"``."""
@@ -169,12 +196,12 @@ class AdamPath:
 
     def _check_step(self, d) -> None:
         if int(d.get("step", -1)) < 0:
-            raise ValueError(f"DistributedOptimizer.load_state_dict: exdyna_adam.step is {d.get('step')!r}")
+            raise ValueError(f"{self.who}.load_state_dict: exdyna_adam.step is {d.get('step')!r}")
 
     def _check_mode(self, d) -> None:
         if not isinstance(d, dict) or d.get("mode") != self.mode:
             mode = d.get("mode") if isinstance(d, dict) else None
-            raise ValueError(f"DistributedOptimizer.load_state_dict: the dict is of adam={mode!r}, "
+            raise ValueError(f"{self.who}.load_state_dict: the dict is of adam={mode!r}, "
                              f"this optimizer runs adam={self.mode!r}")
 
     def _check_vectors(self, d, keys) -> None:
@@ -182,18 +209,18 @@ class AdamPath:
         for key in keys:
             v = d.get(key)
             if v is None or v.numel() != self.numel:
-                raise ValueError(f"DistributedOptimizer.load_state_dict: exdyna_adam.{key} has "
+                raise ValueError(f"{self.who}.load_state_dict: exdyna_adam.{key} has "
                                  f"{None if v is None else v.numel()} elements, the model {self.numel}")
             if not bool(torch.isfinite(v).all()):
-                raise ValueError(f"DistributedOptimizer.load_state_dict: exdyna_adam.{key} holds non-finite values")
+                raise ValueError(f"{self.who}.load_state_dict: exdyna_adam.{key} holds non-finite values")
 
 
 class LocalUpdateAdam(AdamPath):
     """The state and arithmetic of ``adam="update"`` (module docstring): this rank's Adam moments,
     its update exchanged with error feedback, the average applied on every rank."""
 
-    def __init__(self, optimizer, params, mode: str = "update") -> None:
-        super().__init__(optimizer, params, mode)
+    def __init__(self, optimizer, params, mode: str = "update", who: str = "DistributedOptimizer") -> None:
+        super().__init__(optimizer, params, mode, who)
         self.step = 0            # Adam's t: steps completed
         # this rank's first and second moments (flat, allocated at the first step)
         self.m: torch.Tensor | None = None
@@ -208,8 +235,7 @@ class LocalUpdateAdam(AdamPath):
         torch = _torch()
         if self.m is None or self.v is None:
             self.m, self.v = torch.zeros_like(flat), torch.zeros_like(flat)
-        elif self.m.device != flat.device:   # loaded from a host copy
-            self.m, self.v = self.m.to(flat.device), self.v.to(flat.device)
+        self.place(flat.device)
         if self._next is None or self._next[0].device != flat.device:
             self._next = (torch.empty_like(flat), torch.empty_like(flat))
         m, v = self.m, self.v
@@ -227,6 +253,10 @@ class LocalUpdateAdam(AdamPath):
                 # u = (m / bc1) / (sqrt(v / bc2) + eps), written over this rank's gradient
                 torch.sqrt(vv, out=gv).div_((1 - beta2 ** t) ** 0.5).add_(eps)
                 torch.div(mv, gv, out=gv).div_(1 - beta1 ** t)
+
+    def place(self, device) -> None:
+        if self.m is not None and self.v is not None and self.m.device != device:   # loaded from a host copy
+            self.m, self.v = self.m.to(device), self.v.to(device)
 
     def update(self, flat, skipped: bool) -> None:
         if skipped or self._next is None:   # the exchange skipped the step everywhere: nothing changes
@@ -276,15 +306,15 @@ class DecoupledMomentum(AdamPath):
     exchange (``nonfinite="skip"``) changes nothing, the decay included.
     """
 
-    def __init__(self, optimizer, params) -> None:
-        super().__init__(optimizer, params, "demo")
+    def __init__(self, optimizer, params, who: str = "DistributedOptimizer") -> None:
+        super().__init__(optimizer, params, "demo", who)
         betas = {float(g["betas"][0]) for g in optimizer.param_groups}
         if len(betas) != 1:
-            raise ValueError(f"DistributedOptimizer: adam='demo' needs one betas[0] for every param group, "
+            raise ValueError(f"{self.who}: adam='demo' needs one betas[0] for every param group, "
                              f"got {sorted(betas)}")
         self.residual_decay = betas.pop()
         if not 0.0 <= self.residual_decay < 1.0:
-            raise ValueError(f"DistributedOptimizer: adam='demo' needs 0 <= betas[0] < 1, got {self.residual_decay}")
+            raise ValueError(f"{self.who}: adam='demo' needs 0 <= betas[0] < 1, got {self.residual_decay}")
         self.step = 0
 
     @property
@@ -310,7 +340,7 @@ class DecoupledMomentum(AdamPath):
         self._check_mode(d)
         self._check_step(d)
         if d.get("beta1") != self.residual_decay:
-            raise ValueError(f"DistributedOptimizer.load_state_dict: exdyna_adam.beta1 is {d.get('beta1')!r}, "
+            raise ValueError(f"{self.who}.load_state_dict: exdyna_adam.beta1 is {d.get('beta1')!r}, "
                              f"this optimizer's betas[0] is {self.residual_decay}")
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
@@ -325,12 +355,13 @@ class FrozenVarianceAdam(AdamPath):
         optimizer: the wrapped ``torch.optim.Adam`` or ``AdamW``.
         params: the parameters in the flat gradient's order (``FlatGrad.params``).
         mode: ``"frozen"`` (precondition before the exchange) or ``"frozen-gradient"`` (after it).
+        who: the entry point's name, for messages.
     """
 
-    def __init__(self, optimizer, params, mode: str) -> None:
+    def __init__(self, optimizer, params, mode: str, who: str = "DistributedOptimizer") -> None:
         if mode == "update":
             raise ValueError("FrozenVarianceAdam runs adam='frozen' or 'frozen-gradient'")
-        super().__init__(optimizer, params, mode)
+        super().__init__(optimizer, params, mode, who)
         self.frozen = False
         self.step = 0            # Adam's t: the warm-up's steps, then one per frozen step
         self.m: torch.Tensor | None = None       # first moment in preconditioned units (flat)
@@ -346,12 +377,12 @@ class FrozenVarianceAdam(AdamPath):
             for p, g, off, n in self.slices:
                 st = optimizer.state.get(p, {})
                 if "exp_avg_sq" not in st:
-                    raise RuntimeError("DistributedOptimizer: adam='frozen' needs at least one dense warm-up "
+                    raise RuntimeError(f"{self.who}: adam='frozen' needs at least one dense warm-up "
                                        "step with a gradient for every parameter (warmup_steps >= 1)")
                 t = int(st["step"])
                 step = t if step is None else step
                 if t != step:
-                    raise RuntimeError("DistributedOptimizer: adam='frozen': parameters stepped different "
+                    raise RuntimeError(f"{self.who}: adam='frozen': parameters stepped different "
                                        f"numbers of times in the warm-up ({step} and {t})")
                 beta2, eps = g["betas"][1], g["eps"]
                 d = denom[off:off + n]
@@ -363,6 +394,10 @@ class FrozenVarianceAdam(AdamPath):
     @property
     def owns_step(self) -> bool:
         return self.frozen   # the warm-up's steps are the wrapped optimizer's
+
+    def place(self, device) -> None:
+        if self.m is not None and self.denom is not None and self.m.device != device:   # loaded from a host copy
+            self.m, self.denom = self.m.to(device), self.denom.to(device)
 
     def prepare(self, optimizer, flat, dense: bool) -> None:
         """Freeze at the first sparse step; then this rank's gradient into the exchanged units

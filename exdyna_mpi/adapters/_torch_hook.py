@@ -39,6 +39,7 @@ import exdyna_mpi
 from exdyna_mpi import transport
 from exdyna_mpi.transport.group import GroupTransport
 
+from ._torch_adam import AdamPath, check_mode as check_adam_mode, make_adam_path
 from ._torch_common import _flat_layout, _torch
 from ._torch_options import RECIPE_DEFAULTS, Recipe, TrainingOptions, check_state, move_momentum, recipe_for
 
@@ -58,6 +59,11 @@ Run = tuple[int, int, int]   # (offset in the bucket, offset in the model-wide v
 class _LayoutError(ValueError):
     """The model's parameters do not match the state's layout. The layout comes from the model,
     which DDP checks to be the same on every rank, so every rank raises it together."""
+
+
+class _StepOrderError(RuntimeError):
+    """An exchange began while the last one's Adam-path update was still to be applied by
+    ``optimizer.step()``. Every rank runs the same training loop, so every rank raises it together."""
 
 
 class _Job:
@@ -99,8 +105,16 @@ class ExDynaHookState:
             without the warm-ups and clipping, and for AdamW). Needs ``scope="model"`` and the
             optimizer holding exactly DDP's parameters. Without it (the default) the hook is the
             plain sparse average, whatever the optimizer, and the recipe options are refused.
-            (``DistributedOptimizer``'s ``adam="update"``/``"frozen"`` replace the optimizer's step,
-            which a hook cannot do: they are not offered here.)
+        adam: with ``optimizer=`` a ``torch.optim.Adam``/``AdamW``, ``DistributedOptimizer``'s Adam
+            path (``"live"``, the default: the optimizer steps on the exchanged gradient;
+            ``"update"``, ``"demo"``, ``"frozen"``, ``"frozen-gradient"``: see ``DistributedOptimizer``).
+            The paths that apply their own update take over ``optimizer.step()`` through the
+            optimizer's step hooks: ``step()`` applies the exchanged update to every parameter and the
+            optimizer's own step sees no gradient (``.grad`` is back once it returns). Each
+            ``step()`` needs one exchange (one DDP ``backward()`` outside ``no_sync``) since the last,
+            and an exchange refuses to start while the last one's update has not been applied. The
+            path's state (moments, step count) is in ``state_dict()`` under ``"adam"``; with
+            ``adam="demo"`` the momentum is the sparsifier's residual.
 
     Raises:
         ValueError: a bad option (the same on every rank: nothing collective has run yet).
@@ -135,7 +149,7 @@ class ExDynaHookState:
                  scope: str = "model", optimizer: torch.optim.Optimizer | None = None, clip_norm: float | None = None,
                  warmup_steps: int = 0, momentum_correction: float | str = "auto", momentum_masking: bool = True,
                  density_warmup: Sequence[float] | None = None, density_warmup_steps: int | None = None,
-                 **options: Any) -> None:
+                 adam: str = "live", **options: Any) -> None:
         if scope not in SCOPES:
             raise ValueError(f"ExDynaHookState: scope must be one of {SCOPES}, got {scope!r}")
         if sparsifier not in exdyna_mpi.available():
@@ -146,8 +160,10 @@ class ExDynaHookState:
                            density_warmup_steps=density_warmup_steps)
         recipe: Recipe | None = None
         params: list[torch.Tensor] | None = None
+        adam_path: AdamPath | None = None
         if optimizer is None:
             given = [k for k, v in recipe_args.items() if v != RECIPE_DEFAULTS[k]]   # none may differ
+            given += ["adam"] if adam != "live" else []
             if given:
                 raise ValueError(f"ExDynaHookState: {', '.join(given)} belong to the training recipe, which runs "
                                  "only with optimizer= (the optimizer that steps on the hook's gradients)")
@@ -156,7 +172,9 @@ class ExDynaHookState:
                 raise ValueError("ExDynaHookState: optimizer= needs scope='model' (the recipe clips and "
                                  "momentum-corrects the model's whole gradient before one exchange)")
             params, _ = _flat_layout([p for g in optimizer.param_groups for p in g["params"]], "ExDynaHookState")
+            check_adam_mode(optimizer, adam, warmup_steps, "ExDynaHookState")
             recipe = recipe_for(optimizer, sparsifier, density, options, who="ExDynaHookState", **recipe_args)
+            adam_path = make_adam_path(optimizer, params, adam, "ExDynaHookState")
             options = recipe.options
         if not GroupTransport.thread_multiple():
             raise RuntimeError("ExDynaHookState needs MPI initialised with MPI_THREAD_MULTIPLE (mpi4py's default, "
@@ -165,6 +183,10 @@ class ExDynaHookState:
         self.optimizer = optimizer
         self._recipe_config: Recipe | None = recipe
         self._recipe: TrainingOptions | None = None   # built by the worker, on the private communicator
+        self._adam: AdamPath | None = adam_path        # adam= other than "live" (optimizer= given)
+        self._adam_due = False    # an exchange ran whose Adam-path update optimizer.step() has yet to apply
+        self._last_sp: Any = None   # the sparsifier of the last model-wide exchange (a warm-up's or the main one)
+        self._stashed: list[tuple[torch.Tensor, torch.Tensor | None]] = []   # .grad held away from the optimizer
         self._user_comm = comm
         self.step = 0
         self.stats: Any = None
@@ -176,6 +198,7 @@ class ExDynaHookState:
         self._index: dict[int, tuple[weakref.ref, int]] | None = None
         self._in_iter = False
         self._deriving = False
+        self._iter_error: _StepOrderError | None = None   # backward thread: this iteration's misuse
         self._new_index: dict[int, tuple[weakref.ref, int]] = {}
         self._new_layout: Layout = []
         self._new_total = 0
@@ -200,6 +223,34 @@ class ExDynaHookState:
             self._index = {id(p): (weakref.ref(p), i) for i, p in enumerate(params)}
             if recipe.moves_momentum:   # last: nothing above can refuse any more
                 move_momentum(optimizer)
+        if adam_path is not None and optimizer is not None:
+            # the optimizer's own step() must apply the path's update: its step hooks run inside it,
+            # whatever wraps step() (LR schedulers, profilers)
+            optimizer.register_step_pre_hook(self._before_optimizer_step)
+            optimizer.register_step_post_hook(self._after_optimizer_step)
+
+    # ------------------------------------------------------------------ the Adam path's step
+    def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """The optimizer's step pre-hook (``adam=`` given): apply the last exchange's update when the
+        path owns the step, and hold the gradients away so the optimizer's own step changes nothing."""
+        adam = self._adam
+        assert adam is not None   # registered only with a path
+        if not self._adam_due:
+            raise RuntimeError(f"ExDynaHookState(adam={adam.mode!r}): optimizer.step() without an exchange since "
+                               "the last step; run one DDP backward() (outside no_sync) before each step()")
+        if adam.owns_step:
+            # on the worker, after its queued work: the model-wide vector and the sparsifier are its
+            self._call(lambda: adam.apply(self._held_flat(), bool(self.stats.skipped), self._last_sp))
+            self._stashed = [(p, p.grad) for p, *_ in adam.slices]
+            for p, _ in self._stashed:
+                p.grad = None
+        self._adam_due = False
+
+    def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """The optimizer's step post-hook: give the parameters their gradients back."""
+        for p, g in self._stashed:
+            p.grad = g
+        self._stashed = []
 
     # ------------------------------------------------------------------ communicator and worker
     @property
@@ -269,6 +320,8 @@ class ExDynaHookState:
                 d["recipe"] = self._to_load.get("recipe")
             else:   # None: no iteration yet
                 d["recipe"] = None if self._recipe is None else _recipe_to_host(self._recipe.state_dict())
+        if self._adam is not None:
+            d["adam"] = _recipe_to_host(self._adam.state_dict())
         return d
 
     def state_dict(self) -> dict[str, Any]:
@@ -276,7 +329,8 @@ class ExDynaHookState:
 
         Returns:
             The sparsifier(s)' state dicts, the canonical layout, the step counter and, with
-            ``optimizer=``, the recipe's state under ``"recipe"`` (host copies; safe to pickle).
+            ``optimizer=``, the recipe's state under ``"recipe"`` (and with ``adam=``, the Adam
+            path's under ``"adam"``; host copies; safe to pickle).
         """
         return self._call(self._snapshot)
 
@@ -333,6 +387,17 @@ class ExDynaHookState:
                     got["recipe_at"] = check_state(got["recipe"], self._recipe_config, self._offsets[-1])
                 except (KeyError, TypeError, ValueError, AttributeError) as e:
                     return f"malformed training-recipe state ({e})", None, None
+        got["adam"] = d.get("adam") if isinstance(d, dict) else None
+        if self._adam is None and got["adam"] is not None:
+            return "the dict holds Adam-path state (saved with adam=), this state runs none", None, None
+        if self._adam is not None:
+            if got["adam"] is None:
+                return f"the dict has no Adam-path state, this state runs adam={self._adam.mode!r}", None, None
+            try:
+                self._adam.check(got["adam"])
+                got["adam_step"] = int(got["adam"]["step"])
+            except (KeyError, TypeError, ValueError, AttributeError) as e:
+                return f"malformed Adam-path state ({e})", None, None
         if self.scope == "bucket" and got["state"]:
             try:
                 keys = [tuple(int(i) for i in key) for key, _ in got["state"]]
@@ -352,7 +417,7 @@ class ExDynaHookState:
         elif self.scope == "bucket" and got["state"]:
             shape = (got["step"], layout, [key for key, _ in got["state"]])
         else:
-            shape = (got["step"], layout, bool(got["state"]), got.get("recipe_at"))
+            shape = (got["step"], layout, bool(got["state"]), got.get("recipe_at"), got.get("adam_step"))
         every = transport.Exchange(comm).gather_objects((problem, shape))
         parts = [f"rank {r}: {p}" for r, (p, _) in enumerate(every) if p]
         if not parts and any(sh != every[0][1] for _, sh in every):
@@ -372,6 +437,9 @@ class ExDynaHookState:
             transport.abort_job(self.comm, e, "ExDynaHookState", "loading a state dict")
         old = [sp for sp in [self._sp, *self._sps.values()] if sp is not None]
         self._install(built, recipe)
+        if self._adam is not None:   # checked by _check_dict on every rank, agreed above
+            self._adam.load_state_dict(got["adam"])
+            self._adam_due = False
         if layout is not None and self.layout is None:
             self._set_layout(layout)
         self.step = got["step"]
@@ -488,6 +556,12 @@ class ExDynaHookState:
             if self._recipe_config is not None and self._recipe_config.moves_momentum:   # optimizer= given
                 # a plain optimizer state loaded since would bring its momentum back: it counts once
                 move_momentum(self.optimizer)
+            self._iter_error = None
+            if self._adam_due and self._adam is not None:   # every bucket of this iteration fails with it
+                self._iter_error = _StepOrderError(
+                    f"ExDynaHookState(adam={self._adam.mode!r}): a new exchange began before optimizer.step() "
+                    "applied the last one's update; call step() after each backward() (accumulate gradients "
+                    "under DDP's no_sync)")
         if self.scope == "model" and buf.dtype != self._iter_dtype:
             raise _LayoutError(f"ExDynaHookState: scope='model' needs one gradient dtype, got {self._iter_dtype} "
                                f"and {buf.dtype} (use scope='bucket')")
@@ -530,6 +604,8 @@ class ExDynaHookState:
                 runs.append((src, dst, n))
             src += n
         self._covered += len(params)
+        if self._iter_error is not None:
+            raise self._iter_error
         return tuple(key), runs, self._deriving
 
     def _end_iteration(self) -> None:
@@ -552,7 +628,7 @@ class ExDynaHookState:
         """Fail the futures of ``jobs``. A collective error (every rank raises it together) is only
         delivered; any other ends the job, since other ranks may wait for this one in a collective."""
         self.error = e
-        collective = isinstance(e, (exdyna_mpi.CollectiveError, _LayoutError))
+        collective = isinstance(e, (exdyna_mpi.CollectiveError, _LayoutError, _StepOrderError))
         for j in jobs:
             if not j.fut.done():
                 # torch annotates the argument as the future's value type; it takes the exception
@@ -650,17 +726,21 @@ class ExDynaHookState:
             self._regroup = False
 
     def _model_step(self, flat: torch.Tensor) -> exdyna_mpi.Stats:
-        """The model-wide exchange, in place; with ``optimizer=``, inside the training recipe
-        exactly as ``DistributedOptimizer.synchronize`` runs it."""
-        recipe = self._recipe
-        if recipe is None or not recipe.active:
+        """The model-wide exchange, in place; with ``optimizer=``, inside the training recipe (and
+        the Adam path) exactly as ``DistributedOptimizer.synchronize`` runs it."""
+        recipe, adam = self._recipe, self._adam
+        if recipe is None:
             self._sp.step(flat, out=flat)
             return self._sp.stats
+        prepare = None
+        if adam is not None:
+            def prepare(g: torch.Tensor, dense: bool) -> None:
+                adam.place(g.device)
+                adam.prepare(self.optimizer, g, dense)
         with _torch().no_grad():
-            sp = recipe.sparsifier(self._sp)   # dense warm-up, density stages, then the main one
-            recipe.before(flat)
-            sp.step(flat, out=flat)
-            recipe.after(flat, sp)
+            sp = recipe.exchange(self._sp, flat, prepare)   # _torch_options.py
+        self._last_sp = sp
+        self._adam_due = adam is not None
         return sp.stats
 
     def _loaded_recipe(self, d: dict[str, Any] | None) -> TrainingOptions | None:
@@ -811,12 +891,12 @@ def exdyna_hook(state: ExDynaHookState, bucket):  # -> torch.futures.Future[torc
     key: Key = ()
     runs: list[Run] = []
     new_model = False
-    error: _LayoutError | None = None
+    error: _LayoutError | _StepOrderError | None = None
     try:
         key, runs, new_model = state._locate(bucket.parameters(), buf)
         if last:
             state._end_iteration()
-    except _LayoutError as e:
+    except (_LayoutError, _StepOrderError) as e:
         error = e
         if last:
             state._in_iter = False

@@ -238,6 +238,28 @@ class TrainingOptions:
             r = sp.memory.residual   # None: loaded from a checkpoint and left before a step (on the host)
             self.carry = _torch().from_dlpack(r) if r is not None else _torch().from_numpy(sp.residual)
 
+    def exchange(self, main, flat, prepare=None):
+        """This step's exchange of ``flat`` (this rank's gradient) in place, inside the recipe: the
+        step's sparsifier (``sparsifier(main)``), ``before``, ``prepare(flat, dense)`` (an Adam path
+        turning the gradient into its exchanged units; ``dense``: a warm-up step), the exchange,
+        ``after``. Both entry points run their step through here, so they exchange the same bits.
+
+        Returns:
+            The sparsifier that ran (its ``stats`` are the step's).
+        """
+        if not self.active and prepare is None:   # no recipe: the sparsifier's step alone, bit for bit
+            main.step(flat, out=flat)
+            return main
+        sp = self.sparsifier(main) if self.active else main
+        if self.active:
+            self.before(flat)
+        if prepare is not None:
+            prepare(flat, sp is self.dense)
+        sp.step(flat, out=flat)
+        if self.active:
+            self.after(flat, sp)
+        return sp
+
     def before(self, flat):
         """Clip, then momentum-correct ``flat`` (this rank's gradient) in place; add a pending carry."""
         torch = _torch()

@@ -30,7 +30,8 @@ import exdyna_mpi
 
 from ._torch_common import (_broadcast_model, _flat_layout, _from_torch, _OptimizerMixinBase, _to_torch, _torch, _wrap,
                             _wrapped_params, broadcast_parameters)
-from ._torch_adam import ADAM_KEY, MODES as ADAM_MODES, AdamPath, is_adam, make_adam_path
+from ._torch_adam import ADAM_KEY, AdamPath, make_adam_path
+from ._torch_adam import check_mode as check_adam_mode
 from ._torch_hook import ExDynaHookState, exdyna_hook
 from ._torch_options import OPTIONS_KEY, TrainingOptions, move_momentum, recipe_for
 from .torch_diloco import DiLoCo, nesterov_sgd, plain_sgd
@@ -130,21 +131,11 @@ class _DistributedMixin(_OptimizerMixinBase):
         """
         torch = _torch()
         self._exdyna_grads.attach()
-        flat, opts = self._exdyna_grads.flat, self._exdyna_options
-        adam = self._exdyna_adam
+        flat, opts, adam = self._exdyna_grads.flat, self._exdyna_options, self._exdyna_adam
+        prepare = None if adam is None else (lambda g, dense: adam.prepare(self, g, dense))
         with torch.no_grad():
-            if not opts.active and adam is None:
-                self.sparsifier.step(flat, out=flat)
-                return _stats_of(self.sparsifier)
-            sp = opts.sparsifier(self.sparsifier) if opts.active else self.sparsifier   # _torch_options.py
-            if opts.active:
-                opts.before(flat)
-            if adam is not None:   # adam="update" / "frozen": _torch_adam.py
-                adam.prepare(self, flat, dense=sp is opts.dense)
-            sp.step(flat, out=flat)
-            if opts.active:
-                opts.after(flat, sp)
-            self._exdyna_last = sp
+            sp = opts.exchange(self.sparsifier, flat, prepare)   # _torch_options.py, _torch_adam.py
+        self._exdyna_last = sp
         return _stats_of(sp)
 
     def step(self, closure: None = None) -> Any:   # type: ignore[override]  # no closures
@@ -166,9 +157,7 @@ class _DistributedMixin(_OptimizerMixinBase):
         stats = self.synchronize()
         adam = self._exdyna_adam
         if adam is not None and adam.owns_step:
-            adam.update(self._exdyna_grads.flat, stats.skipped)
-            if adam.residual_decay is not None and not stats.skipped:   # adam="demo": the residual is the momentum
-                self._exdyna_last.scale_residual(adam.residual_decay)
+            adam.apply(self._exdyna_grads.flat, stats.skipped, self._exdyna_last)
             return None
         return super().step()
 
@@ -344,14 +333,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
         >>> opt.stats.density, opt.stats.bytes_sent
     """
     comm, params = _wrapped_params(optimizer, model, comm, "DistributedOptimizer")
-    if adam not in ADAM_MODES:
-        raise ValueError(f"DistributedOptimizer: adam must be one of {ADAM_MODES}, got {adam!r}")
-    if adam != "live" and not is_adam(optimizer):
-        raise ValueError(f"DistributedOptimizer: adam={adam!r} needs torch.optim.Adam or AdamW, "
-                         f"got {type(optimizer).__name__}")
-    if adam.startswith("frozen") and not (isinstance(warmup_steps, int) and warmup_steps >= 1):
-        raise ValueError(f"DistributedOptimizer: adam={adam!r} freezes the variance after a dense warm-up: "
-                         f"give warmup_steps >= 1, got {warmup_steps!r}")
+    check_adam_mode(optimizer, adam, warmup_steps, "DistributedOptimizer")
     grads = FlatGrad(params)
     adam_path = make_adam_path(optimizer, grads.params, adam)
     recipe = recipe_for(optimizer, sparsifier, density, options, who="DistributedOptimizer", clip_norm=clip_norm,

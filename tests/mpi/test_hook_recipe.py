@@ -2,10 +2,15 @@
 
 - SGD with momentum (``momentum_correction="auto"`` moves the momentum before the exchange and adds
   ExDyna's quotas), the same with clipping, a dense warm-up and a density warm-up, a bfloat16 model,
-  and AdamW (no recipe runs; also with bfloat16 values on the wire): after every step, the DDP
+  AdamW (no recipe runs; also with bfloat16 values on the wire) and the Adam paths that own the
+  step (``adam="update"`` with clipping and on bfloat16, ``"demo"``, also with bfloat16 wire values,
+  ``"frozen"`` after a dense warm-up): after every step, the DDP
   model's parameters equal those of the same model trained by ``DistributedOptimizer`` with the same
   options, on every rank, with several DDP buckets and DDP's rebuild after the first iteration;
-- resume through the hook in the middle of the warm-ups: the same bits as the straight run;
+- resume through the hook in the middle of the warm-ups: the same bits as the straight run (the
+  Adam paths' state included);
+- the Adam paths give ``.grad`` back after ``step()`` and refuse a step without an exchange and an
+  exchange before the last update was applied;
 - refusals: recipe options without ``optimizer=``, ``scope="bucket"`` with it, a dict without the
   recipe's state (or with it, into a state without a recipe), a corrupt velocity on one rank (the
   same error on every rank, state unchanged), pickling, and an optimizer that does not hold DDP's
@@ -73,7 +78,19 @@ CASES = {
     "adamw-clip": (lambda ps: torch.optim.AdamW(ps, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1), 0.02,
                    dict(clip_norm=1.0)),
     "adamw": (lambda ps: torch.optim.AdamW(ps, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1), 0.02, {}),
+    # the Adam paths that apply their own update (through the optimizer's step hooks)
+    "adamw-update-clip": (lambda ps: torch.optim.AdamW(ps, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1), 0.02,
+                          dict(adam="update", clip_norm=1.0)),
+    "adamw-update-bf16": (lambda ps: torch.optim.AdamW(ps, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1), 0.02,
+                          dict(adam="update"), torch.bfloat16),
+    "adamw-demo": (lambda ps: torch.optim.AdamW(ps, lr=1e-2, betas=(0.99, 0.95), weight_decay=0.1), 0.02,
+                   dict(adam="demo")),
+    "adamw-demo-wire16": (lambda ps: torch.optim.AdamW(ps, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1), 0.02,
+                          dict(adam="demo"), torch.float32, dict(wire_dtype="bfloat16")),
+    "adam-frozen": (lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=1e-3), 0.02,
+                    dict(adam="frozen", warmup_steps=2)),
 }
+ADAM_CASES = [c for c, spec in CASES.items() if spec[2].get("adam", "live") != "live"]
 
 
 def _case(case):
@@ -135,7 +152,8 @@ def test_hook_with_optimizer_equals_distributed_optimizer(case):
         mpi_assert(state.options.get("max_imbalance") == 0.2, f"auto quotas missing: {state.options}")
 
 
-@pytest.mark.parametrize("case", ["sgd-clip-warmups", "sgd-bf16", "adamw-wire16"])
+@pytest.mark.parametrize("case", ["sgd-clip-warmups", "sgd-bf16", "adamw-wire16", "adamw-update-bf16", "adamw-demo",
+                                  "adam-frozen"])
 @pytest.mark.parametrize("at", [1, 3, 5])
 def test_resume_through_the_hook_is_bit_exact(case, at):
     """``at`` falls in the dense warm-up (1), the density warm-up (3) and after it (5)."""
@@ -173,6 +191,85 @@ def test_resume_through_the_hook_is_bit_exact(case, at):
     mpi_assert(np.array_equal(straight, _bits(model)), f"{case} resumed at {at}: parameters differ from the "
                                                        "straight run")
     mpi_assert(state.step == steps, f"step {state.step}")
+
+
+def test_the_hooks_adam_path_owns_the_step_and_gives_the_gradients_back():
+    """After ``step()`` every parameter has its ``.grad`` (the exchanged average) again, the wrapped
+    AdamW holds no state of its own (its step saw no gradient), and ranks agree."""
+    comm = MPI.COMM_WORLD
+    for case in ("adamw-update-clip", "adamw-demo"):
+        model = _typed_model(case, 5)
+        ddp, opt, state = _hook_run(case, model)
+        try:
+            for s in range(3):
+                _step(ddp, opt, s)
+                mpi_assert(all(p.grad is not None for p in model.parameters()), f"{case}: .grad not given back")
+        finally:
+            state.close()
+        mpi_assert(len(opt.state) == 0, f"{case}: the optimizer's own step ran ({len(opt.state)} states)")
+        saved = state.state_dict()
+        mpi_assert(saved["adam"]["mode"] == CASES[case][2]["adam"] and saved["adam"]["step"] == 3,
+                   f"{case}: adam state {saved['adam']}")
+        digests = comm.allgather(_params(model).tobytes())
+        mpi_assert(len(set(digests)) == 1, f"{case}: parameters differ between ranks")
+
+
+def test_the_hooks_adam_path_refuses_misuse_everywhere():
+    """``adam=`` without ``optimizer=`` or with an SGD; ``"frozen"`` without a warm-up; a step with no
+    exchange since the last (local, on every rank); an exchange before the last update was applied
+    (``backward()`` raises on every rank; a step then applies the pending update and training goes on);
+    a dict of another path or without the path's state (the same error on every rank, state unchanged)."""
+    comm = MPI.COMM_WORLD
+    model = _model()
+    with pytest.raises(ValueError, match="optimizer="):
+        ExDynaHookState("exdyna", 0.01, adam="update")
+    with pytest.raises(ValueError, match="needs torch.optim.Adam"):
+        ExDynaHookState("exdyna", 0.01, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), adam="update")
+    with pytest.raises(ValueError, match="warmup_steps >= 1"):
+        ExDynaHookState("exdyna", 0.01, optimizer=torch.optim.Adam(model.parameters()), adam="frozen")
+    with pytest.raises(ValueError, match="adam must be one of"):
+        ExDynaHookState("exdyna", 0.01, optimizer=torch.optim.Adam(model.parameters()), adam="lamb")
+
+    model = _typed_model("adamw-demo", 3)
+    ddp, opt, state = _hook_run("adamw-demo", model)
+    other = _typed_model("adamw-update-clip", 3)
+    ddp2, opt2, state2 = _hook_run("adamw-update-clip", other)
+    try:
+        with pytest.raises(RuntimeError, match="without an exchange"):
+            opt.step()
+        _step(ddp, opt, 0)
+        with pytest.raises(RuntimeError, match="without an exchange"):
+            opt.step()
+        x, y = _batch(1, comm.Get_rank())
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        raised = backward_error(ddp, x, y)   # the second exchange, before step()
+        mpi_assert("before optimizer.step()" in raised, f"backward did not raise on every rank: {raised!r}")
+        opt.step()                           # applies the first exchange's update
+        _step(ddp, opt, 2)
+        mpi_assert(state.step == 3 and state.stats is not None, f"step {state.step}")
+
+        _step(ddp2, opt2, 0)
+        saved = state.state_dict()
+        before = pickle.dumps(_content(saved))
+        msg = same_error_everywhere(lambda: state.load_state_dict({k: v for k, v in saved.items() if k != "adam"}))
+        mpi_assert("no Adam-path state" in msg, msg)
+        theirs = state2.state_dict()
+        mixed = dict(saved, adam=theirs["adam"])
+        msg = same_error_everywhere(lambda: state.load_state_dict(mixed))
+        mpi_assert("adam='update'" in msg and "state unchanged" in msg, msg)
+        bad = comm.Get_size() - 1
+        d = pickle.loads(pickle.dumps(saved))
+        if comm.Get_rank() == bad:
+            d["adam"]["beta1"] = 0.9
+        msg = same_error_everywhere(lambda: state.load_state_dict(d))
+        mpi_assert(f"rank {bad}" in msg and "beta1" in msg, msg)
+        mpi_assert(pickle.dumps(_content(state.state_dict())) == before, "a refused load changed the state")
+        _step(ddp, opt, 3)   # nobody waits in a collective
+        mpi_assert(state.step == 4, f"step {state.step}")   # state.error keeps the refused iteration's
+    finally:
+        state.close()
+        state2.close()
 
 
 def test_recipe_options_need_the_optimizer_and_the_model_scope():
