@@ -108,6 +108,21 @@ def cores():
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
+def cpu_model():
+    """The CPU's model name (``/proc/cpuinfo``; ``platform.processor()`` elsewhere): torch's CPU kernels
+    give other last bits on other CPUs, so records say which one ran them."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
 def set_torch_threads(comm, requested=0):
     """torch's threads per rank: ``requested``, or cores / ranks on this node (at least 1), so
     ranks that fill the node's cores do not fight over them. Returns the number set."""
