@@ -75,7 +75,8 @@ Methods (``--methods``, run one after another in one launch, ``ddp`` first and, 
   on the hook's worker thread once the last bucket is ready, inside the same training recipe as
   ``exdyna`` (SGD's momentum moved before the exchange; nothing for AdamW); ``ddp-exdyna-bucket``:
   ``scope="bucket"``, a plain sparsifier per bucket, each exchanged as soon as its bucket is ready
-  (overlapping backward).
+  (overlapping backward); ``ddp-exdyna-demo999``: the model-scope hook with ``adam="demo"`` at
+  beta1 = 0.999 (``exdyna-demo999`` through DDP: the same losses, AdamW only).
 - ``wagma``: WAGMA-SGD's group averaging (groups of 2, wait-avoiding, a global average every 10).
 
 Timing: a step is forward, backward and the optimiser step with its exchange; evaluation is not
@@ -123,7 +124,7 @@ ALL_METHODS = DEFAULT_METHODS + ("dense", "ddp-exdyna", "topk", "oktopk", "micro
                                  "exdyna-adam", "exdyna-adam-g", "exdyna-adam-u", "dense-adam-u", "diloco-exdyna-h16",
                                  "diloco-exdyna-h64", "diloco-exdyna-bf16-h16", "diloco-dense-h16", "sloco-h16",
                                  "sloco-ef-h16", "sloco-h64", "sloco-bf16-h16", "exdyna-demo", "exdyna-demo99",
-                                 "exdyna-demo999")
+                                 "exdyna-demo999", "ddp-exdyna-demo999")
 DDP_METHODS = ("ddp", "ddp-bv", "ddp-accum", "ddp-powersgd", "ddp-bf16")
 #: DiLoCo (Douillard et al. 2023; torchft): H local steps of the inner optimiser, then the averaged
 #: parameter delta applied by an outer Nesterov SGD (lr 0.7, momentum 0.9, the paper's values)
@@ -165,7 +166,10 @@ DILOCO_LIB = {"diloco-exdyna-h16": (16, "exdyna", {"outer_optimizer": _nesterov,
                                                 "outer_optimizer": _plain_sgd})}
 #: methods that only exist for momentum SGD (they move SGD's momentum in front of the exchange)
 SGD_ONLY = ("exdyna-mc", "exdyna-mcq", "exdyna-mcq02")
-HOOK_METHODS = {"ddp-exdyna": "model", "ddp-exdyna-bucket": "bucket"}   # DDP + exdyna_hook, by scope
+HOOK_METHODS = {"ddp-exdyna": "model", "ddp-exdyna-bucket": "bucket",   # DDP + exdyna_hook, by scope
+                "ddp-exdyna-demo999": "model"}
+#: the hook's Adam path where it runs one (``ExDynaHookState(optimizer=opt, adam=...)``)
+HOOK_ADAM = {"ddp-exdyna-demo999": "demo"}
 LIBRARY = {"dense": ("dense", {}), "exdyna": ("exdyna", {}), "topk": ("topk", {}), "oktopk": ("oktopk", {}),
            "micro": ("micro", {}), "exdyna-q": ("exdyna", {"max_imbalance": 0.05, "momentum_correction": 0.0}),
            "exdyna-deadline": ("exdyna", {"deadline_ms": "auto", "max_loss": 0.01}),
@@ -180,11 +184,11 @@ LIBRARY = {"dense": ("dense", {}), "exdyna": ("exdyna", {}), "topk": ("topk", {}
            "exdyna-demo": ("exdyna", {"adam": "demo"}), "exdyna-demo99": ("exdyna", {"adam": "demo"}),
            "exdyna-demo999": ("exdyna", {"adam": "demo"})}
 #: DeMo's momentum decay where it is not AdamW's beta1 of 0.9 (``adam="demo"`` reads it from ``betas[0]``)
-DEMO_MOMENTUM = {"exdyna-demo99": 0.99, "exdyna-demo999": 0.999}
+DEMO_MOMENTUM = {"exdyna-demo99": 0.99, "exdyna-demo999": 0.999, "ddp-exdyna-demo999": 0.999}
 #: Adam's own paths (``DistributedOptimizer(adam=...)``): the update exchanged, the variance frozen, DeMo's
 #: decoupled momentum (the residual as momentum, sign of the average applied); AdamW only
 ADAM_ONLY = ("exdyna-adam", "exdyna-adam-g", "exdyna-adam-u", "dense-adam-u", "exdyna-demo", "exdyna-demo99",
-             "exdyna-demo999")
+             "exdyna-demo999", "ddp-exdyna-demo999")
 #: the training recipe's options, set from the run's arguments in _build: momentum correction with the
 #: run's momentum (the wrapped SGD then runs without it); DGC's density warm-up, 25 %, 6.25 %, 1.5625 %,
 #: each stage an eighth of the step budget (an epoch of the CNN's)
@@ -456,11 +460,11 @@ def build(method, wl, args, comm, numel):
         from exdyna_mpi.adapters.torch import ExDynaHookState, exdyna_hook
 
         ddp = DDP(model)
-        opt = make_optimizer(ddp.parameters(), args, lr)
+        opt = make_optimizer(ddp.parameters(), args, lr, DEMO_MOMENTUM.get(method))
         scope = HOOK_METHODS[method]
         # model scope: the optimizer's recipe, as DistributedOptimizer runs it (bucket scope has none)
         state = ExDynaHookState("exdyna", density=args.density, comm=comm, scope=scope,
-                                optimizer=opt if scope == "model" else None)
+                                optimizer=opt if scope == "model" else None, **hook_adam_options(method, args))
         ddp.register_comm_hook(state, exdyna_hook)
         ddp._exdyna_hook_state = state
         return Method(ddp, model, opt, stats=lambda: merged_stats(state.stats), collectives=n)
@@ -510,6 +514,16 @@ def build(method, wl, args, comm, numel):
     opt = DistributedOptimizer(make_optimizer(model.parameters(), args, lr, momentum), model, sparsifier=name,
                                density=1.0 if name == "dense" else args.density, comm=comm, **options)
     return Method(model, model, opt, stats=lambda: opt.stats, collectives=n)
+
+
+def hook_adam_options(method, args):
+    """The hook's Adam-path options for ``method``: ``adam=`` and, since such a path computes its update
+    from the exchanged vector (the loop's ``clip_grad_norm_`` on ``.grad`` after ``backward()`` no longer
+    reaches it), ``clip_norm=`` to clip each rank's gradient before the exchange, where
+    ``DistributedOptimizer``'s loop clips it."""
+    if method not in HOOK_ADAM:
+        return {}
+    return {"adam": HOOK_ADAM[method], "clip_norm": args.clip}
 
 
 def merged_stats(stats):

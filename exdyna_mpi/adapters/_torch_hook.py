@@ -114,7 +114,9 @@ class ExDynaHookState:
             ``step()`` needs one exchange (one DDP ``backward()`` outside ``no_sync``) since the last,
             and an exchange refuses to start while the last one's update has not been applied. The
             path's state (moments, step count) is in ``state_dict()`` under ``"adam"``; with
-            ``adam="demo"`` the momentum is the sparsifier's residual.
+            ``adam="demo"`` the momentum is the sparsifier's residual. The update comes from the
+            exchanged vector, not from ``.grad``: clip with ``clip_norm=`` (a ``clip_grad_norm_``
+            after ``backward()``, or a ``GradScaler``'s unscaling, does not reach it).
 
     Raises:
         ValueError: a bad option (the same on every rank: nothing collective has run yet).
