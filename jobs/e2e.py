@@ -903,7 +903,8 @@ def main(argv=None):
              "density": args.density, "seed": args.seed, "target": target, "methods": args.methods,
              "tune_grid": args.grid, "threads_per_rank": threads, "torch": torch.__version__,
              "mpi": common.mpi_library(), "host": platform.node(), "cores": common.cores(),
-             "cpu": common.cpu_model(), "date": datetime.date.today().isoformat(), "command": common.command(), **wl.info}
+             "cpu": common.cpu_model(), "date": datetime.date.today().isoformat(), "command": common.command(),
+             **wl.info}
     log(f"{args.workload}: {numel:,} parameters, P={P}, rate {args.rate} Mbit/s: compute {compute_s:.3f} s/step, "
         f"dense allreduce {allreduce_s:.3f} s (ratio {allreduce_s / compute_s:.2f})")
     path = os.path.join(args.out, "e2e.jsonl")

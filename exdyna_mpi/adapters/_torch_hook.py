@@ -54,6 +54,7 @@ _VERSION = 1
 Key = tuple[int, ...]
 Layout = list[tuple[int, tuple[int, ...]]]
 Run = tuple[int, int, int]   # (offset in the bucket, offset in the model-wide vector, length)
+_STEP_HOOKS = "_exdyna_hook_step_hooks"   # the optimizer's attribute: the step hooks of the state that steps it
 
 
 class _LayoutError(ValueError):
@@ -112,7 +113,8 @@ class ExDynaHookState:
             optimizer's step hooks: ``step()`` applies the exchanged update to every parameter and the
             optimizer's own step sees no gradient (``.grad`` is back once it returns). Each
             ``step()`` needs one exchange (one DDP ``backward()`` outside ``no_sync``) since the last,
-            and an exchange refuses to start while the last one's update has not been applied. The
+            and an exchange refuses to start while the last one's update has not been applied (a
+            state made later with the same optimizer takes its step over: the newest one counts). The
             path's state (moments, step count) is in ``state_dict()`` under ``"adam"``; with
             ``adam="demo"`` the momentum is the sparsifier's residual. The update comes from the
             exchanged vector, not from ``.grad``: clip with ``clip_norm=`` (a ``clip_grad_norm_``
@@ -225,11 +227,17 @@ class ExDynaHookState:
             self._index = {id(p): (weakref.ref(p), i) for i, p in enumerate(params)}
             if recipe.moves_momentum:   # last: nothing above can refuse any more
                 move_momentum(optimizer)
-        if adam_path is not None and optimizer is not None:
-            # the optimizer's own step() must apply the path's update: its step hooks run inside it,
-            # whatever wraps step() (LR schedulers, profilers)
-            optimizer.register_step_pre_hook(self._before_optimizer_step)
-            optimizer.register_step_post_hook(self._after_optimizer_step)
+        if optimizer is not None:
+            # one state steps an optimizer: a state made earlier for it gives its step hooks up
+            for handle in getattr(optimizer, _STEP_HOOKS, ()):
+                handle.remove()
+            handles: tuple[Any, ...] = ()
+            if adam_path is not None:
+                # the optimizer's own step() must apply the path's update: its step hooks run inside
+                # it, whatever wraps step() (LR schedulers, profilers)
+                handles = (optimizer.register_step_pre_hook(self._before_optimizer_step),
+                           optimizer.register_step_post_hook(self._after_optimizer_step))
+            setattr(optimizer, _STEP_HOOKS, handles)
 
     # ------------------------------------------------------------------ the Adam path's step
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:

@@ -214,6 +214,30 @@ def test_the_hooks_adam_path_owns_the_step_and_gives_the_gradients_back():
         mpi_assert(len(set(digests)) == 1, f"{case}: parameters differ between ranks")
 
 
+def test_a_later_state_takes_the_optimizers_step_over():
+    """Two states made with one optimizer: only the newest applies its update at ``step()`` (the first
+    one's hooks would otherwise apply a second update, or raise for want of an exchange)."""
+    case = "adamw-demo"
+    make_opt, density, recipe, _, options = _case(case)
+    model = _typed_model(case, 4)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=BUCKET_MB)
+    opt = make_opt(model.parameters())
+    first = ExDynaHookState("exdyna", density, optimizer=opt, **recipe, **options)
+    second = ExDynaHookState("exdyna", density, optimizer=opt, **recipe, **options)
+    ddp.register_comm_hook(second, exdyna_hook)
+    ref = _typed_model(case, 4)
+    ref_ddp, ref_opt, ref_state = _hook_run(case, ref)
+    try:
+        for s in range(3):
+            _step(ddp, opt, s)
+            _step(ref_ddp, ref_opt, s)
+        mpi_assert(np.array_equal(_bits(model), _bits(ref)), "the later state's run differs from a single state's")
+    finally:
+        first.close()
+        second.close()
+        ref_state.close()
+
+
 def test_the_hooks_adam_path_refuses_misuse_everywhere():
     """``adam=`` without ``optimizer=`` or with an SGD; ``"frozen"`` without a warm-up; a step with no
     exchange since the last (local, on every rank); an exchange before the last update was applied
