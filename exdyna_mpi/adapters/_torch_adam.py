@@ -159,7 +159,8 @@ class AdamPath:
             sp.scale_residual(self.residual_decay)
 
     def place(self, device) -> None:
-        """Move this path's tensors to ``device`` (a state loaded as host copies); a no-op where they are."""
+        """Move this path's tensors to ``device`` (a state loaded as host copies); a no-op where they are.
+        ``prepare`` calls it, so a resumed path follows the gradient to its device."""
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state of the path (tensors and plain values), under ``"exdyna_adam"``."""
@@ -402,6 +403,7 @@ class FrozenVarianceAdam(AdamPath):
     def prepare(self, optimizer, flat, dense: bool) -> None:
         """Freeze at the first sparse step; then this rank's gradient into the exchanged units
         (``"frozen"``: divided by ``denom``)."""
+        self.place(flat.device)
         if dense:
             return
         if not self.frozen:

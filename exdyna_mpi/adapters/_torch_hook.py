@@ -67,6 +67,11 @@ class _StepOrderError(RuntimeError):
     ``optimizer.step()``. Every rank runs the same training loop, so every rank raises it together."""
 
 
+#: the errors every rank raises together (their causes are the same on every rank): delivered to the
+#: futures, so backward() raises them everywhere, without ending the job
+_SAME_EVERYWHERE = (_LayoutError, _StepOrderError)
+
+
 class _Job:
     """One bucket of one iteration, as the backward thread saw it."""
 
@@ -638,7 +643,7 @@ class ExDynaHookState:
         """Fail the futures of ``jobs``. A collective error (every rank raises it together) is only
         delivered; any other ends the job, since other ranks may wait for this one in a collective."""
         self.error = e
-        collective = isinstance(e, (exdyna_mpi.CollectiveError, _LayoutError, _StepOrderError))
+        collective = isinstance(e, (exdyna_mpi.CollectiveError, *_SAME_EVERYWHERE))
         for j in jobs:
             if not j.fut.done():
                 # torch annotates the argument as the future's value type; it takes the exception
@@ -742,11 +747,7 @@ class ExDynaHookState:
         if recipe is None:
             self._sp.step(flat, out=flat)
             return self._sp.stats
-        prepare = None
-        if adam is not None:
-            def prepare(g: torch.Tensor, dense: bool) -> None:
-                adam.place(g.device)
-                adam.prepare(self.optimizer, g, dense)
+        prepare = None if adam is None else (lambda g, dense: adam.prepare(self.optimizer, g, dense))
         with _torch().no_grad():
             sp = recipe.exchange(self._sp, flat, prepare)   # _torch_options.py
         self._last_sp = sp
@@ -906,7 +907,7 @@ def exdyna_hook(state: ExDynaHookState, bucket):  # -> torch.futures.Future[torc
         key, runs, new_model = state._locate(bucket.parameters(), buf)
         if last:
             state._end_iteration()
-    except (_LayoutError, _StepOrderError) as e:
+    except _SAME_EVERYWHERE as e:
         error = e
         if last:
             state._in_iter = False
