@@ -165,6 +165,17 @@ def test_summary_ratios_within_each_launch(tmp_path):
     assert er.summary(recs, "lm", 100) == ([], "**lm**, 100 Mbit/s: no runs.")
 
 
+def test_summary_flags_a_target_above_the_trigram(tmp_path):
+    """A target a count model reaches is named as such in the table's head; one below it is not."""
+    for target, flagged in ((2.5, True), (2.0, False)):
+        a, _ = _two_launches()
+        a[0] = dict(a[0], target=target, ngram={"unigram": 3.2, "bigram": 2.4, "trigram": 2.2})
+        recs = er.read_records([_write(tmp_path / f"t{target}.jsonl", a)])
+        _, text = er.summary(recs, "lm", 1000)
+        assert "n-gram baselines unigram 3.2000, bigram 2.4000, trigram 2.2000" in text
+        assert ("the target lies above the trigram (2.2000)" in text) == flagged, text.splitlines()[0]
+
+
 def test_summary_groups_interleaved_launches_by_id(tmp_path):
     """Both launches' records interleaved in one file: runs still join their own launch."""
     a, b = _two_launches()
