@@ -13,6 +13,9 @@ mean over the file's tuning seeds, goes to ``DIR/tuned.json``); timed runs take 
 same optimiser (``--optimizer``), clipping (``--clip``: ``clip_grad_norm_`` over the model's
 parameters before every optimiser step, as a user's loop does it) and schedule (``--lr-warmup``
 batches of linear warm-up, then ``--schedule`` constant or cosine to a tenth at ``--steps``).
+A method that trades batches for bytes (local steps) may get a longer budget of its own
+(``--steps-of sloco-h16=2400``: its schedule ends there), tuned at that budget; the target stays
+DDP's loss at ``--steps``.
 
 Workloads (offline, no downloads):
 - ``lm`` (default): a GPT-style byte-level transformer (jobs/models.py ``GPT``, default d_model 128,
@@ -100,6 +103,7 @@ This file trains and writes the records; jobs/e2e_report.py reads them back.
 """
 import argparse
 import contextlib
+import copy
 import datetime
 import hashlib
 import json
@@ -596,17 +600,34 @@ class WireCounter:
             return int(f.read())
 
 
+def method_args(args, method):
+    """``args`` as ``method`` runs them: its own ``--density-of``; its own budget where ``--steps-of``
+    gives one (the schedule, the budget's evaluation and the methods' warm-ups follow it), at least to
+    ``--max-steps``; evaluated
+    every ``--eval-every`` (default: the launch's ``--steps`` / 10), so that every method's time to
+    target has the same resolution."""
+    own = copy.copy(args)
+    own.eval_every = args.eval_every or max(1, args.steps // 10)
+    own.density = args.density_of.get(method, args.density)
+    if method in args.steps_of:
+        own.steps = args.steps_of[method]
+        own.max_steps = max(own.steps, args.max_steps)
+    return own
+
+
 def train(method, wl, args, comm, numel, target, log):
     """One method's run: the ``run`` record (the same on every rank).
 
     The loop counts batches per rank (``step``); an optimiser step takes ``Method.stride`` of them, so
     gradient accumulation sees the same data per step budget as the others. Every method trains
-    ``--steps`` batches; one that has not reached ``target`` by then goes on to ``--max-steps``.
+    its budget (``--steps``, or its ``--steps-of``); one that has not reached ``target`` by then goes
+    on to ``--max-steps``.
     """
     from mpi4py import MPI
 
     import exdyna_mpi
 
+    args = method_args(args, method)
     P = comm.Get_size()
     prime_library(method, wl, args, comm, numel)
     m = build(method, wl, args, comm, numel)
@@ -628,7 +649,7 @@ def train(method, wl, args, comm, numel, target, log):
         log(f"{method}: step {step} val_loss {res['val_loss']:.4f} at {t:.1f} s")
         return res["val_loss"]
 
-    every = max(1, args.eval_every or args.steps // 10)
+    every = args.eval_every
     diverged = False
     comm.Barrier()
     loss = evaluate(0)
@@ -778,13 +799,20 @@ def parse_args(argv=None):
     ap.add_argument("--rate", type=float, help="link rate for the records (default: EXDYNA_TESTBED_RATE_MBIT)")
     ap.add_argument("--steps", type=int, help="budget in batches per rank (lm 600, cnn 264: 24 epochs at P=4)")
     ap.add_argument("--max-steps", type=int, help="batches a method may run to reach the target (default 2 x steps)")
+    ap.add_argument("--steps-of", action="append", default=[], metavar="METHOD=N",
+                    help="another budget for one method (repeatable): its schedule ends at N batches, it trains N "
+                         "(to --max-steps for the target); local-step methods trade batches for bytes")
+    ap.add_argument("--density-of", action="append", default=[], metavar="METHOD=D",
+                    help="another --density for one method (repeatable): each at the density it was tuned at")
     ap.add_argument("--density", type=float, default=0.01)
     ap.add_argument("--target", type=float, help="validation loss to reach (default: ddp's at --steps)")
     ap.add_argument("--batch", type=int, help="per-rank batch (lm 8 sequences, cnn 32 images)")
     ap.add_argument("--optimizer", choices=("adamw", "sgd"),
                     help="lm: adamw (betas 0.9, 0.95), cnn: sgd (with --momentum)")
     ap.add_argument("--lr", type=float, help="learning rate of every method without a tuned one (lm 1e-3, cnn 0.1)")
-    ap.add_argument("--tuned", metavar="JSON", help="per-method learning rates chosen by --tune-lrs (tuned.json)")
+    ap.add_argument("--tuned", metavar="JSON", action="append",
+                    help="per-method learning rates chosen by --tune-lrs (tuned.json; repeatable, a later file's "
+                         "rate wins); each must have been tuned at the method's budget")
     ap.add_argument("--tune-lrs", metavar="LR,LR,...",
                     help="tune instead: every method at each learning rate for --steps, no target; writes tune "
                          "records and DIR/tuned.json (the lowest loss at the budget, mean over the file's seeds)")
@@ -813,6 +841,7 @@ def parse_args(argv=None):
     ap.add_argument("--readme", metavar="MD", help="with --docs: README whose e2e-results block is regenerated")
     ap.add_argument("--curves-from", nargs="+", metavar="JSONL_OR_DIR", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    args.steps_of_items, args.density_of_items = args.steps_of, args.density_of
     methods = [m for m in args.methods.split(",") if m]
     bad = [m for m in methods if m not in ALL_METHODS]
     if bad:
@@ -837,16 +866,42 @@ def parse_args(argv=None):
     if args.rate is None and os.environ.get("EXDYNA_TESTBED_RATE_MBIT"):
         args.rate = float(os.environ["EXDYNA_TESTBED_RATE_MBIT"])
     args.grid = [float(x) for x in args.tune_lrs.split(",")] if args.tune_lrs else None
-    args.lr_of = {}
-    if args.tuned:
-        with open(args.tuned) as f:
+    args.steps_of = {}
+    for item in args.steps_of_items:
+        m, _, n = item.partition("=")
+        if m not in args.methods or not n.isdigit() or int(n) < 1:
+            ap.error(f"--steps-of {item}: expected METHOD=N with N >= 1 and METHOD one of --methods")
+        args.steps_of[m] = int(n)
+    args.density_of = {}
+    for item in args.density_of_items:
+        m, _, d = item.partition("=")
+        try:
+            value = float(d)
+        except ValueError:
+            value = -1.0
+        if m not in args.methods or not 0.0 < value <= 1.0:
+            ap.error(f"--density-of {item}: expected METHOD=D with 0 < D <= 1 and METHOD one of --methods")
+        args.density_of[m] = value
+    if args.steps_of and args.grid:
+        ap.error("--steps-of with --tune-lrs: tune a method at another budget with --steps in its own launch")
+    args.lr_of, chosen = {}, {}
+    for path in args.tuned or []:
+        with open(path) as f:
             tuned = json.load(f)
         if tuned.get("workload") != args.workload:
-            ap.error(f"--tuned {args.tuned} is for workload {tuned.get('workload')!r}, not {args.workload!r}")
-        args.lr_of = {m: float(v) for m, v in tuned["lr_of"].items()}
+            ap.error(f"--tuned {path} is for workload {tuned.get('workload')!r}, not {args.workload!r}")
+        for m, v in tuned["lr_of"].items():
+            args.lr_of[m], chosen[m] = float(v), (path, tuned.get("steps"))
+    for m, (path, steps) in chosen.items():
+        budget = args.steps_of.get(m, args.steps)
+        if m in args.methods and steps not in (None, budget):
+            # a rate tuned for one schedule length is not the best for another (the cosine's pace)
+            ap.error(f"--tuned {path} chose {m}'s rate at {steps} batches; it runs {budget} here: tune it at "
+                     f"that budget")
+    if args.tuned:
         untuned = [m for m in args.methods if m not in args.lr_of and not (m == "ddp-bv" and "ddp" in args.lr_of)]
         if untuned:
-            ap.error(f"--tuned {args.tuned} has no learning rate for {untuned}: tune them first")
+            ap.error(f"--tuned {', '.join(args.tuned)} has no learning rate for {untuned}: tune them first")
         if "ddp" in args.lr_of:                  # gradient_as_bucket_view changes memory, not arithmetic
             args.lr_of.setdefault("ddp-bv", args.lr_of["ddp"])
     return args
@@ -898,7 +953,9 @@ def main(argv=None):
              "params": numel, "compute_s": compute_s, "allreduce_s": allreduce_s,
              "comm_compute_ratio": allreduce_s / compute_s, "batch": args.batch, "steps": args.steps,
              "max_steps": args.max_steps, "optimizer": args.optimizer, "lr": args.lr, "lr_of": args.lr_of,
-             "tuned_from": args.tuned, "clip": args.clip, "schedule": args.schedule, "momentum": args.momentum,
+             "tuned_from": ", ".join(args.tuned) if args.tuned else None,
+             "steps_of": args.steps_of, "density_of": args.density_of,
+             "clip": args.clip, "schedule": args.schedule, "momentum": args.momentum,
              "weight_decay": args.weight_decay, "lr_warmup": args.lr_warmup, "accum": args.accum,
              "density": args.density, "seed": args.seed, "target": target, "methods": args.methods,
              "tune_grid": args.grid, "threads_per_rank": threads, "torch": torch.__version__,

@@ -102,7 +102,8 @@ def table(setup, runs):
     with_compute = any(r.get("compute_s") is not None for r in runs)
     rows = []
     for r in runs:
-        row = [_name(r), _fmt(r["step_s"], ".3f")]
+        own = _own_budget(r, setup)
+        row = [_name(r) + (f" (budget {own} batches)" if own else ""), _fmt(r["step_s"], ".3f")]
         if with_compute:
             row.append(_fmt(r.get("compute_s"), ".3f"))
         row += [_fmt(r.get("comm_share"), ".2f"),
@@ -353,6 +354,11 @@ def _steps_to_target(r, setup):
     return next((e[0] for e in r.get("evals", []) if e[2] <= target), None)
 
 
+def _own_budget(r, setup):
+    """The run's step budget where it differs from the launch's (``--steps-of``), else None."""
+    return r["steps"] if r.get("steps") is not None and r.get("steps") != setup.get("steps") else None
+
+
 def _combine(runs, setup, lid):
     """One method's runs in one launch (its passes) as one: times to target and steps averaged over the
     passes when every pass reached (else not reached), the other quantities averaged over the passes."""
@@ -372,7 +378,8 @@ def _combine(runs, setup, lid):
             "compute_s": _mean([_num(r.get("compute_s")) for r in runs]),
             "bytes": _mean([float(r["bytes_per_step"]) for r in counted]),
             "collectives": _mean([float(r.get("collectives_per_step", 1)) for r in runs]),
-            "passes": by_pass, "sources": sorted({r["_source"] for r in runs if r.get("_source")})}
+            "passes": by_pass, "sources": sorted({r["_source"] for r in runs if r.get("_source")}),
+            "budget": _own_budget(runs[0], setup)}
 
 
 def _launch_aggs(records, workload, rate=_ANY):
@@ -474,6 +481,7 @@ def summary(records, workload, rate):
             "loss_vs_ddp_pct": "ref" if m == "ddp" else _mean(rel),
             "step_s": _mean([a["step_s"] for a in ags]), "mb_per_step": None if mb is None else mb / 1e6,
             "chosen": [a.get("chosen") for a in ags] if m == BEST_DILOCO else None,
+            "budgets": sorted({a["budget"] for a in ags if a.get("budget")}),
             "per_launch": [{"launch": a["launch"], "seed": a["seed"], "time_to_target_s": a["ttt"],
                             "vs_ddp": _ratio(aggs.get("ddp"), a), "loss_at_steps": a["loss"]}
                            for (_, aggs), a in zip(mine, ags)],
@@ -511,8 +519,10 @@ def _summary_head(aggs_list, workload, rate):
 
 
 def _best_name(r):
-    # which variant was the better DiLoCo, each named once in launch order
-    return r["method"] + (f" ({', '.join(dict.fromkeys(c for c in r['chosen'] if c))})" if r.get("chosen") else "")
+    # which variant was the better DiLoCo, each named once in launch order; a budget of its own beside
+    name = r["method"] + (f" ({', '.join(dict.fromkeys(c for c in r['chosen'] if c))})" if r.get("chosen") else "")
+    budgets = r.get("budgets")
+    return name + (f" (budget {', '.join(str(b) for b in budgets)} batches)" if budgets else "")
 
 
 def _ratio_cell(v):

@@ -193,6 +193,55 @@ def test_tuning_writes_the_search_and_its_choice(tmp_path):
     assert used[0]["lr_of"]["exdyna"] == tuned["lr_of"]["exdyna"] and used[0]["tuned_from"].endswith("tuned.json")
 
 
+def test_a_method_with_its_own_budget_follows_its_own_schedule(tmp_path):
+    """``--steps-of``: one method's cosine ends at its budget, not the launch's; the target stays DDP's
+    loss at ``--steps`` and the evaluations keep the launch's interval."""
+    recs = e2e(tmp_path / "own", "--optimizer", "adamw", "--clip", str(CLIP), "--schedule", "cosine", "--lr", str(LR),
+               "--lr-warmup", str(WARM), "--weight-decay", "0.1", "--seed", str(SEED), "--steps", str(STEPS // 2),
+               "--max-steps", str(STEPS // 2), "--steps-of", f"ddp-bv={STEPS}", "--no-ddp-last",
+               "--methods", "ddp,ddp-bv")
+    ddp, own = _runs(recs)
+    assert recs[0]["steps_of"] == {"ddp-bv": STEPS}
+    assert (ddp["steps"], ddp["steps_run"], own["steps"], own["steps_run"]) == (STEPS // 2, STEPS // 2, STEPS, STEPS)
+    assert [e[0] for e in own["evals"]] == list(range(0, STEPS + 1, STEPS // 20))
+    assert own["target"] == ddp["loss_at_steps"] and own["loss_at_steps"] == own["evals"][-1][2]
+    # the schedule to STEPS, written out in the reference; DDP's, to STEPS / 2, ends elsewhere
+    assert abs(own["evals"][-1][2] - reference_ddp(_data())) < 2e-4
+    assert abs(ddp["evals"][-1][2] - own["evals"][len(own["evals"]) // 2][2]) > 2e-3
+
+
+def test_tuned_rates_must_come_from_the_method_s_budget(tmp_path):
+    """A rate tuned for another schedule length is refused; several files merge, the later one winning."""
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps({"kind": "tuned", "workload": "lm", "steps": 600,
+                             "lr_of": {"ddp": 1e-3, "sloco-h16": 4e-3}}))
+    b.write_text(json.dumps({"kind": "tuned", "workload": "lm", "steps": 2400, "lr_of": {"sloco-h16": 2e-3}}))
+
+    def refused(*args):
+        p = subprocess.run([sys.executable, JOB, "--methods", "ddp,sloco-h16", "--out", str(tmp_path), *args],
+                           cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=60)
+        assert p.returncode == 2, p.stderr[-2000:]
+        return p.stderr
+
+    assert "chose sloco-h16's rate at 600 batches; it runs 2400" in refused(
+        "--tuned", str(a), "--steps-of", "sloco-h16=2400")
+    assert "chose sloco-h16's rate at 2400 batches; it runs 600" in refused("--tuned", str(a), "--tuned", str(b))
+    assert "expected METHOD=N" in refused("--steps-of", "topk=10")
+    assert "expected METHOD=N" in refused("--steps-of", "sloco-h16=0")
+    assert "expected METHOD=D" in refused("--density-of", "sloco-h16=1.5")
+    assert "expected METHOD=D" in refused("--density-of", "sloco-h16=x")
+    assert "--steps-of with --tune-lrs" in refused("--steps-of", "sloco-h16=20", "--tune-lrs", "1e-3")
+    import e2e as job                # parse_args only: no MPI, no torch
+
+    args = job.parse_args(["--methods", "ddp,sloco-h16", "--tuned", str(a), "--tuned", str(b),
+                           "--steps-of", "sloco-h16=2400", "--density-of", "sloco-h16=0.03", "--density", "0.05",
+                           "--out", str(tmp_path)])
+    assert args.lr_of == {"ddp": 1e-3, "ddp-bv": 1e-3, "sloco-h16": 2e-3} and args.steps_of == {"sloco-h16": 2400}
+    own, ddp = job.method_args(args, "sloco-h16"), job.method_args(args, "ddp")
+    assert (own.steps, own.max_steps, own.density, own.eval_every) == (2400, 2400, 0.03, 60)
+    assert (ddp.steps, ddp.max_steps, ddp.density, ddp.eval_every) == (600, 1200, 0.05, 60)
+
+
 @pytest.mark.parametrize("args, message", [
     (["--methods", "ddp,exdyna-mc"], "run with --optimizer sgd only"),
     (["--methods", "ddp,exdyna-adam", "--optimizer", "sgd"], "run with --optimizer adamw only"),

@@ -176,6 +176,22 @@ def test_summary_flags_a_target_above_the_trigram(tmp_path):
         assert ("the target lies above the trigram (2.2000)" in text) == flagged, text.splitlines()[0]
 
 
+def test_a_method_with_its_own_budget_is_named_with_it(tmp_path):
+    """A run of ``--steps-of`` (another budget than the launch's) says so in both tables: its loss at the
+    budget is not comparable with DDP's without it."""
+    recs = _launch("A", 1000, 1, [("ddp", 100.0, {}), ("sloco-h16", 60.0, {"steps": 150}),
+                                  ("exdyna", 80.0, {})])
+    recs[2] = dict(recs[2], steps=400, steps_run=400)
+    recs = er.read_records([_write(tmp_path / "own.jsonl", recs)])
+    _, text = er.summary(recs, "lm", 1000)
+    names = [line.split(" | ")[0][2:] for line in text.splitlines() if line.startswith("| ")]
+    assert "sloco-h16 (budget 400 batches)" in names and "exdyna" in names and "ddp" in names
+    setup, runs = er.groups(recs)[0]
+    rows = er.table(setup, runs).splitlines()
+    assert any(r.startswith("| sloco-h16 (budget 400 batches) |") for r in rows)
+    assert any(r.startswith("| exdyna |") for r in rows)
+
+
 def test_summary_groups_interleaved_launches_by_id(tmp_path):
     """Both launches' records interleaved in one file: runs still join their own launch."""
     a, b = _two_launches()
