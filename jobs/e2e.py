@@ -686,10 +686,10 @@ def train(method, wl, args, comm, numel, target, log):
         if crossed or prev < args.steps <= step or step >= args.max_steps:
             loss = evaluate(step)
             reached = reached or (target is not None and loss <= target)
-            if step >= args.steps and (reached or target is None):
+            if step >= args.steps and (reached or target is None) or args.stop_at_target and reached:
                 break
     times = max_over_ranks(comm, step_times)
-    budget = [e for e in evals if e[0] >= args.steps]
+    budget = [e for e in evals if e[0] >= args.steps]     # none where --stop-at-target ended the run early
     loss_at_steps = float("nan") if diverged else budget[0][2] if budget else None
     hit = next((e for e in evals if target is not None and e[2] <= target), None)
     hashes = comm.allgather(m.param_hash())
@@ -802,6 +802,9 @@ def parse_args(argv=None):
     ap.add_argument("--steps-of", action="append", default=[], metavar="METHOD=N",
                     help="another budget for one method (repeatable): its schedule ends at N batches, it trains N "
                          "(to --max-steps for the target); local-step methods trade batches for bytes")
+    ap.add_argument("--stop-at-target", action="store_true",
+                    help="end each run when it reaches the target (else it trains its whole budget): times to "
+                         "target only, no loss at the budget for the runs that stop early")
     ap.add_argument("--density-of", action="append", default=[], metavar="METHOD=D",
                     help="another --density for one method (repeatable): each at the density it was tuned at")
     ap.add_argument("--density", type=float, default=0.01)
@@ -954,7 +957,7 @@ def main(argv=None):
              "comm_compute_ratio": allreduce_s / compute_s, "batch": args.batch, "steps": args.steps,
              "max_steps": args.max_steps, "optimizer": args.optimizer, "lr": args.lr, "lr_of": args.lr_of,
              "tuned_from": ", ".join(args.tuned) if args.tuned else None,
-             "steps_of": args.steps_of, "density_of": args.density_of,
+             "steps_of": args.steps_of, "density_of": args.density_of, "stop_at_target": args.stop_at_target,
              "clip": args.clip, "schedule": args.schedule, "momentum": args.momentum,
              "weight_decay": args.weight_decay, "lr_warmup": args.lr_warmup, "accum": args.accum,
              "density": args.density, "seed": args.seed, "target": target, "methods": args.methods,

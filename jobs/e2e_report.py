@@ -373,7 +373,9 @@ def _combine(runs, setup, lid):
             "rate_mbit": _field(runs[0], setup, "rate_mbit"),
             "ttt": None if None in ttts else sum(ttts) / len(ttts),
             "steps": None if None in ttts or None in steps else sum(steps) / len(steps),
-            "loss": _mean(losses), "nonfinite": losses.count(None),
+            # NaN where a run diverged; null where --stop-at-target ended it before its budget
+            "loss": _mean(losses), "nonfinite": sum(1 for r in runs if r.get("diverged") or (
+                r.get("loss_at_steps") is not None and _num(r["loss_at_steps"]) is None)),
             "step_s": _mean([_num(r.get("step_s")) for r in runs]),
             "compute_s": _mean([_num(r.get("compute_s")) for r in runs]),
             "bytes": _mean([float(r["bytes_per_step"]) for r in counted]),

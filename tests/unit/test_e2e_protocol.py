@@ -210,6 +210,24 @@ def test_a_method_with_its_own_budget_follows_its_own_schedule(tmp_path):
     assert abs(ddp["evals"][-1][2] - own["evals"][len(own["evals"]) // 2][2]) > 2e-3
 
 
+def test_stop_at_target_ends_a_run_at_its_first_evaluation_at_target(tmp_path):
+    """``--stop-at-target``: a run ends at the evaluation that reaches the target (here the loss after the
+    first interval: the target is set between it and the initial loss), not at its budget."""
+    first = e2e(tmp_path / "full", "--steps", "8", "--max-steps", "8", "--eval-every", "2", "--seed", "3",
+                "--no-ddp-last", "--methods", "ddp")
+    curve = _runs(first)[0]["evals"]
+    assert [e[0] for e in curve] == [0, 2, 4, 6, 8] and curve[2][2] < curve[1][2] < curve[0][2]
+    target = (curve[1][2] + curve[2][2]) / 2          # reached at batch 4, not before
+    recs = e2e(tmp_path / "stop", "--steps", "8", "--max-steps", "8", "--eval-every", "2", "--seed", "3",
+               "--no-ddp-last", "--target", repr(target), "--stop-at-target", "--methods", "ddp,ddp-bv")
+    assert recs[0]["stop_at_target"] is True
+    for r in _runs(recs):
+        assert r["steps_run"] == 4 and r["steps_to_target"] == 4 and r["loss_at_steps"] is None, r["method"]
+        assert [e[2] for e in r["evals"]] == [e[2] for e in curve[:3]]
+    table = (tmp_path / "stop" / "e2e.md").read_text()
+    assert "diverged" not in table
+
+
 def test_tuned_rates_must_come_from_the_method_s_budget(tmp_path):
     """A rate tuned for another schedule length is refused; several files merge, the later one winning."""
     a, b = tmp_path / "a.json", tmp_path / "b.json"

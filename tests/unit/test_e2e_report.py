@@ -192,6 +192,18 @@ def test_a_method_with_its_own_budget_is_named_with_it(tmp_path):
     assert any(r.startswith("| exdyna |") for r in rows)
 
 
+def test_a_run_stopped_at_target_is_not_counted_as_diverged(tmp_path):
+    """``--stop-at-target`` leaves no loss at the budget (null); a diverged run's is NaN."""
+    recs = _launch("A", 1000, 1, [("ddp", 100.0, {}), ("sloco-h16", 60.0, {}), ("exdyna", None, {})])
+    recs[2] = dict(recs[2], loss_at_steps=None, steps_run=60)
+    recs[3] = dict(recs[3], loss_at_steps=float("nan"), steps_run=30, diverged=True)
+    rows, text = er.summary(er.read_records([_write(tmp_path / "stop.jsonl", recs)]), "lm", 1000)
+    by = {r["method"]: r for r in rows}
+    assert by["sloco-h16"]["nonfinite"] == 0 and by["exdyna"]["nonfinite"] == 1
+    lines = {line.split(" | ")[0][2:]: line for line in text.splitlines() if line.startswith("| ")}
+    assert "diverged" not in lines["sloco-h16"] and "diverged" in lines["exdyna"]
+
+
 def test_summary_groups_interleaved_launches_by_id(tmp_path):
     """Both launches' records interleaved in one file: runs still join their own launch."""
     a, b = _two_launches()
