@@ -1091,6 +1091,13 @@ bash jobs/run_e2e.sh --workload cnn --rate 20 --tuned out/cnn_tune/tuned.json --
 - **Reading the tables.** "not reached": the method did not reach DDP's loss within 1.5x the budget
   (LM 900 batches, CNN 396); its loss at the budget, beside, says how far it was. Ratios above 1 are sooner than
   DDP. The learning-rate table marks a choice at the grid's edge, where a wider grid might help.
+- **A budget of its own.** Local-step methods (DiLoCo, SparseLoCo's recipe) trade batches for
+  bytes: they need more batches than DDP to reach its loss, each far cheaper on a slow link.
+  `--steps-of METHOD=N` gives such a method its own schedule (the cosine ends at N) in the same
+  launch, `--density-of METHOD=D` its own density; its rate is tuned at that budget (`--tuned`
+  refuses a rate chosen at another), the target stays DDP's loss at DDP's budget, and the tables
+  name the budget beside the method. Its loss at its budget is not comparable with DDP's; its time
+  to target is. `--stop-at-target` ends each run at the target (no loss at the budget then).
 - **Baselines as their documentation advises.** DDP with its default buckets and with
   `gradient_as_bucket_view=True`; DDP with gradient accumulation (4 batches per optimiser step, the
   budget counted in batches); torch's `bf16_compress_hook`; torch's `powerSGD_hook` (rank 4, error
