@@ -603,9 +603,8 @@ class WireCounter:
 def method_args(args, method):
     """``args`` as ``method`` runs them: its own ``--density-of``; its own budget where ``--steps-of``
     gives one (the schedule, the budget's evaluation and the methods' warm-ups follow it), at least to
-    ``--max-steps``; evaluated
-    every ``--eval-every`` (default: the launch's ``--steps`` / 10), so that every method's time to
-    target has the same resolution."""
+    ``--max-steps``; evaluated every ``--eval-every`` (default: the launch's ``--steps`` / 10), so that
+    every method's time to target has the same resolution."""
     own = copy.copy(args)
     own.eval_every = args.eval_every or max(1, args.steps // 10)
     own.density = args.density_of.get(method, args.density)
