@@ -789,6 +789,28 @@ def init_torch_distributed(comm):
 
 # --- main ----------------------------------------------------------------------------------------------
 
+def _density(text):
+    """``text`` as a density in (0, 1], else None."""
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if 0.0 < value <= 1.0 else None
+
+
+def _method_values(ap, flag, items, methods, expected, parse):
+    """``{method: value}`` from ``flag``'s ``METHOD=VALUE`` items; ``parse`` gives None for a bad value.
+    An item whose method is not launched, or whose value is bad, is refused (argparse's exit 2)."""
+    values = {}
+    for item in items:
+        method, _, text = item.partition("=")
+        value = parse(text)
+        if method not in methods or value is None:
+            ap.error(f"{flag} {item}: expected {expected} and METHOD one of --methods")
+        values[method] = value
+    return values
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.strip().split("\n")[0])
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="lm")
@@ -798,13 +820,13 @@ def parse_args(argv=None):
     ap.add_argument("--rate", type=float, help="link rate for the records (default: EXDYNA_TESTBED_RATE_MBIT)")
     ap.add_argument("--steps", type=int, help="budget in batches per rank (lm 600, cnn 264: 24 epochs at P=4)")
     ap.add_argument("--max-steps", type=int, help="batches a method may run to reach the target (default 2 x steps)")
-    ap.add_argument("--steps-of", action="append", default=[], metavar="METHOD=N",
+    ap.add_argument("--steps-of", dest="steps_of_items", action="append", default=[], metavar="METHOD=N",
                     help="another budget for one method (repeatable): its schedule ends at N batches, it trains N "
                          "(to --max-steps for the target); local-step methods trade batches for bytes")
     ap.add_argument("--stop-at-target", action="store_true",
                     help="end each run when it reaches the target (else it trains its whole budget): times to "
                          "target only, no loss at the budget for the runs that stop early")
-    ap.add_argument("--density-of", action="append", default=[], metavar="METHOD=D",
+    ap.add_argument("--density-of", dest="density_of_items", action="append", default=[], metavar="METHOD=D",
                     help="another --density for one method (repeatable): each at the density it was tuned at")
     ap.add_argument("--density", type=float, default=0.01)
     ap.add_argument("--target", type=float, help="validation loss to reach (default: ddp's at --steps)")
@@ -843,7 +865,6 @@ def parse_args(argv=None):
     ap.add_argument("--readme", metavar="MD", help="with --docs: README whose e2e-results block is regenerated")
     ap.add_argument("--curves-from", nargs="+", metavar="JSONL_OR_DIR", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    args.steps_of_items, args.density_of_items = args.steps_of, args.density_of
     methods = [m for m in args.methods.split(",") if m]
     bad = [m for m in methods if m not in ALL_METHODS]
     if bad:
@@ -868,22 +889,10 @@ def parse_args(argv=None):
     if args.rate is None and os.environ.get("EXDYNA_TESTBED_RATE_MBIT"):
         args.rate = float(os.environ["EXDYNA_TESTBED_RATE_MBIT"])
     args.grid = [float(x) for x in args.tune_lrs.split(",")] if args.tune_lrs else None
-    args.steps_of = {}
-    for item in args.steps_of_items:
-        m, _, n = item.partition("=")
-        if m not in args.methods or not n.isdigit() or int(n) < 1:
-            ap.error(f"--steps-of {item}: expected METHOD=N with N >= 1 and METHOD one of --methods")
-        args.steps_of[m] = int(n)
-    args.density_of = {}
-    for item in args.density_of_items:
-        m, _, d = item.partition("=")
-        try:
-            value = float(d)
-        except ValueError:
-            value = -1.0
-        if m not in args.methods or not 0.0 < value <= 1.0:
-            ap.error(f"--density-of {item}: expected METHOD=D with 0 < D <= 1 and METHOD one of --methods")
-        args.density_of[m] = value
+    args.steps_of = _method_values(ap, "--steps-of", args.steps_of_items, args.methods, "METHOD=N with N >= 1",
+                                   lambda n: int(n) if n.isdigit() and int(n) >= 1 else None)
+    args.density_of = _method_values(ap, "--density-of", args.density_of_items, args.methods,
+                                     "METHOD=D with 0 < D <= 1", _density)
     if args.steps_of and args.grid:
         ap.error("--steps-of with --tune-lrs: tune a method at another budget with --steps in its own launch")
     args.lr_of, chosen = {}, {}

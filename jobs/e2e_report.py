@@ -103,7 +103,7 @@ def table(setup, runs):
     rows = []
     for r in runs:
         own = _own_budget(r, setup)
-        row = [_name(r) + (f" (budget {own} batches)" if own else ""), _fmt(r["step_s"], ".3f")]
+        row = [_name(r) + _budget_label([own] if own else []), _fmt(r["step_s"], ".3f")]
         if with_compute:
             row.append(_fmt(r.get("compute_s"), ".3f"))
         row += [_fmt(r.get("comm_share"), ".2f"),
@@ -354,6 +354,11 @@ def _steps_to_target(r, setup):
     return next((e[0] for e in r.get("evals", []) if e[2] <= target), None)
 
 
+def _budget_label(budgets):
+    """What a method's name carries in the tables when it ran budgets of its own (``--steps-of``)."""
+    return f" (budget {', '.join(str(b) for b in budgets)} batches)" if budgets else ""
+
+
 def _own_budget(r, setup):
     """The run's step budget where it differs from the launch's (``--steps-of``), else None."""
     return r["steps"] if r.get("steps") is not None and r.get("steps") != setup.get("steps") else None
@@ -523,8 +528,7 @@ def _summary_head(aggs_list, workload, rate):
 def _best_name(r):
     # which variant was the better DiLoCo, each named once in launch order; a budget of its own beside
     name = r["method"] + (f" ({', '.join(dict.fromkeys(c for c in r['chosen'] if c))})" if r.get("chosen") else "")
-    budgets = r.get("budgets")
-    return name + (f" (budget {', '.join(str(b) for b in budgets)} batches)" if budgets else "")
+    return name + _budget_label(r.get("budgets"))
 
 
 def _ratio_cell(v):
