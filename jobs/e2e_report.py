@@ -209,6 +209,16 @@ def _sorted(xs):
         return sorted(xs, key=str)
 
 
+def _bucket(link):
+    """How a link record's tbf bucket reads: records before 2026-11-28 did not carry it, and their
+    bucket (at least 256 KiB) let small exchanges cross unshaped."""
+    sizes = link.get("burst_bytes")
+    if not sizes:
+        return "tbf bucket not recorded: at least 256 KiB, which small exchanges crossed unshaped"
+    kib = sorted({round(b / 1024, 1) for b in sizes})
+    return "tbf bucket " + "/".join(f"{k:g}" for k in kib) + " KiB"
+
+
 def _records_cell(labels):
     return ", ".join(labels) if labels else "—"
 
@@ -995,7 +1005,8 @@ def report(paths, out, plot=True, curves=None):
     text = "\n\n".join(table(s, r) for s, r in grouped)
     if links:
         text += "\n\nLinks measured before the runs (one TCP stream per rank's link, Mbit/s): " + "; ".join(
-            f"set {lk['set_mbit']:g}: {', '.join(f'{m:g}' for m in lk['measured_mbit'])}" for lk in links)
+            f"set {lk['set_mbit']:g}: {', '.join(f'{m:g}' for m in lk['measured_mbit'])} ({_bucket(lk)})"
+            for lk in links)
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "e2e.md"), "w") as f:
         f.write(text + "\n")

@@ -14,7 +14,8 @@ which joins these veths and nothing else: no host interface, no address on the h
 default route in any namespace, so no packet can leave the box. ``tc tbf`` shapes both directions
 of each rank's link (the rank's egress on its interface, its ingress on the bridge port), like a
 full-duplex NIC of that rate into a non-blocking switch. The kernel here has no ``netem``: links
-have a rate, not a delay.
+have a rate, not a delay. tbf's bucket is kept small (``burst_bytes``): what it holds crosses at the
+veth's speed after an idle moment, which a real link of that rate never does.
 
 ``mpiexec`` launches one rank per namespace, MPMD (``mpiexec -n 1 ip netns exec NS0 CMD : -n 1 ip
 netns exec NS1 CMD ...``). The process manager stays in the host namespace; ranks reach it through
@@ -66,6 +67,7 @@ class RankLink:
     netns: str
     addr: str
     rate_mbit: float
+    burst_bytes: int = 0       # tbf's bucket on both ends of the link (0: not recorded)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,8 +80,8 @@ class Testbed:
 
     def record(self):
         """The JSON line ``up`` prints."""
-        return {"ranks": [{"rank": r.rank, "netns": r.netns, "addr": r.addr, "rate_mbit": r.rate_mbit}
-                          for r in self.ranks],
+        return {"ranks": [{"rank": r.rank, "netns": r.netns, "addr": r.addr, "rate_mbit": r.rate_mbit,
+                           "burst_bytes": r.burst_bytes} for r in self.ranks],
                 "rate_mbit": self.rate_mbit, "iface": self.iface, "prefix": self.prefix}
 
 
@@ -149,16 +151,25 @@ def _ns(netns, *argv, check=True):
     return _run("ip", "netns", "exec", netns, *argv, check=check)
 
 
-def _burst_bytes(rate_mbit):
-    """tbf's bucket: a few milliseconds of the rate (at least 256 KiB), so TCP's segment trains
-    pass whole and the link reaches its rate; too small a bucket undershoots it."""
-    return max(256 * 1024, int(rate_mbit * 1e6 / 8 * 0.004))
+def burst_bytes(rate_mbit):
+    """tbf's bucket for a link of ``rate_mbit``: 16 KiB, or a quarter millisecond of the rate where
+    that is more.
+
+    Whatever the bucket holds after an idle moment crosses at the veth's speed, not at the rate, so
+    a message no larger than the bucket goes for free. A large bucket flatters every method whose
+    exchange is small: with the 256 KiB bucket used until 2026-11-28, 300 kB after idle took 21 ms
+    at 20 Mbit/s instead of 120 ms. With 16 KiB it takes 119 ms, and 5 MB streams at 19.1 Mbit/s of
+    payload (the rest is TCP/IP headers, which the link carries too); at 1 Gbit/s the quarter
+    millisecond (31 kB) keeps a stream at 936 Mbit/s (2-core Intel Xeon VM, 2026-11-28). A smaller
+    bucket than a quarter millisecond undershoots fast links: the timer cannot refill it in time.
+    """
+    return max(16 * 1024, int(rate_mbit * 1e6 / 8 * 0.00025))
 
 
 def _shape(netns, dev, rate_mbit):
     """A tbf of ``rate_mbit`` on ``dev``'s egress (``netns`` None: the host namespace)."""
     argv = ["tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{rate_mbit}mbit",
-            "burst", str(_burst_bytes(rate_mbit)), "latency", "50ms"]
+            "burst", str(burst_bytes(rate_mbit)), "latency", "50ms"]
     return _ns(netns, *argv) if netns else _run(*argv)
 
 
@@ -236,7 +247,7 @@ def up(ranks, rate_mbit, rate_of=None, prefix=PREFIX):
             _ns(ns, "ip", "link", "set", n["iface"], "up")
             _shape(ns, n["iface"], rates[r])     # the rank's sending side
             _shape(None, veth, rates[r])         # the bridge's side towards the rank: its receiving side
-            links.append(RankLink(r, ns, addr, rates[r]))
+            links.append(RankLink(r, ns, addr, rates[r], burst_bytes(rates[r])))
         tb = Testbed(prefix, n["iface"], n["bridge"], float(rate_mbit), tuple(links))
         _wait_ready(tb)
     except BaseException:
@@ -288,7 +299,8 @@ def load(prefix=PREFIX):
     except FileNotFoundError:
         raise TestbedError(f"no testbed '{prefix}' is up (run: python jobs/testbed.py up --ranks P --rate R)") from None
     spaces, _ = existing(prefix)
-    links = tuple(RankLink(r["rank"], r["netns"], r["addr"], r["rate_mbit"]) for r in rec["ranks"])
+    links = tuple(RankLink(r["rank"], r["netns"], r["addr"], r["rate_mbit"], r.get("burst_bytes", 0))
+                  for r in rec["ranks"])
     gone = [r.netns for r in links if r.netns not in spaces]
     if gone:
         raise TestbedError(f"testbed '{prefix}' is incomplete ({', '.join(gone)} missing): run down, then up")
@@ -333,7 +345,7 @@ def measure_link(tb, src, dst, seconds=2.0, port=5201):
     receiver from its first byte to its last."""
     a, b = tb.ranks[src], tb.ranks[dst]
     rate = min(a.rate_mbit, b.rate_mbit)
-    nbytes = int(rate * 1e6 / 8 * seconds) + 2 * _burst_bytes(rate)
+    nbytes = int(rate * 1e6 / 8 * seconds) + 2 * burst_bytes(rate)
     limit = 3 * seconds + 5
     sink = subprocess.Popen(["ip", "netns", "exec", b.netns, sys.executable, "-c", _SINK, b.addr, str(port),
                              str(limit)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -355,6 +367,66 @@ def measure_link(tb, src, dst, seconds=2.0, port=5201):
     return got * 8 / secs / 1e6 if secs > 0 else 0.0
 
 
+_MSG_SINK = r"""
+import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(1); s.settimeout(float(sys.argv[5]))
+print("ready", flush=True)
+c, _ = s.accept(); c.settimeout(float(sys.argv[5]))
+buf = bytearray(1 << 20)
+for _ in range(int(sys.argv[4])):
+    n = 0
+    while n < int(sys.argv[3]):
+        k = c.recv_into(buf)
+        if not k:
+            sys.exit(1)
+        n += k
+    c.sendall(b"k")
+"""
+
+_MSG_SOURCE = r"""
+import socket, sys, time
+nbytes, reps, limit, idle = int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]), float(sys.argv[6])
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=limit)
+data = b"\0" * nbytes; took = []
+for _ in range(reps):
+    time.sleep(idle)
+    t = time.perf_counter(); c.sendall(data); c.recv(1); took.append(time.perf_counter() - t)
+print(" ".join(repr(v) for v in took))
+"""
+
+
+def measure_message(tb, src, dst, nbytes, reps=3, idle_s=0.5, port=5202):
+    """Seconds one message of ``nbytes`` takes from rank ``src`` to rank ``dst`` after ``idle_s`` of
+    silence (the bucket full), to the receiver's one-byte reply; ``reps`` times on one connection.
+    A link of rate R needs at least ``nbytes * 8 / R``: a message much faster than that crossed in
+    the bucket, and a benchmark on it would flatter small exchanges."""
+    a, b = tb.ranks[src], tb.ranks[dst]
+    rate = min(a.rate_mbit, b.rate_mbit)
+    limit = reps * (idle_s + 2 * nbytes * 8 / (rate * 1e6)) + 10
+    sink = subprocess.Popen(["ip", "netns", "exec", b.netns, sys.executable, "-c", _MSG_SINK, b.addr, str(port),
+                             str(nbytes), str(reps), str(limit)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        if sink.stdout.readline().strip() != "ready":
+            raise TestbedError(f"message check: the receiver in {b.netns} did not start: {sink.stderr.read()}")
+        p = subprocess.run(["ip", "netns", "exec", a.netns, sys.executable, "-c", _MSG_SOURCE, b.addr, str(port),
+                            str(nbytes), str(reps), str(limit), str(idle_s)], capture_output=True, text=True,
+                           timeout=limit + 5)
+        sink.wait(timeout=limit + 5)
+    finally:
+        if sink.poll() is None:
+            sink.kill()
+            sink.wait()
+    try:
+        took = [float(v) for v in p.stdout.split()]
+    except ValueError:
+        took = []
+    if p.returncode != 0 or len(took) != reps:
+        raise TestbedError(f"message check {src}->{dst}: the sender said {p.stdout!r} {p.stderr.strip()[-300:]!r}")
+    return took
+
+
 def _run_bounded(argv, seconds):
     p = subprocess.run(argv, capture_output=True, text=True, timeout=seconds)
     if p.returncode != 0:
@@ -369,7 +441,7 @@ def check(tb, seconds=2.0):
     P = len(tb.ranks)
     measured = [round(measure_link(tb, r, (r + 1) % P, seconds), 1) for r in range(P)]
     return {"set_mbit": tb.rate_mbit, "measured_mbit": measured,
-            "rates_mbit": [r.rate_mbit for r in tb.ranks]}
+            "rates_mbit": [r.rate_mbit for r in tb.ranks], "burst_bytes": [r.burst_bytes for r in tb.ranks]}
 
 
 # --- launching: one rank per namespace ---------------------------------------------------------------

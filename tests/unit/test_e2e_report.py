@@ -344,9 +344,14 @@ def test_report_writes_summary_and_regime(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     a, b = _two_launches()
-    _write(run_dir / "e2e.jsonl", [{"kind": "link", "set_mbit": 1000, "measured_mbit": [957.9, 958.1]}] + a + b)
+    _write(run_dir / "e2e.jsonl", [{"kind": "link", "set_mbit": 1000, "measured_mbit": [957.9, 958.1]},
+                                   {"kind": "link", "set_mbit": 20, "measured_mbit": [19.1, 19.1],
+                                    "burst_bytes": [16384, 16384]}] + a + b)
     out = tmp_path / "out"
     text = er.report([str(run_dir)], str(out))
+    # the bucket a link ran with is named; an old record without it says what that bucket did
+    assert "set 20: 19.1, 19.1 (tbf bucket 16 KiB)" in text
+    assert "set 1000: 957.9, 958.1 (tbf bucket not recorded: at least 256 KiB" in text
     for name in ("e2e.md", "e2e_loss.png", "e2e_ttt.png", "e2e_summary.md", "e2e_regime.png"):
         assert (out / name).stat().st_size > 0, name
     assert "| ddp (again) |" in text and "| compute s |" in text and "set 1000: 957.9, 958.1" in text
