@@ -1078,15 +1078,23 @@ bash jobs/run_e2e.sh --workload cnn --rate 20 --tuned out/cnn_tune/tuned.json --
   this model's ratio (1.12) is close to the 10.8M model's at 1 Gbit/s (0.95, 2026-11-25), and to
   2 Gbit/s for the fast-network end (ratio 0.08: communication nearly free). The performance model
   below carries the measured steps to other rates (modelled, marked so). The slow end (20 Mbit/s,
-  ratio 10.6, the 10.8M model's 100 Mbit/s) is measured on seeds 1 and 2 (2026-11-27), seed 3
-  not yet: DDP's two passes take 45 minutes per seed here, a launch 90. Seed 2 ran on a 2-core
-  Intel Xeon VM, not the AMD EPYC VM of every other launch: its ratios are taken within its own
-  launch like every other (DDP's two passes 1316 and 1321 s to target), but its step times are that
-  machine's, and torch's CPU kernels there give other last bits (its losses differ from the AMD
-  launches' of seed 2 by up to 0.05 %, PowerSGD's by 0.5 %). In seed 1's launch DDP's first pass
-  and the `exdyna` run shared the cores with other work (`exdyna`'s compute probe read 0.58 s
-  against 0.14–0.24 s for the other runs), so `exdyna`'s 20 Mbit/s step time there is not a
-  measurement of the method; its "not reached" comes from its loss.
+  ratio 10.6, the 10.8M model's 100 Mbit/s) is measured on seeds 1–3 (2026-11-27; DDP's two
+  passes take 45 minutes per seed here, a launch 90).
+  - Seeds 2 and 3 ran on a 2-core Intel Xeon VM, not the AMD EPYC VM of every other launch. Their
+    ratios are taken within their own launches like every other: DDP's two passes reached the target
+    in 1316 and 1321 s (seed 2), 1315 and 1328 s (seed 3). Their step times are that machine's.
+  - torch's CPU kernels there give other last bits: seed 2's losses differ from the AMD launches'
+    of seed 2 by up to 0.05 %, PowerSGD's by 0.5 %.
+  - DDP+bf16's 2.04x on seed 3 (1.77x and 1.82x on seeds 1 and 2) comes from its steps: it reached
+    the target at batch 600 there, at 690 on the others.
+  - Other work shared the cores in two launches, so those step times are not measurements of the
+    methods:
+    - Seed 1: DDP's first pass and the `exdyna` run (`exdyna`'s compute probe read 0.58 s against
+      0.14–0.24 s for the other runs).
+    - Seed 3: `exdyna` and DDP's second pass shared them with loss-only runs in a nice-19 autogroup
+      (compute probes 0.127 and 0.311 s against 0.075–0.100 s).
+    - `exdyna`'s "not reached" comes from its loss, and DDP's second pass took 1.0 % longer than its
+      first to reach the target.
 - **The CNN as CNNs are trained.** The digits CNN at width 48 (141,066 parameters), momentum SGD
   (0.9, weight decay 1e-4, no clipping, constant learning rate), 264 batches of 32 per rank at P = 4
   (24 epochs). The target is DDP's test cross-entropy at the budget on the 360 held-out images
@@ -1119,6 +1127,14 @@ bash jobs/run_e2e.sh --workload cnn --rate 20 --tuned out/cnn_tune/tuned.json --
   runs DDP first and last (`ddp (again)`), ratios are taken within a launch against the mean of the
   two, and every run records `compute_s` (a step without communication, measured just before it) so
   drift is visible.
+- **The link's bucket.** tbf lets what its bucket holds cross at the veth's speed after an idle
+  moment, which a real link never does. The launches on this page ran with a bucket of at least
+  256 KiB: 256 KiB of each rank's exchange a step crossed unshaped (0.1 s of link time at 20 Mbit/s,
+  10 ms at 200; the dense allreduce probe at 20 Mbit/s took 2.10 s, 2.44 s with a 16 KiB bucket).
+  That flattered a method by the share of its step the gain was:
+  most for a few hundred kB a step at 20 Mbit/s (DDP+bf16 and DDP+PowerSGD on the CNN), less for
+  DDP itself, little for a few kB (ExDyna per step). The bucket is 16 KiB since 2026-11-28; launches
+  re-measured with it are in `results/e2e/2026-11-28-bucket.md`.
 
 Machine: a 2-core AMD EPYC VM, no GPU, Python 3.11, torch 2.13.0 (CPU), MPICH 5.0.2 wheel, gloo
 for torch.distributed; 4 ranks on 2 cores, one torch thread each; every rank in its own network

@@ -159,9 +159,9 @@ def burst_bytes(rate_mbit):
     a message no larger than the bucket goes for free. A large bucket flatters every method whose
     exchange is small: with the 256 KiB bucket used until 2026-11-28, 300 kB after idle took 21 ms
     at 20 Mbit/s instead of 120 ms. With 16 KiB it takes 119 ms, and 5 MB streams at 19.1 Mbit/s of
-    payload (the rest is TCP/IP headers, which the link carries too); at 1 Gbit/s the quarter
-    millisecond (31 kB) keeps a stream at 936 Mbit/s (2-core Intel Xeon VM, 2026-11-28). A smaller
-    bucket than a quarter millisecond undershoots fast links: the timer cannot refill it in time.
+    payload (the rest is TCP/IP headers, which the link carries too). At 1 Gbit/s a quarter
+    millisecond is 31 kB; a 32 KiB bucket kept a stream at 936–941 Mbit/s, a 16 KiB one at 899–933
+    (2-core Intel Xeon VM, 2026-11-28): below that the timer cannot refill the bucket in time.
     """
     return max(16 * 1024, int(rate_mbit * 1e6 / 8 * 0.00025))
 
