@@ -1131,10 +1131,11 @@ bash jobs/run_e2e.sh --workload cnn --rate 20 --tuned out/cnn_tune/tuned.json --
   moment, which a real link never does. The launches on this page ran with a bucket of at least
   256 KiB: 256 KiB of each rank's exchange a step crossed unshaped (0.1 s of link time at 20 Mbit/s,
   10 ms at 200; the dense allreduce probe at 20 Mbit/s took 2.10 s, 2.44 s with a 16 KiB bucket).
-  That flattered a method by the share of its step the gain was:
-  most for a few hundred kB a step at 20 Mbit/s (DDP+bf16 and DDP+PowerSGD on the CNN), less for
-  DDP itself, little for a few kB (ExDyna per step). The bucket is 16 KiB since 2026-11-28; launches
-  re-measured with it are in `results/e2e/2026-11-28-bucket.md`.
+  That flattered a method by the share of its step the gain was: most for a few hundred kB a step
+  on little compute (`adam="demo"` at 20 Mbit/s needed 1.9x its time once re-measured), less for
+  DDP and the CNN's DDP+bf16 and PowerSGD (whose ratios to DDP moved little when re-measured), little
+  for a few kB. The bucket is 16 KiB since 2026-11-28; launches re-measured with it are in
+  `results/e2e/2026-11-28-bucket.md`.
 
 Machine: a 2-core AMD EPYC VM, no GPU, Python 3.11, torch 2.13.0 (CPU), MPICH 5.0.2 wheel, gloo
 for torch.distributed; 4 ranks on 2 cores, one torch thread each; every rank in its own network
