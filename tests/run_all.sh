@@ -14,6 +14,8 @@
 #               and the abort test
 #   frameworks  JAX (CPU) and tensorflow-cpu in their own venv (.venv-frameworks): the DLPack tests
 #               and every sparsifier on JAX and TensorFlow arrays at P=2, none allowed to skip
+#   The openmpi and frameworks venvs reuse the main venv's packages (EXDYNA_BASE_VENV, jobs/env.sh):
+#   the whole suite needs about 4 GB of venvs, not 8.
 # Usage: bash tests/run_all.sh [--lane NAME]... [extra pytest args]
 #   --lane NAME runs only the named lanes (repeatable), e.g. `bash tests/run_all.sh --lane openmpi`.
 set -uo pipefail
@@ -72,11 +74,14 @@ if wanted openmpi; then
     # A subshell: its own venv and Open MPI's launcher; the lanes inside report their status by exit.
     lane openmpi bash -c '
         export EXDYNA_VENV="${EXDYNA_OPENMPI_VENV:-$1/.venv-openmpi}" EXDYNA_MPI=openmpi
+        export EXDYNA_BASE_VENV="${EXDYNA_BASE_VENV-$VIRTUAL_ENV}"
         source jobs/env.sh || exit 1
         source tests/lanes.sh
         status=0
         shift
-        python -c "from mpi4py import MPI; print(\"=== MPI:\", MPI.Get_library_version().split(chr(10))[0].strip(chr(0)))"
+        # the lane is only worth its name on Open MPI (the base venv carries MPICH)
+        python -c "from mpi4py import MPI; v = MPI.Get_library_version().split(chr(10))[0].strip(chr(0))
+print(\"=== MPI:\", v); assert v.startswith(\"Open MPI\"), v" || exit 1
         for np in 2 3 4; do
             mpi_lane "openmpi-$np" $np tests/mpi --junitxml="$0/openmpi$np.xml" "$@"
         done
@@ -86,6 +91,7 @@ fi
 if wanted frameworks; then
     lane frameworks bash -c '
         export EXDYNA_VENV="${EXDYNA_FRAMEWORKS_VENV:-$1/.venv-frameworks}" EXDYNA_EXTRAS=frameworks
+        export EXDYNA_BASE_VENV="${EXDYNA_BASE_VENV-$VIRTUAL_ENV}"
         export EXDYNA_REQUIRE=jax,tensorflow TF_CPP_MIN_LOG_LEVEL=2
         source jobs/env.sh || exit 1
         source tests/lanes.sh
@@ -96,5 +102,7 @@ if wanted frameworks; then
         exit $status' "$out" "$root" "$@"
 fi
 echo "=== all lanes: $((SECONDS - start)) s"
+# shellcheck disable=SC2046
+echo "=== venvs: $(du -sh $(compgen -G ".venv*/") 2>/dev/null | tr '\t\n' ' ')($(df -Pm . | awk 'NR==2 {print $4}') MB free)"
 python tests/summarize.py "$out" || status=1
 exit $status
