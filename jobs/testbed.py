@@ -339,26 +339,38 @@ c.close()
 """
 
 
+def _between(tb, src, dst, what, port, sink, sink_args, source, source_args, limit):
+    """Start ``sink`` in rank ``dst``'s namespace and, once it prints "ready", run ``source`` in rank
+    ``src``'s; each script gets the receiver's address and ``port``, then its own arguments, and
+    each is bounded by ``limit`` seconds (plus 5). Returns ``(sink_stdout, sink_stderr, source)``,
+    ``source`` the finished ``subprocess.CompletedProcess``; the sink never outlives the call."""
+    a, b = tb.ranks[src], tb.ranks[dst]
+    receiver = subprocess.Popen(["ip", "netns", "exec", b.netns, sys.executable, "-c", sink, b.addr, str(port),
+                                 *map(str, sink_args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        if receiver.stdout.readline().strip() != "ready":
+            raise TestbedError(f"{what}: the receiver in {b.netns} did not start: {receiver.stderr.read()}")
+        sent = subprocess.run(["ip", "netns", "exec", a.netns, sys.executable, "-c", source, b.addr, str(port),
+                               *map(str, source_args)], capture_output=True, text=True, timeout=limit + 5)
+        out, err = receiver.communicate(timeout=limit + 5)
+    finally:
+        if receiver.poll() is None:
+            receiver.kill()
+            receiver.wait()
+    return out, err, sent
+
+
 def measure_link(tb, src, dst, seconds=2.0, port=5201):
     """Mbit/s of one TCP stream from rank ``src`` to rank ``dst``: at most ``seconds`` of the link's
     set rate in bytes (plus the bucket), sent within ``3 * seconds + 5`` seconds, timed at the
     receiver from its first byte to its last."""
-    a, b = tb.ranks[src], tb.ranks[dst]
-    rate = min(a.rate_mbit, b.rate_mbit)
+    rate = min(tb.ranks[src].rate_mbit, tb.ranks[dst].rate_mbit)
     nbytes = int(rate * 1e6 / 8 * seconds) + 2 * burst_bytes(rate)
     limit = 3 * seconds + 5
-    sink = subprocess.Popen(["ip", "netns", "exec", b.netns, sys.executable, "-c", _SINK, b.addr, str(port),
-                             str(limit)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        if sink.stdout.readline().strip() != "ready":
-            raise TestbedError(f"link check: the receiver in {b.netns} did not start: {sink.stderr.read()}")
-        _run_bounded(["ip", "netns", "exec", a.netns, sys.executable, "-c", _SOURCE, b.addr, str(port),
-                      str(nbytes), str(limit)], limit + 5)
-        out, err = sink.communicate(timeout=limit + 5)
-    finally:
-        if sink.poll() is None:
-            sink.kill()
-            sink.wait()
+    out, err, sent = _between(tb, src, dst, "link check", port, _SINK, [limit], _SOURCE, [nbytes, limit], limit)
+    if sent.returncode != 0:
+        raise TestbedError(f"link check {src}->{dst}: the sender failed (rc {sent.returncode}): "
+                           f"{sent.stderr.strip()[-300:]}")
     try:
         got, secs = out.split()
         got, secs = int(got), float(secs)
@@ -401,36 +413,18 @@ def measure_message(tb, src, dst, nbytes, reps=3, idle_s=0.5, port=5202):
     silence (the bucket full), to the receiver's one-byte reply; ``reps`` times on one connection.
     A link of rate R needs at least ``nbytes * 8 / R``: a message much faster than that crossed in
     the bucket, and a benchmark on it would flatter small exchanges."""
-    a, b = tb.ranks[src], tb.ranks[dst]
-    rate = min(a.rate_mbit, b.rate_mbit)
+    rate = min(tb.ranks[src].rate_mbit, tb.ranks[dst].rate_mbit)
     limit = reps * (idle_s + 2 * nbytes * 8 / (rate * 1e6)) + 10
-    sink = subprocess.Popen(["ip", "netns", "exec", b.netns, sys.executable, "-c", _MSG_SINK, b.addr, str(port),
-                             str(nbytes), str(reps), str(limit)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    _, _, sent = _between(tb, src, dst, "message check", port, _MSG_SINK, [nbytes, reps, limit],
+                       _MSG_SOURCE, [nbytes, reps, limit, idle_s], limit)
     try:
-        if sink.stdout.readline().strip() != "ready":
-            raise TestbedError(f"message check: the receiver in {b.netns} did not start: {sink.stderr.read()}")
-        p = subprocess.run(["ip", "netns", "exec", a.netns, sys.executable, "-c", _MSG_SOURCE, b.addr, str(port),
-                            str(nbytes), str(reps), str(limit), str(idle_s)], capture_output=True, text=True,
-                           timeout=limit + 5)
-        sink.wait(timeout=limit + 5)
-    finally:
-        if sink.poll() is None:
-            sink.kill()
-            sink.wait()
-    try:
-        took = [float(v) for v in p.stdout.split()]
+        took = [float(v) for v in sent.stdout.split()]
     except ValueError:
         took = []
-    if p.returncode != 0 or len(took) != reps:
-        raise TestbedError(f"message check {src}->{dst}: the sender said {p.stdout!r} {p.stderr.strip()[-300:]!r}")
+    if sent.returncode != 0 or len(took) != reps:
+        raise TestbedError(f"message check {src}->{dst}: the sender said {sent.stdout!r} "
+                           f"{sent.stderr.strip()[-300:]!r}")
     return took
-
-
-def _run_bounded(argv, seconds):
-    p = subprocess.run(argv, capture_output=True, text=True, timeout=seconds)
-    if p.returncode != 0:
-        raise TestbedError(f"'{' '.join(argv[:5])} ...' failed (rc {p.returncode}): {p.stderr.strip()}")
 
 
 def check(tb, seconds=2.0):
