@@ -152,18 +152,20 @@ def _ns(netns, *argv, check=True):
 
 
 def burst_bytes(rate_mbit):
-    """tbf's bucket for a link of ``rate_mbit``: 16 KiB, or a quarter millisecond of the rate where
-    that is more.
+    """tbf's bucket for a link of ``rate_mbit``: 2 KiB (an MTU-sized frame fits), or a quarter
+    millisecond of the rate where that is more.
 
     Whatever the bucket holds after an idle moment crosses at the veth's speed, not at the rate, so
     a message no larger than the bucket goes for free. A large bucket flatters every method whose
-    exchange is small: with the 256 KiB bucket used until 2026-11-28, 300 kB after idle took 21 ms
-    at 20 Mbit/s instead of 120 ms. With 16 KiB it takes 119 ms, and 5 MB streams at 19.1 Mbit/s of
-    payload (the rest is TCP/IP headers, which the link carries too). At 1 Gbit/s a quarter
-    millisecond is 31 kB; a 32 KiB bucket kept a stream at 936–941 Mbit/s, a 16 KiB one at 899–933
-    (2-core Intel Xeon VM, 2026-11-28): below that the timer cannot refill the bucket in time.
+    exchange is small. With the 256 KiB bucket used until 2026-11-28, 300 kB after idle took 21 ms at
+    20 Mbit/s instead of 120 ms; with the 16 KiB bucket that replaced it, a 15 kB exchange (ExDyna's
+    on the CNN) took 0.4 ms instead of 6 ms, and 45 kB 12.6 ms instead of 18. With 2 KiB they take
+    5.7 and 18.3 ms, and a stream keeps 19.1 Mbit/s of payload at 20 Mbit/s, 188 at 200 (the rest is
+    TCP/IP headers, which the link carries too). At 1 Gbit/s a quarter millisecond is 31 kB; a
+    32 KiB bucket kept a stream at 936–941 Mbit/s, a 16 KiB one at 899–933: below that the timer
+    cannot refill the bucket in time (2-core Intel Xeon VM, 2026-11-28).
     """
-    return max(16 * 1024, int(rate_mbit * 1e6 / 8 * 0.00025))
+    return max(2 * 1024, int(rate_mbit * 1e6 / 8 * 0.00025))
 
 
 def _shape(netns, dev, rate_mbit):
