@@ -1102,8 +1102,11 @@ bash jobs/run_e2e.sh --workload cnn --rate 20 --tuned out/cnn_tune/tuned.json --
   falling by half and every sparsifier is in its transient (ExDyna 0.27 against DDP's 0.05 on the
   tuning seed: `results/e2e/2026-11-26-cnn-8-epochs/`), so the budget is 24 epochs. 360 images make
   the test loss near 0.05 noisy (one image moves it by several per cent), so the spread over
-  seeds is wide. Links at 20, 200 and 2000 Mbit/s put its communication/compute ratio near 8,
-  0.8 and 0.08: the slow, middle and fast ends, every one measured.
+  seeds is wide: on the Intel VM `exdyna` reaches the target on seeds 1 and 2, on the AMD VM on
+  seed 2 only, with the same rates and batches (the CPUs' last bits differ). Links at 20, 200 and
+  2000 Mbit/s put its communication/compute ratio near 21, 2 and 0.55 on the Intel VM (8, 0.8 and
+  0.08 on the AMD VM, whose convolutions are slower): the slow, middle and fast ends, every one
+  measured.
 - **Reading the tables.** "not reached": the method did not reach DDP's loss within 1.5x the budget
   (LM 900 batches, CNN 396); its loss at the budget, beside, says how far it was. Ratios above 1 are sooner than
   DDP. The learning-rate table marks a choice at the grid's edge, where a wider grid might help.
@@ -1128,17 +1131,22 @@ bash jobs/run_e2e.sh --workload cnn --rate 20 --tuned out/cnn_tune/tuned.json --
   two, and every run records `compute_s` (a step without communication, measured just before it) so
   drift is visible.
 - **The link's bucket.** tbf lets what its bucket holds cross at the veth's speed after an idle
-  moment, which a real link never does. The launches on this page ran with a bucket of at least
-  256 KiB: 256 KiB of each rank's exchange a step crossed unshaped (0.1 s of link time at 20 Mbit/s,
-  10 ms at 200; the dense allreduce probe at 20 Mbit/s took 2.10 s, 2.44 s with a 16 KiB bucket).
-  That flattered a method by the share of its step the gain was: most for a few hundred kB a step
-  on little compute (`adam="demo"` at 20 Mbit/s needed 1.9x its time once re-measured), less for
-  DDP and the CNN's DDP+bf16 and PowerSGD (whose ratios to DDP moved little when re-measured), little
-  for a few kB. The bucket is 16 KiB since 2026-11-28; launches re-measured with it are in
-  `results/e2e/2026-11-28-bucket.md`.
+  moment, which a real link never does. Until 2026-11-28 the bucket was at least 256 KiB: 256 KiB
+  of each rank's exchange a step crossed unshaped (0.1 s of link time at 20 Mbit/s, 10 ms at 200;
+  the dense allreduce probe at 20 Mbit/s took 2.10 s, 2.44 s with a smaller bucket). The LM's
+  tables below still come from those launches (their link lines say so): they flatter a method by
+  the share of its step the gain was, most for a few hundred kB a step on little compute
+  (`adam="demo"` at 20 Mbit/s needed 1.9x its time once re-measured), little for DDP. A 16 KiB
+  bucket followed, which still let a 15 kB exchange (ExDyna's on the CNN) cross in 0.4 ms instead
+  of 6; the bucket is now 2 KiB, or a quarter millisecond of the rate where that is more. The CNN's
+  tables come from launches re-measured on 2026-11-28 on the Intel Xeon VM: at 20 Mbit/s with the
+  2 KiB bucket, at 200 and 2000 Mbit/s with 16 KiB (at 200 Mbit/s a 45 kB exchange gained 0.5 ms
+  of a 30 ms step; at 2000 Mbit/s the bucket is the quarter millisecond either way). Narrative:
+  `results/e2e/2026-11-28-rebucket.md`.
 
-Machine: a 2-core AMD EPYC VM, no GPU, Python 3.11, torch 2.13.0 (CPU), MPICH 5.0.2 wheel, gloo
-for torch.distributed; 4 ranks on 2 cores, one torch thread each; every rank in its own network
+Machine: a 2-core AMD EPYC VM (the LM's launches but seeds 2 and 3 at 20 Mbit/s) or a 2-core Intel
+Xeon VM (those, and every CNN launch), no GPU, Python 3.11, torch 2.13.0 (CPU), MPICH 5.0.2 wheel,
+gloo for torch.distributed; 4 ranks on 2 cores, one torch thread each; every rank in its own network
 namespace behind a `tc tbf`-shaped veth (no added delay).
 """
 
