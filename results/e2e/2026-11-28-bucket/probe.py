@@ -20,6 +20,7 @@ def run(rate, burst, nbytes):
         testbed.down(prefix="xprb")
 
 
-for rate, nbytes in [(20, 300_000), (200, 300_000), (20, 5_000_000), (1000, 3_000_000)]:
-    for burst in (256 * 1024, 32 * 1024, 16 * 1024):
-        run(rate, burst, nbytes)
+if __name__ == "__main__":
+    for rate, nbytes in [(20, 300_000), (200, 300_000), (20, 5_000_000), (1000, 3_000_000)]:
+        for burst in (256 * 1024, 32 * 1024, 16 * 1024):
+            run(rate, burst, nbytes)
