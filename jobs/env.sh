@@ -17,9 +17,10 @@ _exdyna_env() {
     venv="${EXDYNA_VENV:-$root/.venv}"
     mpi="${EXDYNA_MPI:-wheel}"
     torch="${EXDYNA_TORCH-torch==2.13.0}"
-    if [ ! -x "$venv/bin/python" ]; then
+    # no activate script: a creation that was interrupted; made again from scratch
+    if [ ! -x "$venv/bin/python" ] || [ ! -f "$venv/bin/activate" ]; then
         echo "[env] creating $venv" >&2
-        if ! python3 -m venv "$venv"; then
+        if ! python3 -m venv --clear "$venv"; then
             echo "[env] FAILED: 'python3 -m venv $venv' (Debian/Ubuntu: install python3-venv)" >&2
             return 1
         fi
