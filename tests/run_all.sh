@@ -69,8 +69,8 @@ fi
 if wanted packaging; then
     # shellcheck disable=SC2086
     # Its fresh venvs (about 300 MB each) would otherwise stay in the temp folder while the lanes
-    # after it build theirs; a failed test's folder is kept for a look. Not set in pytest.ini: under
-    # mpiexec the ranks' sessions share the temp root, and deleting it at the end races between them.
+    # after it build theirs; a failed test's folder is kept for a look. Not in pytest.ini: the ranks
+    # of an MPI lane are separate pytest sessions on one temp root, and their clean-ups would collide.
     lane packaging python $PYTEST tests/packaging -o tmp_path_retention_policy=failed \
         --junitxml="$out/packaging.xml" "$@"
 fi
