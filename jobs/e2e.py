@@ -72,7 +72,9 @@ Methods (``--methods``, run one after another in one launch, ``ddp`` first and, 
   same update averaged densely (what the per-rank moments cost without sparsity);
   ``exdyna-demo``: ``adam="demo"`` (DeMo's decoupled momentum: the residual as the momentum, decayed
   by beta1 = 0.9, ``lr * sign`` of the average applied); ``exdyna-demo99``/``-demo999``: the same with
-  beta1 = 0.99/0.999; all seven with ``--optimizer adamw`` only.
+  beta1 = 0.99/0.999; ``exdyna-demo999-ov``: ``-demo999`` with ``overlap=True`` (each exchange on a
+  worker thread while the next gradient is computed, its update applied one step late); all eight
+  with ``--optimizer adamw`` only.
 - ``ddp-exdyna``: DDP (default buckets) with the library's hook, ``exdyna_hook`` and
   ``ExDynaHookState("exdyna", density, optimizer=opt)``: one sparsifier over the whole model, exchanged
   on the hook's worker thread once the last bucket is ready, inside the same training recipe as
@@ -128,7 +130,7 @@ ALL_METHODS = DEFAULT_METHODS + ("dense", "ddp-exdyna", "topk", "oktopk", "micro
                                  "exdyna-adam", "exdyna-adam-g", "exdyna-adam-u", "dense-adam-u", "diloco-exdyna-h16",
                                  "diloco-exdyna-h64", "diloco-exdyna-bf16-h16", "diloco-dense-h16", "sloco-h16",
                                  "sloco-ef-h16", "sloco-h64", "sloco-bf16-h16", "exdyna-demo", "exdyna-demo99",
-                                 "exdyna-demo999", "ddp-exdyna-demo999")
+                                 "exdyna-demo999", "ddp-exdyna-demo999", "exdyna-demo999-ov")
 DDP_METHODS = ("ddp", "ddp-bv", "ddp-accum", "ddp-powersgd", "ddp-bf16")
 #: DiLoCo (Douillard et al. 2023; torchft): H local steps of the inner optimiser, then the averaged
 #: parameter delta applied by an outer Nesterov SGD (lr 0.7, momentum 0.9, the paper's values)
@@ -186,13 +188,15 @@ LIBRARY = {"dense": ("dense", {}), "exdyna": ("exdyna", {}), "topk": ("topk", {}
            "exdyna-adam": ("exdyna", {"adam": "frozen"}), "exdyna-adam-g": ("exdyna", {"adam": "frozen-gradient"}),
            "exdyna-adam-u": ("exdyna", {"adam": "update"}), "dense-adam-u": ("dense", {"adam": "update"}),
            "exdyna-demo": ("exdyna", {"adam": "demo"}), "exdyna-demo99": ("exdyna", {"adam": "demo"}),
-           "exdyna-demo999": ("exdyna", {"adam": "demo"})}
+           "exdyna-demo999": ("exdyna", {"adam": "demo"}),
+           "exdyna-demo999-ov": ("exdyna", {"adam": "demo", "overlap": True})}
 #: DeMo's momentum decay where it is not AdamW's beta1 of 0.9 (``adam="demo"`` reads it from ``betas[0]``)
-DEMO_MOMENTUM = {"exdyna-demo99": 0.99, "exdyna-demo999": 0.999, "ddp-exdyna-demo999": 0.999}
+DEMO_MOMENTUM = {"exdyna-demo99": 0.99, "exdyna-demo999": 0.999, "ddp-exdyna-demo999": 0.999,
+                 "exdyna-demo999-ov": 0.999}
 #: Adam's own paths (``DistributedOptimizer(adam=...)``): the update exchanged, the variance frozen, DeMo's
 #: decoupled momentum (the residual as momentum, sign of the average applied); AdamW only
 ADAM_ONLY = ("exdyna-adam", "exdyna-adam-g", "exdyna-adam-u", "dense-adam-u", "exdyna-demo", "exdyna-demo99",
-             "exdyna-demo999", "ddp-exdyna-demo999")
+             "exdyna-demo999", "ddp-exdyna-demo999", "exdyna-demo999-ov")
 #: the training recipe's options, set from the run's arguments in _build: momentum correction with the
 #: run's momentum (the wrapped SGD then runs without it); DGC's density warm-up, 25 %, 6.25 %, 1.5625 %,
 #: each stage an eighth of the step budget (an epoch of the CNN's)
@@ -342,7 +346,9 @@ class Method:
             return param_hash(self.model)
 
     def close(self):
-        """Stop what the method started (the hook's worker, a deadline exchange's pending messages)."""
+        """Stop what the method started (the hook's worker, a deadline exchange's pending messages, an
+        overlapped exchange still in flight)."""
+        getattr(self.opt, "flush", lambda: None)()
         hook = getattr(self.runner, "_exdyna_hook_state", None)
         if hook is not None:
             hook.close()

@@ -34,8 +34,10 @@ from ._torch_adam import ADAM_KEY, AdamPath, make_adam_path
 from ._torch_adam import check_mode as check_adam_mode
 from ._torch_hook import ExDynaHookState, exdyna_hook
 from ._torch_options import OPTIONS_KEY, TrainingOptions, move_momentum, recipe_for
+from ._torch_overlap import OVERLAP_KEY, OverlappedExchange
 from .torch_diloco import DiLoCo, nesterov_sgd, plain_sgd
 from .torch_wagma import FlatParams, GroupAveragingOptimizer
+from exdyna_mpi.transport.group import GroupTransport
 
 if TYPE_CHECKING:
     import torch
@@ -119,6 +121,8 @@ class _DistributedMixin(_OptimizerMixinBase):
     _exdyna_moved_momentum: bool
     _exdyna_adam: AdamPath | None
     _exdyna_last: exdyna_mpi.Sparsifier
+    _exdyna_overlap: OverlappedExchange | None
+    _exdyna_comm: MPI.Comm
 
     def synchronize(self) -> exdyna_mpi.Stats:
         """Replace the flat gradient by the averaged sparse gradient, in place. Collective.
@@ -128,8 +132,12 @@ class _DistributedMixin(_OptimizerMixinBase):
 
         Raises:
             StepError: the exchange refused the step (on every rank; say, NaN in one rank's gradient).
+            RuntimeError: ``overlap=True`` (``step()`` runs the exchange, off the caller's thread).
         """
         torch = _torch()
+        if self._exdyna_overlap is not None:
+            raise RuntimeError("DistributedOptimizer.synchronize: not available with overlap=True, whose "
+                               "exchange runs on a worker thread; step() runs it")
         self._exdyna_grads.attach()
         flat, opts, adam = self._exdyna_grads.flat, self._exdyna_options, self._exdyna_adam
         prepare = None if adam is None else (lambda g, dense: adam.prepare(self, g, dense))
@@ -154,12 +162,84 @@ class _DistributedMixin(_OptimizerMixinBase):
         if closure is not None:
             raise ValueError("DistributedOptimizer.step: closures are not supported "
                              "(the gradient exchange must happen once per step)")
+        ov = self._exdyna_overlap
+        if ov is not None:
+            self._exdyna_grads.attach()
+            flat = self._exdyna_grads.flat
+            ov.wait(self._exdyna_comm)   # a refused exchange raises here, on every rank: nothing applied
+            if ov.has_pending:
+                result = self._apply_pending(ov, keep=flat)   # leaves this step's gradient in ov.buf
+            else:
+                result = None
+                with _torch().no_grad():
+                    ov.buf.copy_(flat)
+            ov.submit(self._overlapped_exchange)
+            return result
         stats = self.synchronize()
         adam = self._exdyna_adam
         if adam is not None and adam.owns_step:
             adam.apply(self._exdyna_grads.flat, stats.skipped, self._exdyna_last)
             return None
         return super().step()
+
+    def _overlapped_exchange(self, buf: torch.Tensor) -> exdyna_mpi.Sparsifier:
+        """The worker's job (``overlap=True``): the synchronous step's exchange of ``buf`` in place,
+        then the Adam path's residual decay, which ``adam.apply`` runs after it in a synchronous step."""
+        torch = _torch()
+        adam = self._exdyna_adam
+        prepare = None if adam is None else (lambda g, dense: adam.prepare(self, g, dense))
+        with torch.no_grad():
+            sp = self._exdyna_options.exchange(self.sparsifier, buf, prepare)
+        if adam is not None and adam.owns_step and adam.residual_decay is not None and not _stats_of(sp).skipped:
+            sp.scale_residual(adam.residual_decay)
+        return sp
+
+    def _apply_pending(self, ov: OverlappedExchange, keep: torch.Tensor | None) -> Any:
+        """Apply the pending exchanged average: the Adam path's update, or the wrapped optimizer's
+        step with the average in the flat gradient. ``keep``: this step's gradient (the flat buffer),
+        left in ``ov.buf`` for the next exchange; None: nothing to keep (``flush``).
+
+        Returns:
+            The wrapped optimizer's ``step()`` result (None when the Adam path steps)."""
+        torch = _torch()
+        buf, sp, skipped = ov.take()
+        self._exdyna_last, self._exdyna_stats = sp, sp.stats   # None for a pending update loaded from a dict
+        adam, flat = self._exdyna_adam, self._exdyna_grads.flat
+        if adam is not None and adam.owns_step:
+            with torch.no_grad():
+                adam.update(buf, skipped)
+                if keep is not None:
+                    buf.copy_(keep)
+            return None
+        with torch.no_grad():
+            if keep is not None:
+                if ov.spare is None:
+                    ov.spare = torch.empty_like(buf)
+                ov.spare.copy_(keep)
+                ov.buf, ov.spare = ov.spare, buf   # the gradient goes to the worker; the average to the step
+            flat.copy_(buf)
+        return super().step()
+
+    def flush(self) -> exdyna_mpi.Stats | None:
+        """Wait for the exchange in flight and apply it (``overlap=True``; a no-op otherwise). Call
+        it before evaluating or saving the final model: until then the parameters lack the last
+        step's update.
+
+        Returns:
+            The stats of the exchange applied; None when none was in flight (or it was loaded from a
+            state dict).
+
+        Raises:
+            CollectiveError: the exchange in flight refused its step (on every rank); nothing applied.
+        """
+        ov = self._exdyna_overlap
+        if ov is None:
+            return None
+        ov.wait(self._exdyna_comm)
+        if not ov.has_pending:
+            return None
+        self._apply_pending(ov, keep=None)
+        return self._exdyna_stats
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Zero the flat gradient buffer; ``.grad`` stays a view into it.
@@ -178,15 +258,24 @@ class _DistributedMixin(_OptimizerMixinBase):
         included) round-trip it. Every rank saves its own: the residuals differ between ranks.
 
         Returns:
-            The state dict (the recipe's state under ``"exdyna_options"`` and the Adam path's under
-            ``"exdyna_adam"`` when they are on).
+            The state dict (the recipe's state under ``"exdyna_options"``, the Adam path's under
+            ``"exdyna_adam"`` and, with ``overlap=True``, the exchanged average not yet applied under
+            ``"exdyna_overlap"``).
+
+        Raises:
+            CollectiveError: ``overlap=True`` and the exchange in flight refused its step (every rank).
         """
+        ov = self._exdyna_overlap
+        if ov is not None:
+            ov.wait(self._exdyna_comm)   # the state is read with nothing in flight
         d = super().state_dict()
         d[_SPARSIFIER_KEY] = _to_torch(self.sparsifier.state_dict())
         if self._exdyna_options.active:
             d[OPTIONS_KEY] = _to_torch(self._exdyna_options.state_dict())
         if self._exdyna_adam is not None:
             d[ADAM_KEY] = self._exdyna_adam.state_dict()
+        if ov is not None:
+            d[OVERLAP_KEY] = ov.state_dict()
         return d
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -208,7 +297,13 @@ class _DistributedMixin(_OptimizerMixinBase):
         sp_state = state_dict.pop(_SPARSIFIER_KEY, None)
         opt_state = state_dict.pop(OPTIONS_KEY, None)
         adam_state = state_dict.pop(ADAM_KEY, None)
-        adam = self._exdyna_adam
+        ov_state = state_dict.pop(OVERLAP_KEY, None)
+        adam, ov = self._exdyna_adam, self._exdyna_overlap
+        if ov is not None:
+            try:
+                ov.wait(self._exdyna_comm)   # nothing in flight while the state changes
+            except exdyna_mpi.CollectiveError:
+                pass   # that exchange changed nothing, and the dict replaces what it would have
         if adam is not None and adam_state is None:   # same config on every rank: all raise
             raise ValueError(f"DistributedOptimizer.load_state_dict: this optimizer runs adam={adam.mode!r} "
                              f"but the dict has no {ADAM_KEY!r}")
@@ -224,6 +319,11 @@ class _DistributedMixin(_OptimizerMixinBase):
             try:
                 adam.check(adam_state)
             except ValueError as e:   # refused on this rank: the collective check below makes all raise
+                sp_state = dict(sp_state, name=f"<{e}>")
+        if ov is not None:
+            try:
+                ov.check(ov_state, self._exdyna_grads.numel)
+            except ValueError as e:   # as above (a dict without the key included: one rank's may lack it)
                 sp_state = dict(sp_state, name=f"<{e}>")
         before = copy.deepcopy(super().state_dict())
         # the sparsifier's state, to roll back to if the recipe options refuse after it loaded
@@ -253,10 +353,15 @@ class _DistributedMixin(_OptimizerMixinBase):
         if adam is not None:
             flat = self._exdyna_grads.flat
             adam.load_state_dict({k: v.to(flat.device) if hasattr(v, "to") else v for k, v in adam_state.items()})
+        if ov is not None:
+            ov.load_state_dict(ov_state, self.sparsifier)
 
     @property
     def stats(self) -> exdyna_mpi.Stats | None:
-        """The last step's sparsifier stats (``counts``, ``density``, ``bytes_sent``, ...); None before it."""
+        """The last step's sparsifier stats (``counts``, ``density``, ``bytes_sent``, ...); None before it.
+        With ``overlap=True``: those of the last exchange applied."""
+        if self._exdyna_overlap is not None:
+            return getattr(self, "_exdyna_stats", None)
         return getattr(self, "_exdyna_last", self.sparsifier).stats
 
     @property
@@ -270,7 +375,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
                          broadcast: bool = True, clip_norm: float | None = None, warmup_steps: int = 0,
                          momentum_correction: float | str = "auto", momentum_masking: bool = True,
                          density_warmup: Sequence[float] | None = None, density_warmup_steps: int | None = None,
-                         adam: str = "live", **options: Any) -> torch.optim.Optimizer:
+                         adam: str = "live", overlap: bool = False, **options: Any) -> torch.optim.Optimizer:
     """Wrap a torch optimizer so ``step()`` exchanges a sparse gradient first. Collective.
 
     ``model`` (optional): a ``torch.nn.Module`` whose parameters and buffers are broadcast from rank
@@ -305,6 +410,15 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
     (decayed by ``betas[0]`` after each exchange), and every rank applies ``lr * sign`` of the
     exchanged average after AdamW's decay (no second moment).
 
+    ``overlap=True`` (see ``_torch_overlap.py``): ``step()`` hands this step's gradient to a worker
+    thread and returns; the exchange runs while the caller computes the next gradient, and the next
+    ``step()`` applies its result. Each update lands one step late (the next gradient is computed
+    without it), and a step costs about the larger of compute and exchange rather than their sum.
+    ``flush()`` applies the update still in flight: call it before evaluating or saving the final
+    model. A refused exchange (``StepError``) is raised by the next ``step()``, on every rank, with
+    nothing applied and the current gradient not yet handed over. ``synchronize()`` is not
+    available. Needs ``MPI_THREAD_MULTIPLE`` (mpi4py's default).
+
     Args:
         optimizer: the ``torch.optim`` optimizer to wrap (its state is shared, not copied).
         model: a module whose parameters and buffers rank 0 broadcasts (optional).
@@ -314,6 +428,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
         clip_norm, warmup_steps, momentum_correction, momentum_masking, density_warmup,
             density_warmup_steps: the training recipe (above; docs/reference.md).
         adam: the Adam path (above), for ``torch.optim.Adam``/``AdamW`` only.
+        overlap: run each exchange while the next gradient is computed (above).
 
     Returns:
         The optimizer, now an instance of a subclass of its class whose ``step()`` exchanges first.
@@ -321,6 +436,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
     Raises:
         ValueError: a recipe option or ``adam`` out of range or not for this optimizer;
             ``CollectiveError`` (on every rank) when the ranks' arguments disagree.
+        RuntimeError: ``overlap=True`` with MPI initialised without ``MPI_THREAD_MULTIPLE``.
 
     Example::
 
@@ -334,18 +450,28 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
     """
     comm, params = _wrapped_params(optimizer, model, comm, "DistributedOptimizer")
     check_adam_mode(optimizer, adam, warmup_steps, "DistributedOptimizer")
+    if not isinstance(overlap, bool):
+        raise ValueError(f"DistributedOptimizer: overlap must be True or False, got {overlap!r}")
+    if overlap and not GroupTransport.thread_multiple():
+        raise RuntimeError("DistributedOptimizer: overlap=True needs MPI initialised with MPI_THREAD_MULTIPLE "
+                           "(mpi4py's default, see mpi4py.rc.thread_level): its exchanges run on a worker thread")
     grads = FlatGrad(params)
     adam_path = make_adam_path(optimizer, grads.params, adam)
     recipe = recipe_for(optimizer, sparsifier, density, options, who="DistributedOptimizer", clip_norm=clip_norm,
                         warmup_steps=warmup_steps, momentum_correction=momentum_correction,
                         momentum_masking=momentum_masking, density_warmup=density_warmup,
                         density_warmup_steps=density_warmup_steps)
-    opts = TrainingOptions(recipe, [p.shape for p in grads.params], grads.numel, comm)
+    ov = OverlappedExchange(grads.numel, grads.flat.dtype, grads.flat.device) if overlap else None
+    # the exchanges' communicator: the worker's private duplicate with overlap, so that the caller's
+    # own collectives on comm never meet the worker's
+    xcomm = comm if ov is None else ov.open(comm)
+    opts = TrainingOptions(recipe, [p.shape for p in grads.params], grads.numel, xcomm)
     if broadcast:
         _broadcast_model(model, grads.params, comm)
-    sp = exdyna_mpi.make(sparsifier, grads.numel, density, comm, **recipe.options)
+    sp = exdyna_mpi.make(sparsifier, grads.numel, density, xcomm, **recipe.options)
     if recipe.moves_momentum:   # only now, once nothing above can refuse: a refusal leaves the optimizer as it was
         move_momentum(optimizer)
     return _wrap(optimizer, _DistributedMixin, "Distributed", _exdyna_grads=grads, sparsifier=sp,
-                 _exdyna_options=opts, _exdyna_moved_momentum=recipe.moves_momentum, _exdyna_adam=adam_path)
+                 _exdyna_options=opts, _exdyna_moved_momentum=recipe.moves_momentum, _exdyna_adam=adam_path,
+                 _exdyna_overlap=ov, _exdyna_comm=comm)
 
