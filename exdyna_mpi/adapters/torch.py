@@ -221,9 +221,10 @@ class _DistributedMixin(_OptimizerMixinBase):
         return super().step()
 
     def flush(self) -> exdyna_mpi.Stats | None:
-        """Wait for the exchange in flight and apply it (``overlap=True``; a no-op otherwise). Call
-        it before evaluating or saving the final model: until then the parameters lack the last
-        step's update.
+        """Wait for the exchange in flight and apply it (``overlap=True``; a no-op otherwise).
+
+        Call it before evaluating or saving the final model: until then the parameters lack the
+        last step's update.
 
         Returns:
             The stats of the exchange applied; None when none was in flight (or it was loaded from a
@@ -359,6 +360,7 @@ class _DistributedMixin(_OptimizerMixinBase):
     @property
     def stats(self) -> exdyna_mpi.Stats | None:
         """The last step's sparsifier stats (``counts``, ``density``, ``bytes_sent``, ...); None before it.
+
         With ``overlap=True``: those of the last exchange applied."""
         if self._exdyna_overlap is not None:
             return getattr(self, "_exdyna_stats", None)
