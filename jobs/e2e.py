@@ -74,11 +74,14 @@ Methods (``--methods``, run one after another in one launch, ``ddp`` first and, 
   by beta1 = 0.9, ``lr * sign`` of the average applied); ``exdyna-demo99``/``-demo999``: the same with
   beta1 = 0.99/0.999; ``exdyna-demo999-ov``: ``-demo999`` with ``overlap=True`` (each exchange on a
   worker thread while the next gradient is computed, its update applied one step late); all eight
-  with ``--optimizer adamw`` only.
+  with ``--optimizer adamw`` only. ``exdyna`` is the library's default, which for AdamW is
+  ``adam="demo"`` since 2026-11-28 (``adam="live"`` before: records of ``exdyna`` on the LM made
+  earlier measured that); ``exdyna-live``: ``adam="live"`` by name.
 - ``ddp-exdyna``: DDP (default buckets) with the library's hook, ``exdyna_hook`` and
   ``ExDynaHookState("exdyna", density, optimizer=opt)``: one sparsifier over the whole model, exchanged
   on the hook's worker thread once the last bucket is ready, inside the same training recipe as
-  ``exdyna`` (SGD's momentum moved before the exchange; nothing for AdamW); ``ddp-exdyna-bucket``:
+  ``exdyna`` under SGD (its momentum moved before the exchange); under AdamW the hook's default,
+  ``adam="live"``, where ``exdyna`` runs ``"demo"``; ``ddp-exdyna-bucket``:
   ``scope="bucket"``, a plain sparsifier per bucket, each exchanged as soon as its bucket is ready
   (overlapping backward); ``ddp-exdyna-demo999``: the model-scope hook with ``adam="demo"`` at
   beta1 = 0.999 (``exdyna-demo999`` through DDP: the same losses, AdamW only).
@@ -130,7 +133,7 @@ ALL_METHODS = DEFAULT_METHODS + ("dense", "ddp-exdyna", "topk", "oktopk", "micro
                                  "exdyna-adam", "exdyna-adam-g", "exdyna-adam-u", "dense-adam-u", "diloco-exdyna-h16",
                                  "diloco-exdyna-h64", "diloco-exdyna-bf16-h16", "diloco-dense-h16", "sloco-h16",
                                  "sloco-ef-h16", "sloco-h64", "sloco-bf16-h16", "exdyna-demo", "exdyna-demo99",
-                                 "exdyna-demo999", "ddp-exdyna-demo999", "exdyna-demo999-ov")
+                                 "exdyna-demo999", "ddp-exdyna-demo999", "exdyna-demo999-ov", "exdyna-live")
 DDP_METHODS = ("ddp", "ddp-bv", "ddp-accum", "ddp-powersgd", "ddp-bf16")
 #: DiLoCo (Douillard et al. 2023; torchft): H local steps of the inner optimiser, then the averaged
 #: parameter delta applied by an outer Nesterov SGD (lr 0.7, momentum 0.9, the paper's values)
@@ -189,7 +192,8 @@ LIBRARY = {"dense": ("dense", {}), "exdyna": ("exdyna", {}), "topk": ("topk", {}
            "exdyna-adam-u": ("exdyna", {"adam": "update"}), "dense-adam-u": ("dense", {"adam": "update"}),
            "exdyna-demo": ("exdyna", {"adam": "demo"}), "exdyna-demo99": ("exdyna", {"adam": "demo"}),
            "exdyna-demo999": ("exdyna", {"adam": "demo"}),
-           "exdyna-demo999-ov": ("exdyna", {"adam": "demo", "overlap": True})}
+           "exdyna-demo999-ov": ("exdyna", {"adam": "demo", "overlap": True}),
+           "exdyna-live": ("exdyna", {"adam": "live"})}
 #: DeMo's momentum decay where it is not AdamW's beta1 of 0.9 (``adam="demo"`` reads it from ``betas[0]``)
 DEMO_MOMENTUM = {"exdyna-demo99": 0.99, "exdyna-demo999": 0.999, "ddp-exdyna-demo999": 0.999,
                  "exdyna-demo999-ov": 0.999}
@@ -1131,7 +1135,8 @@ bash jobs/run_e2e.sh --workload cnn --rate 20 --tuned out/cnn_tune/tuned.json --
   parameter delta applied by Nesterov SGD, lr 0.7, momentum 0.9, as in the DiLoCo paper and
   torchft; the global parameters are evaluated). `exdyna` is `DistributedOptimizer(AdamW,
   sparsifier="exdyna", density=0.01)` (for the CNN, `SGD`) with the library's defaults for that
-  optimiser: with momentum SGD, momentum correction and quotas.
+  optimiser: with momentum SGD, momentum correction and quotas; with AdamW, in the LM rows here,
+  `adam="live"` (the default until 2026-11-28, now `"demo"`).
 - **Measured, not composed.** Every time to target is a full run at the rate shown; each launch
   runs DDP first and last (`ddp (again)`), ratios are taken within a launch against the mean of the
   two, and every run records `compute_s` (a step without communication, measured just before it) so

@@ -73,6 +73,28 @@ def is_adam(optimizer) -> bool:
     return isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
 
 
+def resolve_auto(optimizer, sparsifier: str, mode: str) -> str:
+    """``DistributedOptimizer``'s ``adam="auto"``: ``"demo"`` where it runs and was measured to win,
+    ``"live"`` elsewhere; any other ``mode`` is returned as given.
+
+    ``"demo"`` for a ``torch.optim.Adam``/``AdamW`` with ``sparsifier="exdyna"``, one ``betas[0]``
+    in ``[0, 1)`` over its param groups, no ``amsgrad`` or ``maximize`` and no complex parameter;
+    ``"live"`` for every other optimizer, sparsifier or such option (``"demo"`` refuses them).
+    """
+    if mode != "auto":
+        return mode
+    if not is_adam(optimizer) or sparsifier != "exdyna":
+        return "live"
+    torch = _torch()
+    groups = optimizer.param_groups
+    betas = {float(g["betas"][0]) for g in groups}
+    if (len(betas) != 1 or not 0.0 <= next(iter(betas)) < 1.0 or any(g.get("amsgrad") or g.get("maximize")
+                                                                      for g in groups)
+            or any(torch.is_complex(p) for g in groups for p in g["params"])):
+        return "live"
+    return "demo"
+
+
 def check_mode(optimizer, mode: str, warmup_steps: Any, who: str) -> None:
     """Raise ``ValueError`` unless ``mode`` is an Adam path ``optimizer`` can run with this warm-up
     (``"frozen"`` freezes the variance of a dense warm-up: ``warmup_steps >= 1``)."""

@@ -113,7 +113,9 @@ class ExDynaHookState:
             plain sparse average, whatever the optimizer, and the recipe options are refused.
         adam: with ``optimizer=`` a ``torch.optim.Adam``/``AdamW``, ``DistributedOptimizer``'s Adam
             path (``"live"``, the default: the optimizer steps on the exchanged gradient;
-            ``"update"``, ``"demo"``, ``"frozen"``, ``"frozen-gradient"``: see ``DistributedOptimizer``).
+            ``"update"``, ``"demo"``, ``"frozen"``, ``"frozen-gradient"``: see ``DistributedOptimizer``,
+            whose default ``"auto"`` runs ``"demo"`` for AdamW with ExDyna; the hook does not, since a
+            ``clip_grad_norm_`` after ``backward()`` would silently stop reaching the update, see below).
             The paths that apply their own update take over ``optimizer.step()`` through the
             optimizer's step hooks: ``step()`` applies the exchanged update to every parameter and the
             optimizer's own step sees no gradient (``.grad`` is back once it returns). Each

@@ -12,6 +12,9 @@ order, only the parameters they see are one update behind. ``flush()`` applies t
 in flight (before evaluating the final model); ``state_dict()`` waits for it and saves it unapplied,
 so a resumed run continues bit for bit.
 
+On a CUDA device the caller's stream is synchronised before the hand-over and the device after the
+exchange, so neither thread depends on how the other's streams are ordered.
+
 The protocol between the caller's thread and the worker is strict alternation: the caller touches
 the sparsifier, the recipe's and the Adam path's state only while no exchange is in flight (after
 ``wait``, before ``submit``), so nothing is shared while the worker runs. An error that every rank
@@ -84,10 +87,16 @@ class OverlappedExchange:
         comm = self.worker.comm
         assert comm is not None   # opened at construction
         buf = self.buf
+        cuda = buf.is_cuda
+        if cuda:
+            # the caller's stream wrote buf (the copy of the gradient); the worker's streams are others
+            _torch().cuda.current_stream(buf.device).synchronize()
 
         def job() -> None:
             try:
                 flight.sp = run(buf)
+                if cuda:   # the result, and the residual's decay, complete before the caller reads them
+                    _torch().cuda.synchronize(buf.device)
             except BaseException as e:   # noqa: BLE001 - raised by the caller's next wait, or fatal below
                 if not isinstance(e, exdyna_mpi.CollectiveError):
                     transport.abort_job(comm, e, "DistributedOptimizer", "the overlapped exchange")

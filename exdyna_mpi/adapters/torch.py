@@ -30,7 +30,7 @@ import exdyna_mpi
 
 from ._torch_common import (_broadcast_model, _flat_layout, _from_torch, _OptimizerMixinBase, _to_torch, _torch, _wrap,
                             _wrapped_params, broadcast_parameters)
-from ._torch_adam import ADAM_KEY, AdamPath, make_adam_path
+from ._torch_adam import ADAM_KEY, AdamPath, make_adam_path, resolve_auto
 from ._torch_adam import check_mode as check_adam_mode
 from ._torch_hook import ExDynaHookState, exdyna_hook
 from ._torch_options import OPTIONS_KEY, TrainingOptions, move_momentum, recipe_for
@@ -377,7 +377,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
                          broadcast: bool = True, clip_norm: float | None = None, warmup_steps: int = 0,
                          momentum_correction: float | str = "auto", momentum_masking: bool = True,
                          density_warmup: Sequence[float] | None = None, density_warmup_steps: int | None = None,
-                         adam: str = "live", overlap: bool = False, **options: Any) -> torch.optim.Optimizer:
+                         adam: str = "auto", overlap: bool = False, **options: Any) -> torch.optim.Optimizer:
     """Wrap a torch optimizer so ``step()`` exchanges a sparse gradient first. Collective.
 
     ``model`` (optional): a ``torch.nn.Module`` whose parameters and buffers are broadcast from rank
@@ -400,17 +400,21 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
     of the same kind and options, the error-feedback residual carried from stage to stage and into
     the configured sparsifier; ``opt.stats`` shows the live stage's stats).
 
-    ``adam`` (for ``torch.optim.Adam``/``AdamW``; see ``_torch_adam.py``): ``"live"`` (the default)
-    exchanges the raw gradient and lets the wrapped optimizer update its moments from the sparse
-    average; ``"update"`` runs Adam's moments on each rank's own gradient and exchanges the update
-    they give, with error feedback, then applies the average on every rank (the wrapped optimizer's
-    ``lr``, betas, eps and weight decay; its own ``state`` is not used); ``"frozen"`` runs
-    ``warmup_steps`` (required, >= 1) dense steps of exact Adam, then freezes the second moment,
+    ``adam`` (for ``torch.optim.Adam``/``AdamW``; see ``_torch_adam.py``): ``"auto"`` (the default)
+    is ``"demo"`` for an Adam/AdamW with ``sparsifier="exdyna"`` (one ``betas[0]`` over the groups,
+    no ``amsgrad``/``maximize``) and ``"live"`` otherwise; ``"live"`` exchanges the raw gradient and
+    lets the wrapped optimizer update its moments from the sparse average; ``"update"`` runs Adam's
+    moments on each rank's own gradient and exchanges the update they give, with error feedback,
+    then applies the average on every rank (the wrapped optimizer's ``lr``, betas, eps and weight
+    decay; its own ``state`` is not used); ``"frozen"`` runs ``warmup_steps`` (required, >= 1)
+    dense steps of exact Adam, then freezes the second moment,
     exchanges the gradient divided by it (selection by update size) with error feedback and applies
     Adam with the frozen variance; ``"frozen-gradient"`` the same with the division after the
     exchange; ``"demo"`` is DeMo's decoupled momentum: the sparsifier's residual is the momentum
     (decayed by ``betas[0]`` after each exchange), and every rank applies ``lr * sign`` of the
-    exchanged average after AdamW's decay (no second moment).
+    exchanged average after AdamW's decay (no second moment). ``"demo"`` moves a sent coordinate by
+    ``lr``, about what Adam's normalised step moves it: on the LM its best rate was 2x (d = 0.05) to
+    4x (d = 0.01) DDP-AdamW's, and ``betas[0]`` of 0.99 or 0.999 suited it better than AdamW's 0.9.
 
     ``overlap=True`` (see ``_torch_overlap.py``): ``step()`` hands this step's gradient to a worker
     thread and returns; the exchange runs while the caller computes the next gradient, and the next
@@ -451,6 +455,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
         >>> opt.stats.density, opt.stats.bytes_sent
     """
     comm, params = _wrapped_params(optimizer, model, comm, "DistributedOptimizer")
+    adam = resolve_auto(optimizer, sparsifier, adam)
     check_adam_mode(optimizer, adam, warmup_steps, "DistributedOptimizer")
     if not isinstance(overlap, bool):
         raise ValueError(f"DistributedOptimizer: overlap must be True or False, got {overlap!r}")

@@ -78,7 +78,7 @@ def test_dense_hook_on_cuda_equals_ddp_allreduce():
 #: (their state comes back from host copies at the resume: "frozen" resumes after its freeze)
 RECIPES = {
     "sgd": (lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9), 0.01, dict(clip_norm=1.0, warmup_steps=1)),
-    "adamw": (lambda ps: torch.optim.AdamW(ps, lr=1e-3, betas=(0.9, 0.95)), 0.01, dict(clip_norm=1.0)),
+    "adamw": (lambda ps: torch.optim.AdamW(ps, lr=1e-3, betas=(0.9, 0.95)), 0.01, dict(clip_norm=1.0, adam="live")),
     "adamw-update": (lambda ps: torch.optim.AdamW(ps, lr=1e-3, betas=(0.9, 0.95)), 0.01,
                      dict(clip_norm=1.0, adam="update")),
     "adamw-demo": (lambda ps: torch.optim.AdamW(ps, lr=1e-3, betas=(0.99, 0.95)), 0.01, dict(adam="demo")),

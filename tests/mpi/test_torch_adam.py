@@ -85,7 +85,7 @@ def test_warm_up_is_the_wrapped_optimizer_bit_for_bit(wcomm):
     rank = wcomm.Get_rank()
     a, b = _model(), _model()
     oa = _make(a, wcomm, sparsifier="exdyna", density=0.05, adam="frozen", warmup_steps=WARM)
-    ob = _make(b, wcomm, sparsifier="exdyna", density=0.05, warmup_steps=WARM)
+    ob = _make(b, wcomm, sparsifier="exdyna", density=0.05, adam="live", warmup_steps=WARM)
     for s in range(WARM):
         x, y = _batch(rank, s)
         _step(a, oa, x, y)

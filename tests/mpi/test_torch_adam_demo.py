@@ -9,6 +9,8 @@
 - A step skipped everywhere leaves parameters, residual (the decay included) and step count as
   they were; a dict of another ``beta1`` or mode is refused on every rank with the same error;
   param groups with different ``betas[0]`` are refused at construction.
+- The default ``adam="auto"`` runs ``"demo"`` for Adam/AdamW with ExDyna and ``"live"`` for other
+  sparsifiers, optimizers, ``amsgrad`` and mixed ``betas[0]``; the DDP hook's default stays ``"live"``.
 """
 
 import numpy as np
@@ -125,3 +127,36 @@ def test_refusals_are_collective_and_change_nothing(wcomm):
         DistributedOptimizer(torch.optim.AdamW(groups, lr=LR), two, comm=wcomm, adam="demo")
     with pytest.raises(ValueError, match="needs torch.optim.Adam or AdamW"):
         DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, comm=wcomm, adam="demo")
+
+
+def test_auto_runs_demo_for_adam_with_exdyna_and_live_elsewhere(wcomm):
+    from exdyna_mpi.adapters.torch import ExDynaHookState
+
+    def mode(make_opt, sparsifier="exdyna", **kw):
+        model = _model()
+        opt = DistributedOptimizer(make_opt(model.parameters()), model, sparsifier=sparsifier,
+                                   density=1.0 if sparsifier == "dense" else 0.05, comm=wcomm, **kw)
+        return None if opt._exdyna_adam is None else opt._exdyna_adam.mode
+
+    def adamw(ps):
+        return torch.optim.AdamW(ps, lr=LR, betas=(0.99, 0.95))
+
+    def two_betas(ps):
+        ps = list(ps)
+        return torch.optim.AdamW([{"params": ps[:2], "betas": (0.9, 0.95)}, {"params": ps[2:], "betas": (0.99, 0.95)}])
+
+    cases = {
+        "AdamW, exdyna": (mode(adamw), "demo"),
+        "Adam, exdyna": (mode(lambda ps: torch.optim.Adam(ps, lr=LR)), "demo"),
+        "AdamW, topk": (mode(adamw, "topk"), None),
+        "AdamW, dense": (mode(adamw, "dense"), None),
+        "SGD, exdyna": (mode(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)), None),
+        "AdamW amsgrad": (mode(lambda ps: torch.optim.AdamW(ps, amsgrad=True)), None),
+        "AdamW, two betas[0]": (mode(two_betas), None),
+        "AdamW, adam='live'": (mode(adamw, adam="live"), None),
+    }
+    for name, (got, want) in cases.items():
+        mpi_assert(got == want, f"{name}: adam='auto' ran {got!r}, expected {want!r}", wcomm)
+    model = _model()
+    state = ExDynaHookState("exdyna", 0.05, comm=wcomm, optimizer=adamw(model.parameters()))
+    mpi_assert(state._adam is None, "the DDP hook's default stays 'live' (a clip after backward must reach it)", wcomm)
