@@ -14,6 +14,7 @@ from mpi4py import MPI
 
 from tests.conftest import mpi_assert
 from tests.gpu import cuda_steps, needs_cuda_torch
+from tests.mpi.test_torch_overlap import _grad, late_step
 
 torch = pytest.importorskip("torch")
 
@@ -56,15 +57,7 @@ def test_cuda_overlap_equals_the_late_synchronous_step(kind):
     for s in range(8):
         cuda_steps(model, opt, s, s + 1)
         x, y = _batch(s)   # cuda_steps' batch of step s, on the reference's parameters
-        ref_model.zero_grad()
-        torch.nn.functional.cross_entropy(ref_model(x), y).backward()
-        now = [p.grad.detach().clone() for p in ref_model.parameters()]
-        if late is not None:
-            ref.zero_grad()
-            for p, g in zip(ref_model.parameters(), late):
-                p.grad.copy_(g)
-            ref.step()
-        late = now
+        late = late_step(ref_model, ref, _grad(ref_model, x, y), late)
         torch.cuda.synchronize()
         mpi_assert(np.array_equal(_flat(model).view(np.uint32), _flat(ref_model).view(np.uint32)),
                    f"{kind} step {s}: the overlapped run differs from the late reference")

@@ -52,6 +52,18 @@ def _grad(model, x, y):
     return [p.grad.detach().clone() for p in model.parameters()]
 
 
+def late_step(ref_model, ref, now, late):
+    """The reference's call: ``now`` (this call's gradient, taken on the reference's parameters as
+    they are) is kept for the next call, and the synchronous optimizer ``ref`` steps on ``late`` (the
+    previous call's; none at the first). Returns what to pass as ``late`` next time."""
+    if late is not None:
+        ref.zero_grad()
+        for p, g in zip(ref_model.parameters(), late):
+            p.grad.copy_(g)
+        ref.step()
+    return now
+
+
 @pytest.mark.parametrize("config", sorted(CONFIGS))
 def test_overlap_equals_the_synchronous_step_given_each_gradient_one_step_late(wcomm, config):
     rank = wcomm.Get_rank()
@@ -63,22 +75,13 @@ def test_overlap_equals_the_synchronous_step_given_each_gradient_one_step_late(w
     for t in range(steps):
         x, y = _batch(rank, t)
         _step(model, opt, x, y)
-        now = _grad(ref_model, x, y)   # on the reference's parameters as they are at this call
-        if late is not None:
-            ref.zero_grad()
-            for p, g in zip(ref_model.parameters(), late):
-                p.grad.copy_(g)
-            ref.step()
-        late = now
+        late = late_step(ref_model, ref, _grad(ref_model, x, y), late)
         got, want = _flat(model.parameters()), _flat(ref_model.parameters())
         mpi_assert(got.tobytes() == want.tobytes(),
                    f"{config} call {t}: parameters differ from the late reference "
                    f"(max {np.abs(got - want).max():.3g})", wcomm)
     stats = opt.flush()
-    ref.zero_grad()
-    for p, g in zip(ref_model.parameters(), late):
-        p.grad.copy_(g)
-    ref.step()
+    late_step(ref_model, ref, None, late)
     got, want = _flat(model.parameters()), _flat(ref_model.parameters())
     mpi_assert(got.tobytes() == want.tobytes(), f"{config}: flushed parameters differ from the reference", wcomm)
     every = allgather_array(got, wcomm)
