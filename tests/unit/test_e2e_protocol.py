@@ -148,9 +148,11 @@ def test_ddp_is_adamw_with_clipping_and_the_schedule(protocol):
     data = _data()
     ddp = _runs(protocol)[0]
     ref = reference_ddp(data)
-    assert ddp["evals"][-1][0] == STEPS and abs(ddp["evals"][-1][2] - ref) < 2e-4, (ddp["evals"][-1], ref)
-    # the check can fail: without clipping the same run ends elsewhere
-    assert abs(reference_ddp(data, clip=None) - ref) > 2e-3
+    assert ddp["evals"][-1][0] == STEPS and abs(ddp["evals"][-1][2] - ref) < 1e-5, (ddp["evals"][-1], ref)
+    # the check can fail: without clipping the same run ends more than 10x the tolerance away. Adam
+    # undoes most of a clip's scale, so the gap depends on the data: 3.5e-4 on Debian's Python 3.11.2
+    # stdlib corpus, 1.4e-2 on CPython 3.11.7's; the run and the reference agree to 2.4e-7 on both
+    assert abs(reference_ddp(data, clip=None) - ref) > 1e-4
 
 
 def test_bucket_view_changes_nothing_but_memory(protocol):
