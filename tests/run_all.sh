@@ -67,10 +67,10 @@ if wanted gpu; then
     fi
 fi
 if wanted packaging; then
-    # shellcheck disable=SC2086
     # Its fresh venvs (about 300 MB each) would otherwise stay in the temp folder while the lanes
     # after it build theirs; a failed test's folder is kept for a look. Not in pytest.ini: the ranks
-    # of an MPI lane are separate pytest sessions on one temp root, and their clean-ups would collide.
+    # of an MPI lane are separate pytest processes on one temp root, and their clean-ups would collide.
+    # shellcheck disable=SC2086
     lane packaging python $PYTEST tests/packaging -o tmp_path_retention_policy=failed \
         --junitxml="$out/packaging.xml" "$@"
 fi

@@ -73,44 +73,37 @@ def is_adam(optimizer) -> bool:
     return isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
 
 
-def resolve_auto(optimizer, sparsifier: str, mode: str) -> str:
-    """``DistributedOptimizer``'s ``adam="auto"``: ``"demo"`` where it runs and was measured to win,
-    ``"live"`` elsewhere; any other ``mode`` is returned as given.
-
-    ``"demo"`` for a ``torch.optim.Adam``/``AdamW`` with ``sparsifier="exdyna"``, one ``betas[0]``
-    in ``[0, 1)`` over its param groups, no ``amsgrad`` or ``maximize`` and no complex parameter;
-    ``"live"`` for every other optimizer, sparsifier or such option (``"demo"`` refuses them).
-    """
-    if mode != "auto":
-        return mode
-    if not is_adam(optimizer) or sparsifier != "exdyna":
-        return "live"
-    torch = _torch()
-    groups = optimizer.param_groups
-    betas = {float(g["betas"][0]) for g in groups}
-    if (len(betas) != 1 or not 0.0 <= next(iter(betas)) < 1.0 or any(g.get("amsgrad") or g.get("maximize")
-                                                                      for g in groups)
-            or any(torch.is_complex(p) for g in groups for p in g["params"])):
-        return "live"
-    return "demo"
-
-
-def check_mode(optimizer, mode: str, warmup_steps: Any, who: str) -> None:
-    """Raise ``ValueError`` unless ``mode`` is an Adam path ``optimizer`` can run with this warm-up
-    (``"frozen"`` freezes the variance of a dense warm-up: ``warmup_steps >= 1``)."""
-    if mode not in MODES:
-        raise ValueError(f"{who}: adam must be one of {MODES}, got {mode!r}")
-    if mode != "live" and not is_adam(optimizer):
+def check_mode(optimizer, mode: str, warmup_steps: Any, who: str, modes: tuple[str, ...] = MODES) -> None:
+    """Raise ``ValueError`` unless ``mode`` is one of ``modes`` and an Adam path ``optimizer`` can run
+    with this warm-up (``"frozen"`` freezes the variance of a dense warm-up: ``warmup_steps >= 1``;
+    ``"auto"``, where ``modes`` has it, runs with any optimizer: see ``make_adam_path``)."""
+    if mode not in modes:
+        raise ValueError(f"{who}: adam must be one of {modes}, got {mode!r}")
+    if mode not in ("live", "auto") and not is_adam(optimizer):
         raise ValueError(f"{who}: adam={mode!r} needs torch.optim.Adam or AdamW, got {type(optimizer).__name__}")
     if mode.startswith("frozen") and not (isinstance(warmup_steps, int) and warmup_steps >= 1):
         raise ValueError(f"{who}: adam={mode!r} freezes the variance after a dense warm-up: "
                          f"give warmup_steps >= 1, got {warmup_steps!r}")
 
 
-def make_adam_path(optimizer, params, mode: str, who: str = "DistributedOptimizer") -> "AdamPath | None":
+def make_adam_path(optimizer, params, mode: str, who: str = "DistributedOptimizer",
+                   sparsifier: str | None = None) -> "AdamPath | None":
     """The path ``DistributedOptimizer(adam=mode)`` (or ``ExDynaHookState(adam=mode)``, ``who`` in
     messages) runs: None for ``"live"`` (the wrapped optimizer steps on the exchanged gradient), else
-    ``LocalUpdateAdam``, ``DecoupledMomentum`` or ``FrozenVarianceAdam``."""
+    ``LocalUpdateAdam``, ``DecoupledMomentum`` or ``FrozenVarianceAdam``.
+
+    ``"auto"`` (``DistributedOptimizer``'s default) is ``"demo"`` where it runs and was measured to
+    win, a ``torch.optim.Adam``/``AdamW`` with ``sparsifier="exdyna"``, and ``"live"`` elsewhere:
+    for other optimizers and sparsifiers, and where ``DecoupledMomentum`` refuses the optimizer
+    (``amsgrad``, ``maximize``, complex parameters, more than one ``betas[0]`` or one outside
+    ``[0, 1)``)."""
+    if mode == "auto":
+        if not is_adam(optimizer) or sparsifier != "exdyna":
+            return None
+        try:
+            return DecoupledMomentum(optimizer, params, who)
+        except ValueError:   # its refusals are the cases "auto" leaves to "live"
+            return None
     if mode == "live":
         return None
     if mode == "demo":
@@ -174,9 +167,13 @@ class AdamPath:
         raise NotImplementedError
 
     def apply(self, flat, skipped: bool, sp) -> None:
-        """``update``, then the residual decay of ``sp`` (the sparsifier that ran the step) when the
-        path sets one (``adam="demo"``: the residual is the momentum) and the step was not skipped."""
+        """``update``, then ``decay_residual``."""
         self.update(flat, skipped)
+        self.decay_residual(sp, skipped)
+
+    def decay_residual(self, sp, skipped: bool) -> None:
+        """The residual decay of ``sp`` (the sparsifier that ran the step) when the path sets one
+        (``adam="demo"``: the residual is the momentum) and the step was not skipped."""
         if self.residual_decay is not None and not skipped:
             sp.scale_residual(self.residual_decay)
 

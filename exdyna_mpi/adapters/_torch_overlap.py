@@ -66,10 +66,9 @@ class OverlappedExchange:
         self.buf: torch.Tensor = _torch().zeros(numel, dtype=dtype, device=device)
         self.spare: torch.Tensor | None = None   # made at the first step that needs it (the wrapped optimizer's)
         self._flight: _InFlight | None = None
-        #: a finished exchange whose result (in ``buf``) is not applied yet: the sparsifier that ran it,
-        #: and whether it skipped the step (``nonfinite="skip"``)
+        #: a finished exchange whose result (in ``buf``) is not applied yet: the sparsifier that ran it
+        #: (None: nothing pending), and whether it skipped the step (``nonfinite="skip"``)
         self.pending: Any = None
-        self.has_pending = False
         self.skipped = False
 
     def open(self, comm: MPI.Comm) -> MPI.Comm:
@@ -77,8 +76,9 @@ class OverlappedExchange:
         return self.worker.open(comm)
 
     @property
-    def in_flight(self) -> bool:
-        return self._flight is not None
+    def has_pending(self) -> bool:
+        """Whether a finished exchange's result waits in ``buf`` to be applied."""
+        return self.pending is not None
 
     def submit(self, run: Callable[[Any], Any]) -> None:
         """Start ``run(buf)`` (the exchange, in place; returns the sparsifier that ran) on the worker."""
@@ -116,12 +116,12 @@ class OverlappedExchange:
         self._flight = None
         if flight.error is not None:
             raise flight.error
-        self.pending, self.has_pending, self.skipped = flight.sp, True, bool(flight.sp.stats.skipped)
+        self.pending, self.skipped = flight.sp, bool(flight.sp.stats.skipped)
 
     def take(self) -> tuple[Any, Any, bool]:
         """``(buf, the sparsifier that ran, skipped)`` of the pending result; nothing is pending afterwards."""
         assert self.has_pending
-        sp, self.pending, self.has_pending = self.pending, None, False
+        sp, self.pending = self.pending, None
         return self.buf, sp, self.skipped
 
     def state_dict(self) -> dict[str, Any]:
@@ -150,7 +150,7 @@ class OverlappedExchange:
         pending result is credited to."""
         p = d["pending"]
         if p is None:
-            self.pending, self.has_pending, self.skipped = None, False, False
+            self.pending, self.skipped = None, False
         else:
             self.buf.copy_(p.to(self.buf.device, self.buf.dtype))
-            self.pending, self.has_pending, self.skipped = sp, True, bool(d["skipped"])
+            self.pending, self.skipped = sp, bool(d["skipped"])

@@ -30,7 +30,7 @@ import exdyna_mpi
 
 from ._torch_common import (_broadcast_model, _flat_layout, _from_torch, _OptimizerMixinBase, _to_torch, _torch, _wrap,
                             _wrapped_params, broadcast_parameters)
-from ._torch_adam import ADAM_KEY, AdamPath, make_adam_path, resolve_auto
+from ._torch_adam import ADAM_KEY, MODES, AdamPath, make_adam_path
 from ._torch_adam import check_mode as check_adam_mode
 from ._torch_hook import ExDynaHookState, exdyna_hook
 from ._torch_options import OPTIONS_KEY, TrainingOptions, move_momentum, recipe_for
@@ -134,17 +134,20 @@ class _DistributedMixin(_OptimizerMixinBase):
             StepError: the exchange refused the step (on every rank; say, NaN in one rank's gradient).
             RuntimeError: ``overlap=True`` (``step()`` runs the exchange, off the caller's thread).
         """
-        torch = _torch()
         if self._exdyna_overlap is not None:
             raise RuntimeError("DistributedOptimizer.synchronize: not available with overlap=True, whose "
                                "exchange runs on a worker thread; step() runs it")
         self._exdyna_grads.attach()
-        flat, opts, adam = self._exdyna_grads.flat, self._exdyna_options, self._exdyna_adam
-        prepare = None if adam is None else (lambda g, dense: adam.prepare(self, g, dense))
-        with torch.no_grad():
-            sp = opts.exchange(self.sparsifier, flat, prepare)   # _torch_options.py, _torch_adam.py
-        self._exdyna_last = sp
+        sp = self._exdyna_last = self._exchange(self._exdyna_grads.flat)
         return _stats_of(sp)
+
+    def _exchange(self, flat: torch.Tensor) -> exdyna_mpi.Sparsifier:
+        """This step's exchange of ``flat`` in place, inside the recipe and the Adam path's ``prepare``
+        (``_torch_options.py``, ``_torch_adam.py``). Returns the sparsifier that ran."""
+        adam = self._exdyna_adam
+        prepare = None if adam is None else (lambda g, dense: adam.prepare(self, g, dense))
+        with _torch().no_grad():
+            return self._exdyna_options.exchange(self.sparsifier, flat, prepare)
 
     def step(self, closure: None = None) -> Any:   # type: ignore[override]  # no closures
         """``synchronize()``, then the wrapped optimizer's step (momentum, weight decay, ...). Collective.
@@ -185,13 +188,10 @@ class _DistributedMixin(_OptimizerMixinBase):
     def _overlapped_exchange(self, buf: torch.Tensor) -> exdyna_mpi.Sparsifier:
         """The worker's job (``overlap=True``): the synchronous step's exchange of ``buf`` in place,
         then the Adam path's residual decay, which ``adam.apply`` runs after it in a synchronous step."""
-        torch = _torch()
+        sp = self._exchange(buf)
         adam = self._exdyna_adam
-        prepare = None if adam is None else (lambda g, dense: adam.prepare(self, g, dense))
-        with torch.no_grad():
-            sp = self._exdyna_options.exchange(self.sparsifier, buf, prepare)
-        if adam is not None and adam.owns_step and adam.residual_decay is not None and not _stats_of(sp).skipped:
-            sp.scale_residual(adam.residual_decay)
+        if adam is not None and adam.owns_step:
+            adam.decay_residual(sp, _stats_of(sp).skipped)
         return sp
 
     def _apply_pending(self, ov: OverlappedExchange, keep: torch.Tensor | None) -> Any:
@@ -455,15 +455,14 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
         >>> opt.stats.density, opt.stats.bytes_sent
     """
     comm, params = _wrapped_params(optimizer, model, comm, "DistributedOptimizer")
-    adam = resolve_auto(optimizer, sparsifier, adam)
-    check_adam_mode(optimizer, adam, warmup_steps, "DistributedOptimizer")
+    check_adam_mode(optimizer, adam, warmup_steps, "DistributedOptimizer", ("auto",) + MODES)
     if not isinstance(overlap, bool):
         raise ValueError(f"DistributedOptimizer: overlap must be True or False, got {overlap!r}")
     if overlap and not GroupTransport.thread_multiple():
         raise RuntimeError("DistributedOptimizer: overlap=True needs MPI initialised with MPI_THREAD_MULTIPLE "
                            "(mpi4py's default, see mpi4py.rc.thread_level): its exchanges run on a worker thread")
     grads = FlatGrad(params)
-    adam_path = make_adam_path(optimizer, grads.params, adam)
+    adam_path = make_adam_path(optimizer, grads.params, adam, sparsifier=sparsifier)
     recipe = recipe_for(optimizer, sparsifier, density, options, who="DistributedOptimizer", clip_norm=clip_norm,
                         warmup_steps=warmup_steps, momentum_correction=momentum_correction,
                         momentum_masking=momentum_masking, density_warmup=density_warmup,
