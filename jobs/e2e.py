@@ -80,8 +80,9 @@ Methods (``--methods``, run one after another in one launch, ``ddp`` first and, 
 - ``ddp-exdyna``: DDP (default buckets) with the library's hook, ``exdyna_hook`` and
   ``ExDynaHookState("exdyna", density, optimizer=opt)``: one sparsifier over the whole model, exchanged
   on the hook's worker thread once the last bucket is ready, inside the same training recipe as
-  ``exdyna`` under SGD (its momentum moved before the exchange); under AdamW the hook's default,
-  ``adam="live"``, where ``exdyna`` runs ``"demo"``; ``ddp-exdyna-bucket``:
+  ``exdyna`` (under SGD its momentum moved before the exchange, under AdamW ``adam="demo"``, both
+  entry points' default since 2026-11-28, ``"live"`` in the hook before), clipping each rank's
+  gradient before the exchange (``clip_norm=``) as ``exdyna``'s loop does; ``ddp-exdyna-bucket``:
   ``scope="bucket"``, a plain sparsifier per bucket, each exchanged as soon as its bucket is ready
   (overlapping backward); ``ddp-exdyna-demo999``: the model-scope hook with ``adam="demo"`` at
   beta1 = 0.999 (``exdyna-demo999`` through DDP: the same losses, AdamW only).
@@ -316,8 +317,8 @@ class Method:
     latency term of the performance model (an estimate, see ``collectives``).
     """
 
-    def __init__(self, runner, model, opt, *, stats=None, stride=1, outer=None, collectives=1.0):
-        self.runner, self.model, self.opt = runner, model, opt
+    def __init__(self, runner, model, opt, *, stats=None, stride=1, outer=None, collectives=1.0, loop_clips=True):
+        self.runner, self.model, self.opt, self.loop_clips = runner, model, opt, loop_clips
         self.stats = stats or (lambda: None)
         self.stride, self.outer, self.collectives = stride, outer, collectives
 
@@ -325,7 +326,9 @@ class Method:
         """One optimiser step on batches ``step`` .. ``step + stride - 1``; ``clip``: the norm that
         ``clip_grad_norm_`` holds the model's gradient to before the optimiser step (None: off), for
         every method alike, as a user's training loop does it (DDP: the averaged gradient; the
-        library's optimizer: this rank's gradient, before the exchange; DiLoCo: the local one)."""
+        library's optimizer: this rank's gradient, before the exchange; DiLoCo: the local one). The
+        model-scope hook clips inside (``loop_clips=False``): the same rank's gradient, before the
+        exchange."""
         import torch
 
         self.opt.zero_grad()
@@ -335,7 +338,7 @@ class Method:
             with contextlib.nullcontext() if last else self.runner.no_sync():
                 loss = wl.loss(self.runner, x, y)
                 (loss if self.stride == 1 else loss / self.stride).backward()
-        if clip:
+        if clip and self.loop_clips:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
         self.opt.step()
         if self.outer is not None:
@@ -478,10 +481,11 @@ def build(method, wl, args, comm, numel):
         scope = HOOK_METHODS[method]
         # model scope: the optimizer's recipe, as DistributedOptimizer runs it (bucket scope has none)
         state = ExDynaHookState("exdyna", density=args.density, comm=comm, scope=scope,
-                                optimizer=opt if scope == "model" else None, **hook_adam_options(method, args))
+                                optimizer=opt if scope == "model" else None, **hook_options(method, scope, args))
         ddp.register_comm_hook(state, exdyna_hook)
         ddp._exdyna_hook_state = state
-        return Method(ddp, model, opt, stats=lambda: merged_stats(state.stats), collectives=n)
+        return Method(ddp, model, opt, stats=lambda: merged_stats(state.stats), collectives=n,
+                      loop_clips=scope != "model")
     if method in DDP_METHODS:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -530,14 +534,14 @@ def build(method, wl, args, comm, numel):
     return Method(model, model, opt, stats=lambda: opt.stats, collectives=n)
 
 
-def hook_adam_options(method, args):
-    """The hook's Adam-path options for ``method``: ``adam=`` and, since such a path computes its update
-    from the exchanged vector (the loop's ``clip_grad_norm_`` on ``.grad`` after ``backward()`` no longer
-    reaches it), ``clip_norm=`` to clip each rank's gradient before the exchange, where
-    ``DistributedOptimizer``'s loop clips it."""
-    if method not in HOOK_ADAM:
+def hook_options(method, scope, args):
+    """The hook's recipe options for ``method``: at model scope (``optimizer=``), ``clip_norm=`` clips
+    each rank's gradient before the exchange, where ``DistributedOptimizer``'s loop clips it (the
+    Adam paths compute their update from the exchanged vector, and refuse a ``.grad`` clipped after
+    ``backward()``), and ``adam=`` where the method names a path."""
+    if scope != "model":
         return {}
-    return {"adam": HOOK_ADAM[method], "clip_norm": args.clip}
+    return {"clip_norm": args.clip, **({"adam": HOOK_ADAM[method]} if method in HOOK_ADAM else {})}
 
 
 def merged_stats(stats):

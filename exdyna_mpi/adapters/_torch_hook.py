@@ -39,7 +39,7 @@ import exdyna_mpi
 from exdyna_mpi import transport
 from exdyna_mpi.transport.group import GroupTransport
 
-from ._torch_adam import AdamPath, check_mode as check_adam_mode, make_adam_path
+from ._torch_adam import MODES, AdamPath, check_mode as check_adam_mode, make_adam_path
 from ._torch_common import _flat_layout, _torch
 from ._torch_options import RECIPE_DEFAULTS, Recipe, TrainingOptions, check_state, move_momentum, recipe_for
 
@@ -111,24 +111,25 @@ class ExDynaHookState:
             without the warm-ups and clipping, and for AdamW). Needs ``scope="model"`` and the
             optimizer holding exactly DDP's parameters. Without it (the default) the hook is the
             plain sparse average, whatever the optimizer, and the recipe options are refused.
-        adam: with ``optimizer=`` a ``torch.optim.Adam``/``AdamW``, ``DistributedOptimizer``'s Adam
-            path (``"live"``, the default: the optimizer steps on the exchanged gradient;
-            ``"update"``, ``"demo"``, ``"frozen"``, ``"frozen-gradient"``: see ``DistributedOptimizer``,
-            whose default ``"auto"`` runs ``"demo"`` for AdamW with ExDyna; the hook does not, since a
-            ``clip_grad_norm_`` after ``backward()`` would silently stop reaching the update, see below).
-            The paths that apply their own update take over ``optimizer.step()`` through the
-            optimizer's step hooks: ``step()`` applies the exchanged update to every parameter and the
-            optimizer's own step sees no gradient (``.grad`` is back once it returns). Each
-            ``step()`` needs one exchange (one DDP ``backward()`` outside ``no_sync``) since the last,
-            and an exchange refuses to start while the last one's update has not been applied (a
-            state made later with the same optimizer takes its step over: the newest one counts). The
-            path's state (moments, step count) is in ``state_dict()`` under ``"adam"``; with
-            ``adam="demo"`` the momentum is the sparsifier's residual. The update comes from the
-            exchanged vector, not from ``.grad``: clip with ``clip_norm=`` (a ``clip_grad_norm_``
-            after ``backward()``, or a ``GradScaler``'s unscaling, does not reach it).
+        adam: with ``optimizer=`` a ``torch.optim.Adam``/``AdamW``, ``DistributedOptimizer``'s Adam path, with its
+            default: ``"auto"`` runs ``"demo"`` for Adam/AdamW with ``"exdyna"`` and ``"live"`` (the optimizer steps on
+            the exchanged gradient) otherwise; ``"update"``, ``"demo"``, ``"frozen"``, ``"frozen-gradient"``: see
+            ``DistributedOptimizer``. The paths that apply their own update take over ``optimizer.step()`` through the
+            optimizer's step hooks: ``step()`` applies the exchanged update to every parameter and the optimizer's own
+            step sees no gradient (``.grad`` is back once it returns). Each ``step()`` needs one exchange (one DDP
+            ``backward()`` outside ``no_sync``) since the last, and an exchange refuses to start while the last one's
+            update has not been applied (a state made later with the same optimizer takes its step over: the newest one
+            counts). The path's state (moments, step count) is in ``state_dict()`` under ``"adam"``; with
+            ``adam="demo"`` the momentum is the sparsifier's residual. The update comes from the exchanged vector, not
+            from ``.grad``: clip with ``clip_norm=``. A ``.grad`` edited between ``backward()`` and ``step()`` (a
+            binding ``clip_grad_norm_``, a ``GradScaler``'s unscaling), whose change would be lost, makes ``step()``
+            raise ``CollectiveError`` on every rank with nothing applied; with ``.grad`` put back, ``step()`` applies
+            the update.
 
     Raises:
         ValueError: a bad option (the same on every rank: nothing collective has run yet).
+        CollectiveError: from ``optimizer.step()`` (an Adam path that owns the step): ``.grad``
+            edited since ``backward()`` on some rank.
         RuntimeError: MPI without ``MPI_THREAD_MULTIPLE``: the exchanges run on a worker thread
             while the main thread may call MPI.
 
@@ -160,7 +161,7 @@ class ExDynaHookState:
                  scope: str = "model", optimizer: torch.optim.Optimizer | None = None, clip_norm: float | None = None,
                  warmup_steps: int = 0, momentum_correction: float | str = "auto", momentum_masking: bool = True,
                  density_warmup: Sequence[float] | None = None, density_warmup_steps: int | None = None,
-                 adam: str = "live", **options: Any) -> None:
+                 adam: str = "auto", **options: Any) -> None:
         if scope not in SCOPES:
             raise ValueError(f"ExDynaHookState: scope must be one of {SCOPES}, got {scope!r}")
         if sparsifier not in exdyna_mpi.available():
@@ -174,7 +175,7 @@ class ExDynaHookState:
         adam_path: AdamPath | None = None
         if optimizer is None:
             given = [k for k, v in recipe_args.items() if v != RECIPE_DEFAULTS[k]]   # none may differ
-            given += ["adam"] if adam != "live" else []
+            given += ["adam"] if adam not in ("auto", "live") else []
             if given:
                 raise ValueError(f"ExDynaHookState: {', '.join(given)} belong to the training recipe, which runs "
                                  "only with optimizer= (the optimizer that steps on the hook's gradients)")
@@ -183,9 +184,9 @@ class ExDynaHookState:
                 raise ValueError("ExDynaHookState: optimizer= needs scope='model' (the recipe clips and "
                                  "momentum-corrects the model's whole gradient before one exchange)")
             params, _ = _flat_layout([p for g in optimizer.param_groups for p in g["params"]], "ExDynaHookState")
-            check_adam_mode(optimizer, adam, warmup_steps, "ExDynaHookState")
+            check_adam_mode(optimizer, adam, warmup_steps, "ExDynaHookState", ("auto",) + MODES)
             recipe = recipe_for(optimizer, sparsifier, density, options, who="ExDynaHookState", **recipe_args)
-            adam_path = make_adam_path(optimizer, params, adam, "ExDynaHookState")
+            adam_path = make_adam_path(optimizer, params, adam, "ExDynaHookState", sparsifier=sparsifier)
             options = recipe.options
         if not GroupTransport.thread_multiple():
             raise RuntimeError("ExDynaHookState needs MPI initialised with MPI_THREAD_MULTIPLE (mpi4py's default, "
@@ -198,6 +199,8 @@ class ExDynaHookState:
         self._adam_due = False    # an exchange ran whose Adam-path update optimizer.step() has yet to apply
         self._last_sp: Any = None   # the sparsifier of the last model-wide exchange (a warm-up's or the main one)
         self._stashed: list[tuple[torch.Tensor, torch.Tensor | None]] = []   # .grad held away from the optimizer
+        self._agreeing: transport.Exchange | None = None   # the worker's communicator, for the step's check
+        self._grads_partial = False   # a refused exchange since the last step: .grad is not the exchanged vector
         self._user_comm = comm
         self.step = 0
         self.stats: Any = None
@@ -256,12 +259,29 @@ class ExDynaHookState:
             raise RuntimeError(f"ExDynaHookState(adam={adam.mode!r}): optimizer.step() without an exchange since "
                                "the last step; run one DDP backward() (outside no_sync) before each step()")
         if adam.owns_step:
-            # on the worker, after its queued work: the model-wide vector and the sparsifier are its
-            self._call(lambda: adam.apply(self._held_flat(), bool(self.stats.skipped), self._last_sp))
+            # the update comes from the exchanged vector: a .grad changed since backward() (a user's
+            # clip_grad_norm_, a GradScaler's unscale_) would be silently lost, so it is refused (not
+            # after a refused exchange, whose backward left DDP's partial work in .grad)
+            problem = None if self._grads_partial else _edited_grads(adam.slices, self._held_flat())
+
+            def apply() -> None:   # on the worker, after its queued work: the vector and sparsifier are its
+                transport.agree_problems(self._agreement(), problem,
+                                         f"ExDynaHookState(adam={adam.mode!r}): optimizer.step() refused on every "
+                                         "rank, nothing applied")
+                adam.apply(self._held_flat(), bool(self.stats.skipped), self._last_sp)
+
+            self._call(apply)
             self._stashed = [(p, p.grad) for p, *_ in adam.slices]
             for p, _ in self._stashed:
                 p.grad = None
-        self._adam_due = False
+        self._adam_due = self._grads_partial = False
+
+    def _agreement(self) -> transport.Exchange:
+        """The worker's communicator as an ``Agreeing`` transport (built once per communicator)."""
+        comm = self._comm if self._comm is not None else self.comm
+        if self._agreeing is None or self._agreeing.comm is not comm:
+            self._agreeing = transport.Exchange(comm)
+        return self._agreeing
 
     def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """The optimizer's step post-hook: give the parameters their gradients back."""
@@ -456,7 +476,7 @@ class ExDynaHookState:
         self._install(built, recipe)
         if self._adam is not None:   # checked by _check_dict on every rank, agreed above
             self._adam.load_state_dict(got["adam"])
-            self._adam_due = False
+            self._adam_due = self._grads_partial = False
         if layout is not None and self.layout is None:
             self._set_layout(layout)
         self.step = got["step"]
@@ -575,6 +595,7 @@ class ExDynaHookState:
                 move_momentum(self.optimizer)
             self._iter_error = None
             if self._adam_due and self._adam is not None:   # every bucket of this iteration fails with it
+                self._grads_partial = True
                 self._iter_error = _StepOrderError(
                     f"ExDynaHookState(adam={self._adam.mode!r}): a new exchange began before optimizer.step() "
                     "applied the last one's update; call step() after each backward() (accumulate gradients "
@@ -839,6 +860,36 @@ class ExDynaHookState:
                     flat[o:o + n].copy_(v[pos:pos + n])
                     pos += n
                 self.stats[key] = sp.stats
+
+
+def _edited_grads(slices: list[tuple[Any, Any, int, int]], flat: torch.Tensor) -> str | None:
+    """A problem when a parameter's ``.grad`` no longer holds the bits of its slice of the exchanged
+    vector (DDP wrote exactly those), else None. Compared as integers, so NaNs compare equal; one
+    device synchronisation for the whole model. A ``.grad`` that is None (a parameter DDP found
+    unused) is not an edit."""
+    torch = _torch()
+    words = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    differs, names = [], []
+    for i, (p, _, off, n) in enumerate(slices):
+        g = p.grad
+        if g is None:
+            continue
+        if g.dtype != flat.dtype or g.numel() != n:
+            return f".grad of parameter {i} is now {g.dtype} with {g.numel()} elements (the exchange gave " \
+                   f"{flat.dtype}, {n})"
+        w = words[g.element_size()]
+        differs.append((g.detach().reshape(-1).view(w) != flat[off:off + n].view(w)).any())
+        names.append(i)
+    if not differs:
+        return None
+    changed = torch.stack(differs).cpu()
+    if not bool(changed.any()):
+        return None
+    edited = [names[j] for j in range(len(names)) if bool(changed[j])]
+    return (f".grad of {len(edited)} of {len(slices)} parameters changed between backward() and optimizer.step() "
+            "(a clip_grad_norm_, a GradScaler's unscale_ or another edit). This path computes its update "
+            "from the exchanged vector, so the change would be lost: clip with ExDynaHookState(clip_norm=...) "
+            "instead, or pass adam='live' to step on .grad")
 
 
 def _close(sp: Any) -> None:

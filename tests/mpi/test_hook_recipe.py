@@ -9,8 +9,10 @@
   options, on every rank, with several DDP buckets and DDP's rebuild after the first iteration;
 - resume through the hook in the middle of the warm-ups: the same bits as the straight run (the
   Adam paths' state included);
-- the Adam paths give ``.grad`` back after ``step()`` and refuse a step without an exchange and an
-  exchange before the last update was applied;
+- the Adam paths give ``.grad`` back after ``step()`` and refuse a step without an exchange, an
+  exchange before the last update was applied, and a ``.grad`` edited after ``backward()`` (a user's
+  clip: on every rank, nothing applied); ``adam="auto"``, both entry points' default, runs ``"demo"``
+  for AdamW through both;
 - refusals: recipe options without ``optimizer=``, ``scope="bucket"`` with it, a dict without the
   recipe's state (or with it, into a state without a recipe), a corrupt velocity on one rank (the
   same error on every rank, state unchanged), pickling, and an optimizer that does not hold DDP's
@@ -90,8 +92,10 @@ CASES = {
                           dict(adam="demo"), torch.float32, dict(wire_dtype="bfloat16")),
     "adam-frozen": (lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=1e-3), 0.02,
                     dict(adam="frozen", warmup_steps=2)),
+    # both entry points' default, adam="auto": "demo" for AdamW with ExDyna
+    "adamw-auto-clip": (lambda ps: torch.optim.AdamW(ps, lr=1e-2, betas=(0.99, 0.95), weight_decay=0.1), 0.02,
+                        dict(clip_norm=1.0)),
 }
-ADAM_CASES = [c for c, spec in CASES.items() if spec[2].get("adam", "live") != "live"]
 
 
 def _case(case):
@@ -151,6 +155,72 @@ def test_hook_with_optimizer_equals_distributed_optimizer(case):
                f"{case}: the optimizer's momentum {[g.get('momentum') for g in opt.param_groups]}")
     if case == "sgd-momentum-auto":
         mpi_assert(state.options.get("max_imbalance") == 0.2, f"auto quotas missing: {state.options}")
+    if case == "adamw-auto-clip":
+        mpi_assert(state._adam is not None and state._adam.mode == "demo" and wrapped._exdyna_adam.mode == "demo",
+                   "adam='auto' did not run 'demo' through both entry points")
+
+
+def _edit_refused(ddp, opt, state, step, edit, who):
+    """Backward, ``edit(model)`` on the ranks ``who`` holds, then ``step()``: the refusal every rank
+    raises (asserted the same everywhere), after checking that nothing moved."""
+    comm = MPI.COMM_WORLD
+    model = ddp.module
+    x, y = _batch(step, comm.Get_rank())
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(ddp(x), y).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    before, adam_step = _bits(model), state._adam.step
+    if comm.Get_rank() in who:
+        edit(model)
+    msg = same_error_everywhere(opt.step)
+    mpi_assert(np.array_equal(before, _bits(model)) and state._adam.step == adam_step,
+               "a refused step changed the parameters or the Adam path's state")
+    for p, g in zip(model.parameters(), grads):
+        p.grad.copy_(g)
+    return msg
+
+
+def test_a_grad_edited_after_backward_is_refused_everywhere():
+    """The default path for AdamW computes its update from the exchanged vector: a ``clip_grad_norm_``
+    (or any edit of ``.grad``) between ``backward()`` and ``step()`` would be lost, so ``step()``
+    refuses it on every rank, nothing applied, naming the ranks that edited. With ``.grad`` put back
+    the same ``step()`` goes on, and the run equals one that never saw the edits; a clip that does
+    not bind changes no bit and passes."""
+    comm = MPI.COMM_WORLD
+    last = comm.Get_size() - 1
+    case = "adamw-auto-clip"
+    model, ref = _typed_model(case, 6), _typed_model(case, 6)
+    (ddp, opt, state), (ref_ddp, ref_opt, ref_state) = _hook_run(case, model), _hook_run(case, ref)
+
+    def clip(m):
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 1e-3)
+
+    def halve(m):   # the exchanged vector is mostly zeros: halve every parameter's
+        for p in m.parameters():
+            p.grad.mul_(0.5)
+
+    try:
+        for s in range(5):
+            if s == 1:
+                msg = _edit_refused(ddp, opt, state, s, clip, range(comm.Get_size()))
+                mpi_assert("clip_norm=" in msg and "adam='demo'" in msg and "rank 0" in msg
+                           and f"rank {last}" in msg, msg)
+                opt.step()   # .grad put back: the pending update applies
+            elif s == 3:
+                msg = _edit_refused(ddp, opt, state, s, halve, (last,))
+                mpi_assert(f"rank {last}: .grad of" in msg and (last == 0 or "rank 0" not in msg), msg)
+                opt.step()
+            else:
+                x, y = _batch(s, comm.Get_rank())
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(ddp(x), y).backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)   # does not bind: no bit changes
+                opt.step()
+            _step(ref_ddp, ref_opt, s)
+            mpi_assert(np.array_equal(_bits(model), _bits(ref)), f"step {s}: differs from the run without edits")
+    finally:
+        state.close()
+        ref_state.close()
 
 
 @pytest.mark.parametrize("case", ["sgd-clip-warmups", "sgd-bf16", "adamw-wire16", "adamw-update-bf16", "adamw-demo",

@@ -10,7 +10,7 @@
   they were; a dict of another ``beta1`` or mode is refused on every rank with the same error;
   param groups with different ``betas[0]`` are refused at construction.
 - The default ``adam="auto"`` runs ``"demo"`` for Adam/AdamW with ExDyna and ``"live"`` for other
-  sparsifiers, optimizers, ``amsgrad`` and mixed ``betas[0]``; the DDP hook's default stays ``"live"``.
+  sparsifiers, optimizers, ``amsgrad`` and mixed ``betas[0]``; the DDP hook's default follows it.
 """
 
 import numpy as np
@@ -159,4 +159,6 @@ def test_auto_runs_demo_for_adam_with_exdyna_and_live_elsewhere(wcomm):
         mpi_assert(got == want, f"{name}: adam='auto' ran {got!r}, expected {want!r}", wcomm)
     model = _model()
     state = ExDynaHookState("exdyna", 0.05, comm=wcomm, optimizer=adamw(model.parameters()))
-    mpi_assert(state._adam is None, "the DDP hook's default stays 'live' (a clip after backward must reach it)", wcomm)
+    mpi_assert(state._adam is not None and state._adam.mode == "demo", "the DDP hook's default is not 'demo'", wcomm)
+    state = ExDynaHookState("topk", 0.05, comm=wcomm, optimizer=adamw(model.parameters()))
+    mpi_assert(state._adam is None, "the DDP hook ran 'demo' for top-k", wcomm)

@@ -217,11 +217,13 @@ def test_adam_paths_train_with_adamw(tmp_path):
     """The harness's Adam paths (``DistributedOptimizer(adam=...)``) under the AdamW protocol: each
     trains, every rank holds the same parameters, and the paths differ from each other and from
     ``adam="live"``; the library's default for AdamW (``exdyna``) is ``adam="demo"`` at AdamW's
-    ``betas[0]`` (``exdyna-demo``), to the bit; the DDP hook's ``adam="demo"`` gives
-    ``DistributedOptimizer``'s losses; an Adam path under SGD is refused."""
+    ``betas[0]`` (``exdyna-demo``), to the bit; the DDP hook gives ``DistributedOptimizer``'s losses,
+    by default (``ddp-exdyna``, clipping inside) and with ``adam="demo"`` named; an Adam path under SGD
+    is refused."""
     recs = e2e(tmp_path, "--optimizer", "adamw", "--lr", "2e-3", "--steps", "4", "--max-steps", "4",
                "--eval-every", "4", "--warmup", "1", "--density", "0.05",
-               "--methods", "ddp,exdyna,exdyna-live,exdyna-adam-u,exdyna-demo,exdyna-demo999,ddp-exdyna-demo999")
+               "--methods", "ddp,exdyna,exdyna-live,exdyna-adam-u,exdyna-demo,exdyna-demo999,ddp-exdyna-demo999,"
+               "ddp-exdyna")
     runs = {r["method"]: r for r in recs if r["kind"] == "run"}
     finals = set()
     for m in ("exdyna-live", "exdyna-adam-u", "exdyna-demo", "exdyna-demo999"):
@@ -233,5 +235,7 @@ def test_adam_paths_train_with_adamw(tmp_path):
     # the DDP hook's Adam path trains as DistributedOptimizer's: the same losses to the last bit
     assert runs["ddp-exdyna-demo999"]["evals"] and runs["ddp-exdyna-demo999"]["params_identical"]
     assert [e[2] for e in runs["ddp-exdyna-demo999"]["evals"]] == [e[2] for e in runs["exdyna-demo999"]["evals"]]
+    assert runs["ddp-exdyna"]["params_identical"]
+    assert [e[2] for e in runs["ddp-exdyna"]["evals"]] == [e[2] for e in runs["exdyna"]["evals"]]
     with pytest.raises(AssertionError, match="are Adam paths"):
         e2e(tmp_path / "sgd", *SGD, "--steps", "2", "--methods", "ddp,exdyna-demo")
