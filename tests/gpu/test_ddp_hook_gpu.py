@@ -83,6 +83,7 @@ RECIPES = {
                      dict(clip_norm=1.0, adam="update")),
     "adamw-demo": (lambda ps: torch.optim.AdamW(ps, lr=1e-3, betas=(0.99, 0.95)), 0.01, dict(adam="demo")),
     "adam-frozen": (lambda ps: torch.optim.Adam(ps, lr=1e-3), 0.01, dict(adam="frozen", warmup_steps=1)),
+    "adamw-auto": (lambda ps: torch.optim.AdamW(ps, lr=1e-3, betas=(0.99, 0.95)), 0.01, dict(clip_norm=1.0)),
 }
 
 
@@ -129,3 +130,45 @@ def test_cuda_hook_with_optimizer_equals_distributed_optimizer_and_resumes(case)
         state.close()
     mpi_assert(np.array_equal(straight.view(np.uint32), _params(resumed).view(np.uint32)),
                f"{case}: the resumed run differs from the straight one", comm)
+
+
+def test_cuda_grad_edited_after_backward_is_refused_everywhere():
+    """The default path for AdamW (``"demo"``) on CUDA buckets: a binding ``clip_grad_norm_`` on the
+    last rank between ``backward()`` and ``step()`` raises the same ``CollectiveError`` on every rank
+    (the check compares the device tensors), nothing applied; with ``.grad`` put back the step goes on."""
+    from exdyna_mpi import CollectiveError
+
+    comm = MPI.COMM_WORLD
+    model = _model(seed=3)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.99, 0.95))
+    state = ExDynaHookState("exdyna", 0.01, optimizer=opt, clip_norm=1.0)
+    ddp.register_comm_hook(state, exdyna_hook)
+    try:
+        cuda_steps(ddp, opt, 0, 2)
+        g = torch.Generator().manual_seed(7 + comm.Get_rank())
+        x, y = torch.randn(64, 32, generator=g).cuda(), torch.randint(0, 10, (64,), generator=g).cuda()
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        before = _params(model).copy()
+        if comm.Get_rank() == comm.Get_size() - 1:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-4)
+        msg = ""
+        try:
+            opt.step()
+        except CollectiveError as e:
+            msg = str(e)
+        msgs = comm.allgather(msg)
+        mpi_assert(msgs[0] and len(set(msgs)) == 1 and f"rank {comm.Get_size() - 1}" in msgs[0],
+                   f"not the same refusal everywhere: {msgs}", comm)
+        mpi_assert(np.array_equal(before, _params(model)), "a refused step moved the parameters", comm)
+        for p, gr in zip(model.parameters(), grads):
+            p.grad.copy_(gr)
+        opt.step()
+        cuda_steps(ddp, opt, 3, 4)
+    finally:
+        state.close()
+    digests = comm.allgather(hashlib.sha256(_params(model).tobytes()).hexdigest())
+    mpi_assert(len(set(digests)) == 1 and not np.array_equal(before, _params(model)),
+               "parameters differ between ranks, or did not move", comm)
