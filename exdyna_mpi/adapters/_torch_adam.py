@@ -65,6 +65,8 @@ if TYPE_CHECKING:
 
 ADAM_KEY = "exdyna_adam"
 MODES = ("live", "update", "frozen", "frozen-gradient", "demo")
+#: what the entry points' ``adam=`` accepts: the paths, and ``"auto"`` (see ``make_adam_path``)
+CHOICES = ("auto",) + MODES
 
 
 def is_adam(optimizer) -> bool:
@@ -73,12 +75,12 @@ def is_adam(optimizer) -> bool:
     return isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
 
 
-def check_mode(optimizer, mode: str, warmup_steps: Any, who: str, modes: tuple[str, ...] = MODES) -> None:
-    """Raise ``ValueError`` unless ``mode`` is one of ``modes`` and an Adam path ``optimizer`` can run
-    with this warm-up (``"frozen"`` freezes the variance of a dense warm-up: ``warmup_steps >= 1``;
-    ``"auto"``, where ``modes`` has it, runs with any optimizer: see ``make_adam_path``)."""
-    if mode not in modes:
-        raise ValueError(f"{who}: adam must be one of {modes}, got {mode!r}")
+def check_mode(optimizer, mode: str, warmup_steps: Any, who: str) -> None:
+    """Raise ``ValueError`` unless ``mode`` is one of ``CHOICES`` and an Adam path ``optimizer`` can
+    run with this warm-up (``"frozen"`` freezes the variance of a dense warm-up: ``warmup_steps >= 1``;
+    ``"auto"`` runs with any optimizer: see ``make_adam_path``)."""
+    if mode not in CHOICES:
+        raise ValueError(f"{who}: adam must be one of {CHOICES}, got {mode!r}")
     if mode not in ("live", "auto") and not is_adam(optimizer):
         raise ValueError(f"{who}: adam={mode!r} needs torch.optim.Adam or AdamW, got {type(optimizer).__name__}")
     if mode.startswith("frozen") and not (isinstance(warmup_steps, int) and warmup_steps >= 1):

@@ -39,7 +39,7 @@ import exdyna_mpi
 from exdyna_mpi import transport
 from exdyna_mpi.transport.group import GroupTransport
 
-from ._torch_adam import MODES, AdamPath, check_mode as check_adam_mode, make_adam_path
+from ._torch_adam import AdamPath, check_mode as check_adam_mode, make_adam_path
 from ._torch_common import _flat_layout, _torch
 from ._torch_options import RECIPE_DEFAULTS, Recipe, TrainingOptions, check_state, move_momentum, recipe_for
 
@@ -184,7 +184,7 @@ class ExDynaHookState:
                 raise ValueError("ExDynaHookState: optimizer= needs scope='model' (the recipe clips and "
                                  "momentum-corrects the model's whole gradient before one exchange)")
             params, _ = _flat_layout([p for g in optimizer.param_groups for p in g["params"]], "ExDynaHookState")
-            check_adam_mode(optimizer, adam, warmup_steps, "ExDynaHookState", ("auto",) + MODES)
+            check_adam_mode(optimizer, adam, warmup_steps, "ExDynaHookState")
             recipe = recipe_for(optimizer, sparsifier, density, options, who="ExDynaHookState", **recipe_args)
             adam_path = make_adam_path(optimizer, params, adam, "ExDynaHookState", sparsifier=sparsifier)
             options = recipe.options
@@ -199,8 +199,6 @@ class ExDynaHookState:
         self._adam_due = False    # an exchange ran whose Adam-path update optimizer.step() has yet to apply
         self._last_sp: Any = None   # the sparsifier of the last model-wide exchange (a warm-up's or the main one)
         self._stashed: list[tuple[torch.Tensor, torch.Tensor | None]] = []   # .grad held away from the optimizer
-        self._agreeing: transport.Exchange | None = None   # the worker's communicator, for the step's check
-        self._grads_partial = False   # a refused exchange since the last step: .grad is not the exchanged vector
         self._user_comm = comm
         self.step = 0
         self.stats: Any = None
@@ -261,11 +259,11 @@ class ExDynaHookState:
         if adam.owns_step:
             # the update comes from the exchanged vector: a .grad changed since backward() (a user's
             # clip_grad_norm_, a GradScaler's unscale_) would be silently lost, so it is refused (not
-            # after a refused exchange, whose backward left DDP's partial work in .grad)
-            problem = None if self._grads_partial else _edited_grads(adam.slices, self._held_flat())
+            # after an exchange refused for step order, whose backward left DDP's partial work in .grad)
+            problem = None if self._iter_error is not None else _edited_grads(adam.slices, self._held_flat())
 
             def apply() -> None:   # on the worker, after its queued work: the vector and sparsifier are its
-                transport.agree_problems(self._agreement(), problem,
+                transport.agree_problems(transport.Exchange(self._working_comm()), problem,
                                          f"ExDynaHookState(adam={adam.mode!r}): optimizer.step() refused on every "
                                          "rank, nothing applied")
                 adam.apply(self._held_flat(), bool(self.stats.skipped), self._last_sp)
@@ -274,14 +272,7 @@ class ExDynaHookState:
             self._stashed = [(p, p.grad) for p, *_ in adam.slices]
             for p, _ in self._stashed:
                 p.grad = None
-        self._adam_due = self._grads_partial = False
-
-    def _agreement(self) -> transport.Exchange:
-        """The worker's communicator as an ``Agreeing`` transport (built once per communicator)."""
-        comm = self._comm if self._comm is not None else self.comm
-        if self._agreeing is None or self._agreeing.comm is not comm:
-            self._agreeing = transport.Exchange(comm)
-        return self._agreeing
+        self._adam_due = False
 
     def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """The optimizer's step post-hook: give the parameters their gradients back."""
@@ -310,6 +301,10 @@ class ExDynaHookState:
     def _comm(self) -> MPI.Comm | None:
         """The worker's private communicator (None before the first iteration or load)."""
         return self._worker.comm
+
+    def _working_comm(self) -> MPI.Comm:
+        """The worker's communicator once it has one, else ``comm`` (a call before the first iteration)."""
+        return self._comm if self._comm is not None else self.comm
 
     def _submit(self, fn: Callable[[], None] | None) -> None:
         self._worker.submit(fn)
@@ -447,7 +442,7 @@ class ExDynaHookState:
 
     def _load(self, problem: str | None, got: dict[str, Any] | None, layout: Layout | None) -> None:
         """Worker (or the caller, before the first iteration): agree, rebuild, then install."""
-        comm = self._comm if self._comm is not None else self.comm
+        comm = self._working_comm()
         shape: tuple[Any, ...] | None
         if got is None:
             shape = None
@@ -476,7 +471,7 @@ class ExDynaHookState:
         self._install(built, recipe)
         if self._adam is not None:   # checked by _check_dict on every rank, agreed above
             self._adam.load_state_dict(got["adam"])
-            self._adam_due = self._grads_partial = False
+            self._adam_due = False
         if layout is not None and self.layout is None:
             self._set_layout(layout)
         self.step = got["step"]
@@ -595,7 +590,6 @@ class ExDynaHookState:
                 move_momentum(self.optimizer)
             self._iter_error = None
             if self._adam_due and self._adam is not None:   # every bucket of this iteration fails with it
-                self._grads_partial = True
                 self._iter_error = _StepOrderError(
                     f"ExDynaHookState(adam={self._adam.mode!r}): a new exchange began before optimizer.step() "
                     "applied the last one's update; call step() after each backward() (accumulate gradients "
@@ -869,7 +863,7 @@ def _edited_grads(slices: list[tuple[Any, Any, int, int]], flat: torch.Tensor) -
     unused) is not an edit."""
     torch = _torch()
     words = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-    differs, names = [], []
+    differs = []
     for i, (p, _, off, n) in enumerate(slices):
         g = p.grad
         if g is None:
@@ -879,14 +873,10 @@ def _edited_grads(slices: list[tuple[Any, Any, int, int]], flat: torch.Tensor) -
                    f"{flat.dtype}, {n})"
         w = words[g.element_size()]
         differs.append((g.detach().reshape(-1).view(w) != flat[off:off + n].view(w)).any())
-        names.append(i)
-    if not differs:
+    edited = int(torch.stack(differs).sum()) if differs else 0
+    if not edited:
         return None
-    changed = torch.stack(differs).cpu()
-    if not bool(changed.any()):
-        return None
-    edited = [names[j] for j in range(len(names)) if bool(changed[j])]
-    return (f".grad of {len(edited)} of {len(slices)} parameters changed between backward() and optimizer.step() "
+    return (f".grad of {edited} of {len(slices)} parameters changed between backward() and optimizer.step() "
             "(a clip_grad_norm_, a GradScaler's unscale_ or another edit). This path computes its update "
             "from the exchanged vector, so the change would be lost: clip with ExDynaHookState(clip_norm=...) "
             "instead, or pass adam='live' to step on .grad")

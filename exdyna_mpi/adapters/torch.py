@@ -30,7 +30,7 @@ import exdyna_mpi
 
 from ._torch_common import (_broadcast_model, _flat_layout, _from_torch, _OptimizerMixinBase, _to_torch, _torch, _wrap,
                             _wrapped_params, broadcast_parameters)
-from ._torch_adam import ADAM_KEY, MODES, AdamPath, make_adam_path
+from ._torch_adam import ADAM_KEY, AdamPath, make_adam_path
 from ._torch_adam import check_mode as check_adam_mode
 from ._torch_hook import ExDynaHookState, exdyna_hook
 from ._torch_options import OPTIONS_KEY, TrainingOptions, move_momentum, recipe_for
@@ -455,7 +455,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
         >>> opt.stats.density, opt.stats.bytes_sent
     """
     comm, params = _wrapped_params(optimizer, model, comm, "DistributedOptimizer")
-    check_adam_mode(optimizer, adam, warmup_steps, "DistributedOptimizer", ("auto",) + MODES)
+    check_adam_mode(optimizer, adam, warmup_steps, "DistributedOptimizer")
     if not isinstance(overlap, bool):
         raise ValueError(f"DistributedOptimizer: overlap must be True or False, got {overlap!r}")
     if overlap and not GroupTransport.thread_multiple():

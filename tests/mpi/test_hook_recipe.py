@@ -118,11 +118,15 @@ def _hook_run(case, model):
     return ddp, opt, state
 
 
-def _step(net, opt, step):
+def _backward(net, opt, step):
     x, y = _batch(step, MPI.COMM_WORLD.Get_rank())
     x = x.to(next(net.parameters()).dtype)
     opt.zero_grad()
     torch.nn.functional.cross_entropy(net(x), y).backward()
+
+
+def _step(net, opt, step):
+    _backward(net, opt, step)
     opt.step()
 
 
@@ -165,9 +169,7 @@ def _edit_refused(ddp, opt, state, step, edit, who):
     raises (asserted the same everywhere), after checking that nothing moved."""
     comm = MPI.COMM_WORLD
     model = ddp.module
-    x, y = _batch(step, comm.Get_rank())
-    opt.zero_grad()
-    torch.nn.functional.cross_entropy(ddp(x), y).backward()
+    _backward(ddp, opt, step)
     grads = [p.grad.clone() for p in model.parameters()]
     before, adam_step = _bits(model), state._adam.step
     if comm.Get_rank() in who:
@@ -211,9 +213,7 @@ def test_a_grad_edited_after_backward_is_refused_everywhere():
                 mpi_assert(f"rank {last}: .grad of" in msg and (last == 0 or "rank 0" not in msg), msg)
                 opt.step()
             else:
-                x, y = _batch(s, comm.Get_rank())
-                opt.zero_grad()
-                torch.nn.functional.cross_entropy(ddp(x), y).backward()
+                _backward(ddp, opt, s)
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)   # does not bind: no bit changes
                 opt.step()
             _step(ref_ddp, ref_opt, s)
