@@ -58,6 +58,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ..sparsifiers.registry import REGISTRY
 from ._torch_common import _torch
 
 if TYPE_CHECKING:
@@ -178,6 +179,11 @@ class AdamPath:
         (``adam="demo"``: the residual is the momentum) and the step was not skipped."""
         if self.residual_decay is not None and not skipped:
             sp.scale_residual(self.residual_decay)
+
+    def sparsifier_options(self, sparsifier: str, options: dict[str, Any]) -> dict[str, Any]:
+        """The sparsifier's options this path runs with: ``options`` (``DecoupledMomentum`` adds
+        ``output="sign"``)."""
+        return options
 
     def place(self, device) -> None:
         """Move this path's tensors to ``device`` (a state loaded as host copies); a no-op where they are.
@@ -345,6 +351,16 @@ class DecoupledMomentum(AdamPath):
 
     def prepare(self, optimizer, flat, dense: bool) -> None:
         self._couple_decay(flat)
+
+    def sparsifier_options(self, sparsifier: str, options: dict[str, Any]) -> dict[str, Any]:
+        """``output="sign"`` where the sparsifier offers it and ``options`` leave ``output`` unset:
+        this path reads nothing but the sign of the exchanged average, so only signs travel on the
+        gathering half of the value exchange (2 bits a value instead of 32; the same update to the
+        bit, about 40 % fewer bytes at P = 4)."""
+        cls = REGISTRY.get(sparsifier)
+        if "output" in options or cls is None or not cls.SIGN_OUTPUT:
+            return options
+        return dict(options, output="sign")
 
     def update(self, flat, skipped: bool) -> None:
         torch = _torch()

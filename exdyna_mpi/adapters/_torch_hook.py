@@ -185,8 +185,10 @@ class ExDynaHookState:
                                  "momentum-corrects the model's whole gradient before one exchange)")
             params, _ = _flat_layout([p for g in optimizer.param_groups for p in g["params"]], "ExDynaHookState")
             check_adam_mode(optimizer, adam, warmup_steps, "ExDynaHookState")
-            recipe = recipe_for(optimizer, sparsifier, density, options, who="ExDynaHookState", **recipe_args)
             adam_path = make_adam_path(optimizer, params, adam, "ExDynaHookState", sparsifier=sparsifier)
+            if adam_path is not None:
+                options = adam_path.sparsifier_options(sparsifier, options)
+            recipe = recipe_for(optimizer, sparsifier, density, options, who="ExDynaHookState", **recipe_args)
             options = recipe.options
         if not GroupTransport.thread_multiple():
             raise RuntimeError("ExDynaHookState needs MPI initialised with MPI_THREAD_MULTIPLE (mpi4py's default, "

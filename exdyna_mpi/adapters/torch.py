@@ -463,6 +463,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
                            "(mpi4py's default, see mpi4py.rc.thread_level): its exchanges run on a worker thread")
     grads = FlatGrad(params)
     adam_path = make_adam_path(optimizer, grads.params, adam, sparsifier=sparsifier)
+    if adam_path is not None:
+        options = adam_path.sparsifier_options(sparsifier, options)
     recipe = recipe_for(optimizer, sparsifier, density, options, who="DistributedOptimizer", clip_norm=clip_norm,
                         warmup_steps=warmup_steps, momentum_correction=momentum_correction,
                         momentum_masking=momentum_masking, density_warmup=density_warmup,

@@ -6,7 +6,7 @@
    gradient (float16, bfloat16) is widened to float32 here, the one place (``Ops.widen_half``):
    every selector then sees float32, the residual is float32, and step 6 rounds the output back;
    values travel in 16 bits where ``wire_dtype`` (or a half gradient) says so
-   (``average_at``; dense's ``combine``);
+   (``average_at``; dense's ``combine``), and only their signs where ``output="sign"`` says so;
 2. ``select`` (the selector role, the subclass) fills ``acc = residual + grad`` from the memory
    role and chooses what this rank sends;
 3. the first collective: ``StepWords`` (count, error word, dtype) plus the selector's
@@ -41,8 +41,11 @@ DEVICES = ("auto", "cpu", "cuda")
 #: ``wire_dtype``: None (the gradient's: 16-bit values for a half gradient where the sparsifier can
 #: send them, else the computing dtype), or one of these
 WIRE_DTYPES = ("float32", "bfloat16", "float16")
+#: ``output``: what a step returns at the union, the average (``"mean"``) or its sign (``"sign"``: 1,
+#: -1 or 0, the values' signs gathered as 2-bit codes; for updates that use the sign alone)
+OUTPUTS = ("mean", "sign")
 
-__all__ = ["DEVICES", "NONFINITE_POLICIES", "WIRE_DTYPES", "Selection", "Sparsifier", "Stats"]
+__all__ = ["DEVICES", "NONFINITE_POLICIES", "OUTPUTS", "WIRE_DTYPES", "Selection", "Sparsifier", "Stats"]
 
 
 class Stats:
@@ -105,7 +108,7 @@ class Sparsifier(Selector):
         comm: the communicator (``MPI.COMM_WORLD`` when None).
         device: ``"auto"`` (where the first gradient lives), ``"cpu"`` or ``"cuda"``.
         nonfinite: ``"raise"`` or ``"skip"``: what a step with NaN/inf on any rank does.
-        **options: ``wire_dtype`` and the subclass's ``OPTIONS`` (docs/reference.md).
+        **options: ``wire_dtype``, ``output`` and the subclass's ``OPTIONS`` (docs/reference.md).
 
     Raises:
         CollectiveError: bad or disagreeing arguments on any rank (a ``ValueError``, on every rank).
@@ -123,6 +126,8 @@ class Sparsifier(Selector):
     DEVICE_STEP = True
     #: indices in compact form on the wire (host); False sends int32/int64 indices (benchmarks)
     COMPACT_INDICES = True
+    #: whether ``output="sign"`` is offered: the sparsifiers whose step ends in ``average_at``
+    SIGN_OUTPUT = False
 
     iteration: int               # the next step's index
     stats: Stats | None          # what the last step did (None before the first)
@@ -158,6 +163,12 @@ class Sparsifier(Selector):
         elif wire_dtype in HALF_DTYPES and not self.WIRE_HALF:
             errors.append(f"{self.name} cannot send its values in {wire_dtype} (wire_dtype); the sparsifiers "
                           f"that can: {', '.join(_wire_half_names())}")
+        output = options.pop("output", "mean")
+        if output not in OUTPUTS:
+            errors.append(f"output must be one of {OUTPUTS}, got {output!r}")
+        elif output == "sign" and not self.SIGN_OUTPUT:
+            errors.append(f"{self.name} cannot return the sign of its average (output='sign'); the sparsifiers "
+                          f"that can: {', '.join(_names_where('SIGN_OUTPUT'))}")
         opts = {}
         for key, (default, check) in self.OPTIONS.items():
             val = options.pop(key, default)
@@ -168,7 +179,7 @@ class Sparsifier(Selector):
         for key in sorted(options):
             errors.append(f"unknown option {key!r} for {self.name}")
         config = (f"{self.name} numel={numel!r} density={density!r} nonfinite={nonfinite!r} device={device!r} "
-                  f"wire_dtype={wire_dtype!r} "
+                  f"wire_dtype={wire_dtype!r} output={output!r} "
                   + " ".join(f"{k}={v!r}" for k, v in sorted(opts.items())))
         agree_arguments(self.exchange, self.name, errors, config)
         self.exchange.reset_counters()
@@ -180,6 +191,7 @@ class Sparsifier(Selector):
         self.nonfinite = nonfinite
         self.options = opts
         self.wire_dtype = wire_dtype
+        self.output = output
         self._wire = None           # the WireFormat of a step whose values travel in 16 bits
         self.memory = ErrorFeedback(self.numel)
         self._grad_dtype = None     # the gradients' dtype name, fixed by the first good step
@@ -414,28 +426,33 @@ class Sparsifier(Selector):
     def average_at(self, acc: Any, union: Any, out: Any, sec: dict[str, float], done: bool = False) -> Any:
         """The end of a union step: sum every rank's ``acc[union]`` (bit-identical everywhere),
         ``acc`` becomes the residual with ``union`` zeroed, and the returned buffer holds the sum / P
-        at ``union``, 0 elsewhere. Phase times go into ``sec``. ``done``: the device already wrote
-        both (a one-rank step finished behind its pass); only the buffers change hands.
+        at ``union`` (``output="sign"``: its sign), 0 elsewhere. Phase times go into ``sec``.
+        ``done``: the device already wrote both (a one-rank step finished behind its pass); only the
+        buffers change hands.
         """
         if done:
             return self.memory.commit(acc, out)
         ops, dtype = self.ops, self._dtype
+        signs = self.output == "sign"
         with timed(sec, "gather"):
             vals = self._vals_buffer(union.shape[0], dtype)
             ops.gather(acc, union, vals)
         if self._wire is not None:
             # 16-bit values: vals becomes what this rank keeps (the rounding it did), means are shared
             with timed(sec, "reduce"):
-                means = self.exchange.mean_wire(vals, self._wire)
+                means = self.exchange.mean_wire(vals, self._wire, signs=signs)
             with timed(sec, "scatter"):
                 res = self.memory.commit(acc, out)
                 ops.scatter_wire(res, self.memory.residual, union, means, vals, self._wire)
             return res
         with timed(sec, "reduce"):
-            self.exchange.sum_identical(vals)
+            if signs:   # vals becomes sign(sum / P): the divisor below is then 1
+                self.exchange.sum_signs(vals)
+            else:
+                self.exchange.sum_identical(vals)
         with timed(sec, "scatter"):
             res = self.memory.commit(acc, out)
-            ops.scatter_mean_zero(res, self.memory.residual, union, vals, dtype.type(self.nranks))
+            ops.scatter_mean_zero(res, self.memory.residual, union, vals, dtype.type(1 if signs else self.nranks))
         return res
 
     # ------------------------------------------------------------------ state

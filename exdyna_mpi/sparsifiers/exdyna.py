@@ -153,6 +153,7 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
 
     name = "exdyna"
     WIRE_HALF = True
+    SIGN_OUTPUT = True
     OPTIONS = {
         "controller": ("measured", _controller_name),
         "balance": (True, _balance),
@@ -315,7 +316,7 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
         None. The host waits for the pass's words, not for the pass's whole step: on an H100 the
         host's resolve and launches after that wait were a third of a 100M-element step."""
         ops = self.ops
-        if (self.nranks != 1 or not plan.measure or plan.fine is None or st.mark is None
+        if (self.nranks != 1 or self.output == "sign" or not plan.measure or plan.fine is None or st.mark is None
                 or not ops.finishes_ahead or not self.controller.picks_fine
                 or self._deadline_mode() is not None or self.numel >= 2**31):
             return None

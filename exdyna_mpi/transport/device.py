@@ -254,6 +254,19 @@ class DeviceExchange(Exchange):
         _to_device_async(hv, vals)
         return vals
 
+    def sum_signs(self, vals):
+        """``Exchange.sum_signs`` on a device buffer, staged through pinned host memory on both
+        paths (the codes are packed by host code, as ``allgather_indices``' forms are): O(k) values
+        there and back, never the gradient."""
+        n = vals.shape[0]
+        ops = CudaOps
+        hv = self._buffer("vals", n, vals.dtype)
+        _to_host_async(vals, hv)
+        ops.synchronize()
+        super().sum_signs(hv)
+        _to_device_async(hv, vals)
+        return vals
+
     @watched
     def _sum_direct(self, vals):
         # Exchange.sum_identical's Reduce_scatter + Allgatherv, with the partial sums on the device.
@@ -268,20 +281,21 @@ class DeviceExchange(Exchange):
         return vals
 
     @watched
-    def mean_wire(self, vals, fmt):
+    def mean_wire(self, vals, fmt, signs=False):
         """``Exchange.mean_wire`` on a device buffer: ``vals`` (float32, device) becomes what this
-        rank keeps; returns the 16-bit means as a device array, the same on every rank. Direct: the
-        rounding and the owner's float32 sum are device kernels and MPI reads device buffers.
-        Staged: ``vals`` goes to pinned host memory, ``Exchange.mean_wire`` does the rest, the means
+        rank keeps; returns the 16-bit means (``signs``: their signs' patterns) as a device array,
+        the same on every rank. Direct: the rounding and the owner's float32 sum are device kernels
+        and MPI reads device buffers. Staged (and always with ``signs``, whose codes host code
+        packs): ``vals`` goes to pinned host memory, ``Exchange.mean_wire`` does the rest, the means
         and ``vals`` come back (2 bytes + 4 bytes per value, as ``sum_identical`` moves 4 + 4)."""
         n = vals.shape[0]
         ops = CudaOps
         means = ops.empty(n, np.uint16)
-        if not self.cuda_aware or self.size == 1 or n == 0:
+        if signs or not self.cuda_aware or self.size == 1 or n == 0:
             hv = self._buffer("vals", n, vals.dtype)
             _to_host_async(vals, hv)
             ops.synchronize()
-            hm = super().mean_wire(hv, fmt)
+            hm = super().mean_wire(hv, fmt, signs=signs)
             _to_device_async(hv, vals)
             _to_device_async(hm, means)
             return means

@@ -13,7 +13,9 @@ offsets, 16-bit offsets per 65,536-element segment, or a bitmap of the rank's sp
 agreed counts and spans alone, ``kernels/cpu_half.py``). ``mean_wire`` averages values that travel
 in 16 bits (``wire_dtype``): each rank's values are rounded to the 16-bit format for the ranks that
 reduce them (the rounding stays with the sender), the owner of each share sums in float32 in rank
-order, and the 16-bit mean is gathered, so every rank holds the same bits.
+order, and the 16-bit mean is gathered, so every rank holds the same bits. ``sum_signs`` and
+``mean_wire(signs=True)`` gather only the sign of each sum as a 2-bit code (``signs.py``), for
+receivers that use nothing else (``adam="demo"``): a quarter byte a value on the gathering half.
 
 Vector collectives use exact counts (no padding; zero counts are legal). Sums that every rank must
 hold bit-identically are computed as Reduce_scatter + Allgatherv: each element is reduced on one
@@ -29,7 +31,9 @@ from typing import Any, Iterator, Protocol, runtime_checkable
 import numpy as np
 from mpi4py import MPI
 
+from ..arrays.half import narrow, widen
 from ..kernels import cpu_half as _kh
+from . import signs as _signs
 from .watchdog import watched
 
 WORD = np.int64
@@ -151,7 +155,9 @@ class ExchangeProtocol(Protocol):
 
     def sum_identical(self, vals: Any) -> Any: ...
 
-    def mean_wire(self, vals: Any, fmt: Any) -> Any: ...
+    def sum_signs(self, vals: Any) -> Any: ...
+
+    def mean_wire(self, vals: Any, fmt: Any, signs: bool = False) -> Any: ...
 
     def bcast_from(self, buf: Any, root: int) -> Any: ...
 
@@ -255,6 +261,45 @@ class Exchange:
         self.bytes.reduce(n, vals.itemsize)
         return vals
 
+    @watched
+    def sum_signs(self, vals):
+        """``sign(sum over ranks / P)`` of ``vals`` elementwise, in place (1, -1, 0 or NaN in
+        ``vals``' dtype), identical on every rank; the sign of ``sum_identical``'s result / P to the bit
+        (but a negative zero, which comes back as +0).
+
+        The sum is ``sum_identical``'s Reduce_scatter (each share summed on its owner, in MPI's
+        order); the owner divides its share by P in the values' dtype and gathers the signs as 2-bit
+        codes (``Allgatherv``): (P-1)/P x (itemsize + 1/4) bytes a value each way, against
+        ``sum_identical``'s 2 (P-1)/P x itemsize.
+        """
+        n, p, me = vals.shape[0], self.size, self.rank
+        div = vals.dtype.type(p)
+        if p == 1 or n == 0:
+            np.divide(vals, div, out=vals)
+            np.sign(vals, out=vals)
+            return vals
+        counts, displs = self._shares(n, p)
+        mine = np.empty(int(counts[me]), dtype=vals.dtype)
+        self.comm.Reduce_scatter(vals, mine, counts, op=MPI.SUM)
+        half = (p - 1) * n * vals.itemsize // p
+        self.bytes.add(half, half)
+        np.divide(mine, div, out=mine)
+        self._gather_signs(mine, counts, displs, _signs.sign_table(vals.dtype), vals)
+        return vals
+
+    def _gather_signs(self, mine, counts, displs, table, out):
+        """Every rank's share's sign codes (``mine``: this rank's share of ``counts``), decoded
+        through ``table`` into ``out`` at the shares' ``displs``: one ``Allgatherv`` of packed codes."""
+        nbytes = (counts + 3) // 4
+        bdispls = np.zeros(self.size, dtype=np.int64)
+        np.cumsum(nbytes[:-1], out=bdispls[1:])
+        recv = np.empty(int(nbytes.sum()), dtype=np.uint8)
+        self.comm.Allgatherv(_signs.encode(mine), [recv, (nbytes, bdispls)])
+        self.bytes.allgather(nbytes, 1)
+        for r in range(self.size):
+            c, d, b = int(counts[r]), int(displs[r]), int(bdispls[r])
+            _signs.decode(recv[b: b + int(nbytes[r])], c, table, out[d: d + c])
+
     @staticmethod
     def _shares(n, p):
         """Equal shares of ``n`` elements over ``p`` ranks: (counts, displacements)."""
@@ -309,11 +354,13 @@ class Exchange:
         return out
 
     @watched
-    def mean_wire(self, vals, fmt):
+    def mean_wire(self, vals, fmt, signs=False):
         """The mean over ranks of float32 ``vals`` (n,), its values travelling in the 16-bit
         ``fmt`` (``arrays.half.WireFormat``); returns the means' 16-bit patterns (n,), the same on
         every rank. ``vals`` becomes what this rank's residual keeps: outside its own share, what
         rounding its values to 16 bits lost; inside, what rounding the mean lost (sum - P x mean).
+        ``signs``: the patterns of each mean's sign instead (1, -1, 0 or NaN in ``fmt``; the same
+        ``vals``), gathered as 2-bit codes (``sum_signs``).
 
         Share ``j`` (an equal split, as ``sum_identical``'s) is reduced on rank ``j``: every other
         rank sends it its 16-bit values (``Alltoallv``), rank ``j`` adds them to its own float32
@@ -325,6 +372,8 @@ class Exchange:
         means = np.empty(n, dtype=np.uint16)
         if p == 1 or n == 0:
             _kh.owner_mean(np.empty((1, n), np.uint16), vals, 0, 1, fmt.mode, fmt.table, means, vals)
+            if signs:
+                _signs.decode(_signs.encode(self._widened(means, fmt)), n, self._sign_patterns(fmt), means)
             return means
         sent = np.empty(n, dtype=np.uint16)
         _kh.wire_round(vals, fmt.mode, fmt.table, sent, d, d + c)
@@ -333,9 +382,22 @@ class Exchange:
         mine = np.empty(c, dtype=np.uint16)
         own = vals[d: d + c]
         _kh.owner_mean(recv, own, me, p, fmt.mode, fmt.table, mine, own)
+        if signs:
+            self._gather_signs(self._widened(mine, fmt), counts, displs, self._sign_patterns(fmt), means)
+            return means
         self.comm.Allgatherv(mine, [means, (counts, displs)])
         self.bytes.allgather(counts, 2)
         return means
+
+    @staticmethod
+    def _widened(bits, fmt):
+        """float32 values of 16-bit patterns ``bits`` in ``fmt``."""
+        return widen(bits, fmt.name, np.empty(bits.shape, dtype=np.float32))
+
+    @staticmethod
+    def _sign_patterns(fmt):
+        """The 16-bit patterns in ``fmt`` of the sign codes' values (0, 1, -1, NaN)."""
+        return narrow(_signs.sign_table(np.float32), fmt.name).view(np.uint16)
 
     @watched
     def bcast_from(self, buf, root):

@@ -189,6 +189,8 @@ def _same_steps(x):
     got.append(np.asarray(x.allgatherv(np.arange(6, dtype=np.int32), [2, 5])).tolist())
     v = np.arange(9, dtype=np.float32)
     got.append(np.asarray(x.sum_identical(v)).tolist())
+    s = np.arange(-4, 5, dtype=np.float32)
+    got.append(np.nan_to_num(np.asarray(x.sum_signs(s)), nan=9.0).tolist())   # the double's codes may say NaN
     b = np.zeros(5, np.float64)
     got.append(np.asarray(x.bcast_from(b, 1)).tolist())
     got.append(np.asarray(x.bcast_from(np.arange(3.0), 0)).tolist())
@@ -221,7 +223,7 @@ def test_single_rank_copies_locally():
 
 
 #: the members DeviceExchange defines itself: the array methods, each around ``super()``'s
-OVERRIDES = {"allgatherv", "allgather_indices", "sum_identical", "mean_wire", "bcast_from"}
+OVERRIDES = {"allgatherv", "allgather_indices", "sum_identical", "sum_signs", "mean_wire", "bcast_from"}
 
 
 def test_both_exchanges_satisfy_the_protocol():

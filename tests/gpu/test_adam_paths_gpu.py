@@ -59,3 +59,24 @@ def test_cuda_adam_path_ranks_identical_and_resume_bit_exact(mode):
     cuda_steps(model, opt, 3, 6)
     mpi_assert(np.array_equal(straight.view(np.uint32), _flat(model).view(np.uint32)),
                f"adam={mode!r}: the resumed run differs from the straight one")
+
+
+def test_cuda_demo_signs_change_no_bit():
+    """``adam="demo"`` gathers signs by default (``output="sign"``, staged through the host on a
+    device): the same parameters as ``output="mean"``, to the bit, with fewer bytes."""
+    comm = MPI.COMM_WORLD
+    runs = []
+    for kw in ({}, {"output": "mean"}):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.Tanh(), torch.nn.Linear(256, 10)).cuda()
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+        opt = DistributedOptimizer(inner, model, sparsifier="exdyna", density=0.05, **kw)
+        sent = 0
+        for s in range(5):
+            cuda_steps(model, opt, s, s + 1)
+            sent += opt.stats.bytes_sent
+        runs.append((opt.sparsifier.output, _flat(model), sent))
+    (o1, t1, b1), (o2, t2, b2) = runs
+    mpi_assert(o1 == "sign" and o2 == "mean", f"outputs {o1}, {o2}")
+    mpi_assert(np.array_equal(t1.view(np.uint32), t2.view(np.uint32)), "signs changed the parameters")
+    mpi_assert(b1 < b2 if comm.Get_size() > 1 else b1 == b2, f"bytes: signs {b1}, means {b2}")

@@ -37,6 +37,7 @@ class UnionSparsifier(DeadlineOption, Sparsifier):
     """Base of the union-exchange methods; subclasses implement ``_threshold(acc)``."""
 
     WIRE_HALF = True
+    SIGN_OUTPUT = True
 
     def __init__(self, numel, density, comm=None, **kw):
         super().__init__(numel, density, comm, **kw)
