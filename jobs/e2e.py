@@ -73,10 +73,12 @@ Methods (``--methods``, run one after another in one launch, ``ddp`` first and, 
   ``exdyna-demo``: ``adam="demo"`` (DeMo's decoupled momentum: the residual as the momentum, decayed
   by beta1 = 0.9, ``lr * sign`` of the average applied); ``exdyna-demo99``/``-demo999``: the same with
   beta1 = 0.99/0.999; ``exdyna-demo999-ov``: ``-demo999`` with ``overlap=True`` (each exchange on a
-  worker thread while the next gradient is computed, its update applied one step late); all eight
-  with ``--optimizer adamw`` only. ``exdyna`` is the library's default, which for AdamW is
-  ``adam="demo"`` since 2026-11-28 (``adam="live"`` before: records of ``exdyna`` on the LM made
-  earlier measured that); ``exdyna-live``: ``adam="live"`` by name.
+  worker thread while the next gradient is computed, its update applied one step late);
+  ``exdyna-demo999-mean``: ``-demo999`` gathering the 32-bit means rather than their signs
+  (``output="mean"``: the same losses, more bytes); all nine with ``--optimizer adamw`` only.
+  ``exdyna`` is the library's default, which for AdamW is ``adam="demo"`` since 2026-11-28
+  (``adam="live"`` before: records of ``exdyna`` on the LM made earlier measured that);
+  ``exdyna-live``: ``adam="live"`` by name.
 - ``ddp-exdyna``: DDP (default buckets) with the library's hook, ``exdyna_hook`` and
   ``ExDynaHookState("exdyna", density, optimizer=opt)``: one sparsifier over the whole model, exchanged
   on the hook's worker thread once the last bucket is ready, inside the same training recipe as
@@ -134,7 +136,8 @@ ALL_METHODS = DEFAULT_METHODS + ("dense", "ddp-exdyna", "topk", "oktopk", "micro
                                  "exdyna-adam", "exdyna-adam-g", "exdyna-adam-u", "dense-adam-u", "diloco-exdyna-h16",
                                  "diloco-exdyna-h64", "diloco-exdyna-bf16-h16", "diloco-dense-h16", "sloco-h16",
                                  "sloco-ef-h16", "sloco-h64", "sloco-bf16-h16", "exdyna-demo", "exdyna-demo99",
-                                 "exdyna-demo999", "ddp-exdyna-demo999", "exdyna-demo999-ov", "exdyna-live")
+                                 "exdyna-demo999", "ddp-exdyna-demo999", "exdyna-demo999-ov", "exdyna-demo999-mean",
+                                 "exdyna-live")
 DDP_METHODS = ("ddp", "ddp-bv", "ddp-accum", "ddp-powersgd", "ddp-bf16")
 #: DiLoCo (Douillard et al. 2023; torchft): H local steps of the inner optimiser, then the averaged
 #: parameter delta applied by an outer Nesterov SGD (lr 0.7, momentum 0.9, the paper's values)
@@ -194,14 +197,18 @@ LIBRARY = {"dense": ("dense", {}), "exdyna": ("exdyna", {}), "topk": ("topk", {}
            "exdyna-demo": ("exdyna", {"adam": "demo"}), "exdyna-demo99": ("exdyna", {"adam": "demo"}),
            "exdyna-demo999": ("exdyna", {"adam": "demo"}),
            "exdyna-demo999-ov": ("exdyna", {"adam": "demo", "overlap": True}),
+           "exdyna-demo999-mean": ("exdyna", {"adam": "demo", "output": "mean"}),
            "exdyna-live": ("exdyna", {"adam": "live"})}
+#: methods whose arithmetic is another's to the bit, so they take its tuned rate: DDP's bucket views change
+#: memory, and ``output="mean"`` gathers the means where ``"demo"``'s default gathers their signs (bytes)
+SAME_ARITHMETIC = {"ddp-bv": "ddp", "exdyna-demo999-mean": "exdyna-demo999"}
 #: DeMo's momentum decay where it is not AdamW's beta1 of 0.9 (``adam="demo"`` reads it from ``betas[0]``)
 DEMO_MOMENTUM = {"exdyna-demo99": 0.99, "exdyna-demo999": 0.999, "ddp-exdyna-demo999": 0.999,
-                 "exdyna-demo999-ov": 0.999}
+                 "exdyna-demo999-ov": 0.999, "exdyna-demo999-mean": 0.999}
 #: Adam's own paths (``DistributedOptimizer(adam=...)``): the update exchanged, the variance frozen, DeMo's
 #: decoupled momentum (the residual as momentum, sign of the average applied); AdamW only
 ADAM_ONLY = ("exdyna-adam", "exdyna-adam-g", "exdyna-adam-u", "dense-adam-u", "exdyna-demo", "exdyna-demo99",
-             "exdyna-demo999", "ddp-exdyna-demo999", "exdyna-demo999-ov")
+             "exdyna-demo999", "ddp-exdyna-demo999", "exdyna-demo999-ov", "exdyna-demo999-mean")
 #: the training recipe's options, set from the run's arguments in _build: momentum correction with the
 #: run's momentum (the wrapped SGD then runs without it); DGC's density warm-up, 25 %, 6.25 %, 1.5625 %,
 #: each stage an eighth of the step budget (an epoch of the CNN's)
@@ -924,11 +931,15 @@ def parse_args(argv=None):
             ap.error(f"--tuned {path} chose {m}'s rate at {steps} batches; it runs {budget} here: tune it at "
                      f"that budget")
     if args.tuned:
-        untuned = [m for m in args.methods if m not in args.lr_of and not (m == "ddp-bv" and "ddp" in args.lr_of)]
+        for m, twin in SAME_ARITHMETIC.items():
+            if twin not in args.lr_of:
+                continue
+            if m in args.methods and args.steps_of.get(m, args.steps) != args.steps_of.get(twin, args.steps):
+                ap.error(f"{m} takes {twin}'s tuned rate: give both the same budget (--steps-of)")
+            args.lr_of.setdefault(m, args.lr_of[twin])
+        untuned = [m for m in args.methods if m not in args.lr_of]
         if untuned:
             ap.error(f"--tuned {', '.join(args.tuned)} has no learning rate for {untuned}: tune them first")
-        if "ddp" in args.lr_of:                  # gradient_as_bucket_view changes memory, not arithmetic
-            args.lr_of.setdefault("ddp-bv", args.lr_of["ddp"])
     return args
 
 

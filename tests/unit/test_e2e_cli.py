@@ -218,12 +218,13 @@ def test_adam_paths_train_with_adamw(tmp_path):
     trains, every rank holds the same parameters, and the paths differ from each other and from
     ``adam="live"``; the library's default for AdamW (``exdyna``) is ``adam="demo"`` at AdamW's
     ``betas[0]`` (``exdyna-demo``), to the bit; the DDP hook gives ``DistributedOptimizer``'s losses,
-    by default (``ddp-exdyna``, clipping inside) and with ``adam="demo"`` named; an Adam path under SGD
-    is refused."""
+    by default (``ddp-exdyna``, clipping inside) and with ``adam="demo"`` named; ``"demo"``
+    gathering its means (``exdyna-demo999-mean``) trains to the same bits with more bytes; an Adam
+    path under SGD is refused."""
     recs = e2e(tmp_path, "--optimizer", "adamw", "--lr", "2e-3", "--steps", "4", "--max-steps", "4",
                "--eval-every", "4", "--warmup", "1", "--density", "0.05",
                "--methods", "ddp,exdyna,exdyna-live,exdyna-adam-u,exdyna-demo,exdyna-demo999,ddp-exdyna-demo999,"
-               "ddp-exdyna")
+               "ddp-exdyna,exdyna-demo999-mean")
     runs = {r["method"]: r for r in recs if r["kind"] == "run"}
     finals = set()
     for m in ("exdyna-live", "exdyna-adam-u", "exdyna-demo", "exdyna-demo999"):
@@ -237,5 +238,8 @@ def test_adam_paths_train_with_adamw(tmp_path):
     assert [e[2] for e in runs["ddp-exdyna-demo999"]["evals"]] == [e[2] for e in runs["exdyna-demo999"]["evals"]]
     assert runs["ddp-exdyna"]["params_identical"]
     assert [e[2] for e in runs["ddp-exdyna"]["evals"]] == [e[2] for e in runs["exdyna"]["evals"]]
+    mean, signs = runs["exdyna-demo999-mean"], runs["exdyna-demo999"]
+    assert [e[2] for e in mean["evals"]] == [e[2] for e in signs["evals"]]
+    assert mean["bytes_per_step"] > 1.3 * signs["bytes_per_step"], (mean["bytes_per_step"], signs["bytes_per_step"])
     with pytest.raises(AssertionError, match="are Adam paths"):
         e2e(tmp_path / "sgd", *SGD, "--steps", "2", "--methods", "ddp,exdyna-demo")
