@@ -75,7 +75,9 @@ Methods (``--methods``, run one after another in one launch, ``ddp`` first and, 
   beta1 = 0.99/0.999; ``exdyna-demo999-ov``: ``-demo999`` with ``overlap=True`` (each exchange on a
   worker thread while the next gradient is computed, its update applied one step late);
   ``exdyna-demo999-mean``: ``-demo999`` gathering the 32-bit means rather than their signs
-  (``output="mean"``: the same losses, more bytes); all nine with ``--optimizer adamw`` only.
+  (``output="mean"``: the same losses, more bytes); ``exdyna-demo999-bf16``: ``-demo999`` with
+  its values summed in bfloat16 (``wire_dtype="bfloat16"``, the rounding kept in the momentum; signs
+  gathered as by default); all ten with ``--optimizer adamw`` only.
   ``exdyna`` is the library's default, which for AdamW is ``adam="demo"`` since 2026-11-28
   (``adam="live"`` before: records of ``exdyna`` on the LM made earlier measured that);
   ``exdyna-live``: ``adam="live"`` by name.
@@ -137,7 +139,7 @@ ALL_METHODS = DEFAULT_METHODS + ("dense", "ddp-exdyna", "topk", "oktopk", "micro
                                  "diloco-exdyna-h64", "diloco-exdyna-bf16-h16", "diloco-dense-h16", "sloco-h16",
                                  "sloco-ef-h16", "sloco-h64", "sloco-bf16-h16", "exdyna-demo", "exdyna-demo99",
                                  "exdyna-demo999", "ddp-exdyna-demo999", "exdyna-demo999-ov", "exdyna-demo999-mean",
-                                 "exdyna-live")
+                                 "exdyna-demo999-bf16", "exdyna-live")
 DDP_METHODS = ("ddp", "ddp-bv", "ddp-accum", "ddp-powersgd", "ddp-bf16")
 #: DiLoCo (Douillard et al. 2023; torchft): H local steps of the inner optimiser, then the averaged
 #: parameter delta applied by an outer Nesterov SGD (lr 0.7, momentum 0.9, the paper's values)
@@ -198,17 +200,19 @@ LIBRARY = {"dense": ("dense", {}), "exdyna": ("exdyna", {}), "topk": ("topk", {}
            "exdyna-demo999": ("exdyna", {"adam": "demo"}),
            "exdyna-demo999-ov": ("exdyna", {"adam": "demo", "overlap": True}),
            "exdyna-demo999-mean": ("exdyna", {"adam": "demo", "output": "mean"}),
+           "exdyna-demo999-bf16": ("exdyna", {"adam": "demo", "wire_dtype": "bfloat16"}),
            "exdyna-live": ("exdyna", {"adam": "live"})}
 #: methods whose arithmetic is another's to the bit, so they take its tuned rate: DDP's bucket views change
 #: memory, and ``output="mean"`` gathers the means where ``"demo"``'s default gathers their signs (bytes)
 SAME_ARITHMETIC = {"ddp-bv": "ddp", "exdyna-demo999-mean": "exdyna-demo999"}
 #: DeMo's momentum decay where it is not AdamW's beta1 of 0.9 (``adam="demo"`` reads it from ``betas[0]``)
 DEMO_MOMENTUM = {"exdyna-demo99": 0.99, "exdyna-demo999": 0.999, "ddp-exdyna-demo999": 0.999,
-                 "exdyna-demo999-ov": 0.999, "exdyna-demo999-mean": 0.999}
+                 "exdyna-demo999-ov": 0.999, "exdyna-demo999-mean": 0.999, "exdyna-demo999-bf16": 0.999}
 #: Adam's own paths (``DistributedOptimizer(adam=...)``): the update exchanged, the variance frozen, DeMo's
 #: decoupled momentum (the residual as momentum, sign of the average applied); AdamW only
 ADAM_ONLY = ("exdyna-adam", "exdyna-adam-g", "exdyna-adam-u", "dense-adam-u", "exdyna-demo", "exdyna-demo99",
-             "exdyna-demo999", "ddp-exdyna-demo999", "exdyna-demo999-ov", "exdyna-demo999-mean")
+             "exdyna-demo999", "ddp-exdyna-demo999", "exdyna-demo999-ov", "exdyna-demo999-mean",
+             "exdyna-demo999-bf16")
 #: the training recipe's options, set from the run's arguments in _build: momentum correction with the
 #: run's momentum (the wrapped SGD then runs without it); DGC's density warm-up, 25 %, 6.25 %, 1.5625 %,
 #: each stage an eighth of the step budget (an epoch of the CNN's)
