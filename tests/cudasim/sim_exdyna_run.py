@@ -19,7 +19,7 @@ def run(comm, steps=4, n=1500, seed=11, **opts):
     """True when the device path (staged and direct) matched the CPU bit for bit on every rank.
     ``opts``: more ExDyna options (``max_imbalance``: rank r's gradient is then 1 + r times larger,
     so that the quotas move selections; ``wire_dtype``: 16-bit values, the device's kernels or,
-    staged, the host's)."""
+    staged, the host's; ``output="sign"``: the signs' codes, staged through the host on both paths)."""
     rank = comm.Get_rank()
     kw = dict(n_blocks=16, block_align=32, **opts)
     scale = np.float32(1 + rank if "max_imbalance" in opts else 1)
@@ -51,7 +51,8 @@ def run(comm, steps=4, n=1500, seed=11, **opts):
 if __name__ == "__main__":
     with np.errstate(invalid="ignore"):
         good = (run(MPI.COMM_WORLD) and run(MPI.COMM_WORLD, max_imbalance=0.0)
-                and run(MPI.COMM_WORLD, wire_dtype="bfloat16") and run(MPI.COMM_WORLD, wire_dtype="float16"))
+                and run(MPI.COMM_WORLD, wire_dtype="bfloat16") and run(MPI.COMM_WORLD, wire_dtype="float16")
+                and run(MPI.COMM_WORLD, output="sign") and run(MPI.COMM_WORLD, output="sign", wire_dtype="bfloat16"))
     if MPI.COMM_WORLD.Get_rank() == 0:
         print("SIM-EXDYNA", "OK" if good else "MISMATCH", "P =", MPI.COMM_WORLD.Get_size())
     sys.exit(0 if good else 1)

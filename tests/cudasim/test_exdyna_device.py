@@ -81,7 +81,7 @@ def test_nonfinite_refused_state_untouched(policy):
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="no mpiexec")
 def test_two_ranks_under_mpiexec():
     """The simulated device path at P=2 (staged and direct) equals the CPU path on both ranks, also
-    with per-rank quotas (``max_imbalance``) moving selections."""
+    with per-rank quotas (``max_imbalance``) moving selections, 16-bit values and ``output="sign"``."""
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", MPIR_CVAR_CH4_PROGRESS_THROTTLE="1",
                MPIR_CVAR_CH4_PROGRESS_THROTTLE_NO_PROGRESS_COUNT="16")
     cmd = ["timeout", "300", "mpiexec", "-n", "2", sys.executable,
@@ -104,3 +104,14 @@ def test_deadline_mode_on_the_device_matches_cpu_exact():
         step_both(ref, dev2, g, step)
         assert dev2.stats.deadline["deferred"] == 0.0
     dev2.close()
+
+
+@pytest.mark.parametrize("aware", [False, True], ids=["staged", "direct"])
+def test_sign_output_p1_matches_cpu(aware):
+    n = 2000
+    ref, dev = _pair(exdyna_mpi.ExDyna, n, 0.02, aware, n_blocks=16, block_align=32, output="sign")
+    rng = np.random.default_rng(6)
+    for step in range(4):
+        g = (rng.standard_normal(n) * 0.04).astype(np.float32)
+        _, got = step_both(ref, dev, g, step)
+        assert np.isin(np.asarray(got), (-1.0, 0.0, 1.0)).all() and np.asarray(got).any()
