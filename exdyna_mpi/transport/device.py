@@ -247,23 +247,21 @@ class DeviceExchange(Exchange):
         if self.cuda_aware:
             ops.synchronize()
             return self._sum_direct(vals)
-        hv = self._buffer("vals", n, vals.dtype)
-        _to_host_async(vals, hv)
-        ops.synchronize()
-        super().sum_identical(hv)
-        _to_device_async(hv, vals)
-        return vals
+        return self._staged_in_place(vals, super().sum_identical)
 
     def sum_signs(self, vals):
         """``Exchange.sum_signs`` on a device buffer, staged through pinned host memory on both
         paths (the codes are packed by host code, as ``allgather_indices``' forms are): O(k) values
         there and back, never the gradient."""
-        n = vals.shape[0]
-        ops = CudaOps
-        hv = self._buffer("vals", n, vals.dtype)
+        return self._staged_in_place(vals, super().sum_signs)
+
+    def _staged_in_place(self, vals, host_call):
+        """``host_call`` (an ``Exchange`` method that works in place) on a pinned host copy of the
+        device buffer ``vals``, whose result is copied back into ``vals``."""
+        hv = self._buffer("vals", vals.shape[0], vals.dtype)
         _to_host_async(vals, hv)
-        ops.synchronize()
-        super().sum_signs(hv)
+        CudaOps.synchronize()
+        host_call(hv)
         _to_device_async(hv, vals)
         return vals
 
