@@ -290,7 +290,7 @@ class Exchange:
     def _gather_signs(self, mine, counts, displs, table, out):
         """Every rank's share's sign codes (``mine``: this rank's share of ``counts``), decoded
         through ``table`` into ``out`` at the shares' ``displs``: one ``Allgatherv`` of packed codes."""
-        nbytes = (counts + 3) // 4
+        nbytes = _signs.packed_size(counts)
         bdispls = np.zeros(self.size, dtype=np.int64)
         np.cumsum(nbytes[:-1], out=bdispls[1:])
         recv = np.empty(int(nbytes.sum()), dtype=np.uint8)

@@ -13,12 +13,12 @@ import numpy as np
 _SHIFTS = np.array([0, 2, 4, 6], dtype=np.uint8)
 
 
-def packed_size(n: int) -> int:
-    """Bytes that ``n`` codes take."""
-    return (int(n) + 3) // 4
+def packed_size(n):
+    """Bytes that ``n`` codes take (an int, or an integer array of counts)."""
+    return (n + 3) // 4
 
 
-def encode(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+def encode(x: np.ndarray) -> np.ndarray:
     """The 2-bit sign codes of the float array ``x``, packed four to a byte (``packed_size(len(x))``
     uint8; the unused codes of the last byte are 0)."""
     n = x.shape[0]
@@ -27,11 +27,7 @@ def encode(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     c[x > 0] = 1
     c[x < 0] = 2
     c[np.isnan(x)] = 3
-    quads = codes.reshape(-1, 4) << _SHIFTS
-    if out is None:
-        out = np.empty(quads.shape[0], dtype=np.uint8)
-    np.bitwise_or.reduce(quads, axis=1, out=out)
-    return out
+    return np.bitwise_or.reduce(codes.reshape(-1, 4) << _SHIFTS, axis=1)
 
 
 def decode(packed: np.ndarray, n: int, table: np.ndarray, out: np.ndarray) -> np.ndarray:
