@@ -77,9 +77,12 @@ Methods (``--methods``, run one after another in one launch, ``ddp`` first and, 
   ``exdyna-demo999-mean``: ``-demo999`` gathering the 32-bit means rather than their signs
   (``output="mean"``: the same losses, more bytes); ``exdyna-demo999-bf16``: ``-demo999`` with
   its values summed in bfloat16 (``wire_dtype="bfloat16"``, the rounding kept in the momentum; signs
-  gathered as by default); all ten with ``--optimizer adamw`` only.
-  ``exdyna`` is the library's default, which for AdamW is ``adam="demo"`` since 2026-11-28
-  (``adam="live"`` before: records of ``exdyna`` on the LM made earlier measured that);
+  gathered as by default); ``exdyna-demoage``/``-demoage999``: ``adam="demo-age"`` at beta1 = 0.9/0.999
+  (each sign scaled by the root of the steps since the coordinate last moved), ``exdyna-demoage999-bf16``
+  the same with bfloat16 values; all thirteen with ``--optimizer adamw`` only.
+  ``exdyna`` is the library's default, which for AdamW is ``adam="demo-age"`` since 2026-11-29
+  (``adam="demo"`` from 2026-11-28, ``adam="live"`` before: records of ``exdyna`` on the LM made
+  earlier measured those);
   ``exdyna-live``: ``adam="live"`` by name.
 - ``ddp-exdyna``: DDP (default buckets) with the library's hook, ``exdyna_hook`` and
   ``ExDynaHookState("exdyna", density, optimizer=opt)``: one sparsifier over the whole model, exchanged
@@ -139,7 +142,8 @@ ALL_METHODS = DEFAULT_METHODS + ("dense", "ddp-exdyna", "topk", "oktopk", "micro
                                  "diloco-exdyna-h64", "diloco-exdyna-bf16-h16", "diloco-dense-h16", "sloco-h16",
                                  "sloco-ef-h16", "sloco-h64", "sloco-bf16-h16", "exdyna-demo", "exdyna-demo99",
                                  "exdyna-demo999", "ddp-exdyna-demo999", "exdyna-demo999-ov", "exdyna-demo999-mean",
-                                 "exdyna-demo999-bf16", "exdyna-live")
+                                 "exdyna-demo999-bf16", "exdyna-live", "exdyna-demoage",
+                                 "exdyna-demoage999", "exdyna-demoage999-bf16")
 DDP_METHODS = ("ddp", "ddp-bv", "ddp-accum", "ddp-powersgd", "ddp-bf16")
 #: DiLoCo (Douillard et al. 2023; torchft): H local steps of the inner optimiser, then the averaged
 #: parameter delta applied by an outer Nesterov SGD (lr 0.7, momentum 0.9, the paper's values)
@@ -201,18 +205,21 @@ LIBRARY = {"dense": ("dense", {}), "exdyna": ("exdyna", {}), "topk": ("topk", {}
            "exdyna-demo999-ov": ("exdyna", {"adam": "demo", "overlap": True}),
            "exdyna-demo999-mean": ("exdyna", {"adam": "demo", "output": "mean"}),
            "exdyna-demo999-bf16": ("exdyna", {"adam": "demo", "wire_dtype": "bfloat16"}),
-           "exdyna-live": ("exdyna", {"adam": "live"})}
+           "exdyna-live": ("exdyna", {"adam": "live"}),
+           "exdyna-demoage": ("exdyna", {"adam": "demo-age"}), "exdyna-demoage999": ("exdyna", {"adam": "demo-age"}),
+           "exdyna-demoage999-bf16": ("exdyna", {"adam": "demo-age", "wire_dtype": "bfloat16"})}
 #: methods whose arithmetic is another's to the bit, so they take its tuned rate: DDP's bucket views change
 #: memory, and ``output="mean"`` gathers the means where ``"demo"``'s default gathers their signs (bytes)
 SAME_ARITHMETIC = {"ddp-bv": "ddp", "exdyna-demo999-mean": "exdyna-demo999"}
 #: DeMo's momentum decay where it is not AdamW's beta1 of 0.9 (``adam="demo"`` reads it from ``betas[0]``)
 DEMO_MOMENTUM = {"exdyna-demo99": 0.99, "exdyna-demo999": 0.999, "ddp-exdyna-demo999": 0.999,
-                 "exdyna-demo999-ov": 0.999, "exdyna-demo999-mean": 0.999, "exdyna-demo999-bf16": 0.999}
+                 "exdyna-demo999-ov": 0.999, "exdyna-demo999-mean": 0.999, "exdyna-demo999-bf16": 0.999,
+                 "exdyna-demoage999": 0.999, "exdyna-demoage999-bf16": 0.999}
 #: Adam's own paths (``DistributedOptimizer(adam=...)``): the update exchanged, the variance frozen, DeMo's
 #: decoupled momentum (the residual as momentum, sign of the average applied); AdamW only
 ADAM_ONLY = ("exdyna-adam", "exdyna-adam-g", "exdyna-adam-u", "dense-adam-u", "exdyna-demo", "exdyna-demo99",
              "exdyna-demo999", "ddp-exdyna-demo999", "exdyna-demo999-ov", "exdyna-demo999-mean",
-             "exdyna-demo999-bf16")
+             "exdyna-demo999-bf16", "exdyna-demoage", "exdyna-demoage999", "exdyna-demoage999-bf16")
 #: the training recipe's options, set from the run's arguments in _build: momentum correction with the
 #: run's momentum (the wrapped SGD then runs without it); DGC's density warm-up, 25 %, 6.25 %, 1.5625 %,
 #: each stage an eighth of the step budget (an epoch of the CNN's)
@@ -1155,7 +1162,7 @@ bash jobs/run_e2e.sh --workload cnn --rate 20 --tuned out/cnn_tune/tuned.json --
   torchft; the global parameters are evaluated). `exdyna` is `DistributedOptimizer(AdamW,
   sparsifier="exdyna", density=0.01)` (for the CNN, `SGD`) with the library's defaults for that
   optimiser: with momentum SGD, momentum correction and quotas; with AdamW, in the LM rows here,
-  `adam="live"` (the default until 2026-11-28, now `"demo"`).
+  `adam="live"` (the default until 2026-11-28, then `"demo"`, since 2026-11-29 `"demo-age"`).
 - **Measured, not composed.** Every time to target is a full run at the rate shown; each launch
   runs DDP first and last (`ddp (again)`), ratios are taken within a launch against the mean of the
   two, and every run records `compute_s` (a step without communication, measured just before it) so

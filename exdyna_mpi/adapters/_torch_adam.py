@@ -65,7 +65,7 @@ if TYPE_CHECKING:
     import torch
 
 ADAM_KEY = "exdyna_adam"
-MODES = ("live", "update", "frozen", "frozen-gradient", "demo")
+MODES = ("live", "update", "frozen", "frozen-gradient", "demo", "demo-age")
 #: what the entry points' ``adam=`` accepts: the paths, and ``"auto"`` (see ``make_adam_path``)
 CHOICES = ("auto",) + MODES
 
@@ -95,22 +95,24 @@ def make_adam_path(optimizer, params, mode: str, who: str = "DistributedOptimize
     messages) runs: None for ``"live"`` (the wrapped optimizer steps on the exchanged gradient), else
     ``LocalUpdateAdam``, ``DecoupledMomentum`` or ``FrozenVarianceAdam``.
 
-    ``"auto"`` (``DistributedOptimizer``'s default) is ``"demo"`` where it runs and was measured to
-    win, a ``torch.optim.Adam``/``AdamW`` with ``sparsifier="exdyna"``, and ``"live"`` elsewhere:
-    for other optimizers and sparsifiers, and where ``DecoupledMomentum`` refuses the optimizer
+    ``"auto"`` (``DistributedOptimizer``'s default) is ``"demo-age"`` where it runs and was measured
+    to win, a ``torch.optim.Adam``/``AdamW`` with ``sparsifier="exdyna"``, and ``"live"`` elsewhere:
+    for other optimizers and sparsifiers, and where ``AgedDecoupledMomentum`` refuses the optimizer
     (``amsgrad``, ``maximize``, complex parameters, more than one ``betas[0]`` or one outside
     ``[0, 1)``)."""
     if mode == "auto":
         if not is_adam(optimizer) or sparsifier != "exdyna":
             return None
         try:
-            return DecoupledMomentum(optimizer, params, who)
+            return AgedDecoupledMomentum(optimizer, params, who)
         except ValueError:   # its refusals are the cases "auto" leaves to "live"
             return None
     if mode == "live":
         return None
     if mode == "demo":
         return DecoupledMomentum(optimizer, params, who)
+    if mode == "demo-age":
+        return AgedDecoupledMomentum(optimizer, params, who)
     if mode == "update":
         return LocalUpdateAdam(optimizer, params, mode, who)
     return FrozenVarianceAdam(optimizer, params, mode, who)
@@ -334,15 +336,15 @@ class DecoupledMomentum(AdamPath):
     exchange (``nonfinite="skip"``) changes nothing, the decay included.
     """
 
-    def __init__(self, optimizer, params, who: str = "DistributedOptimizer") -> None:
-        super().__init__(optimizer, params, "demo", who)
+    def __init__(self, optimizer, params, who: str = "DistributedOptimizer", mode: str = "demo") -> None:
+        super().__init__(optimizer, params, mode, who)
         betas = {float(g["betas"][0]) for g in optimizer.param_groups}
         if len(betas) != 1:
-            raise ValueError(f"{self.who}: adam='demo' needs one betas[0] for every param group, "
+            raise ValueError(f"{self.who}: adam={self.mode!r} needs one betas[0] for every param group, "
                              f"got {sorted(betas)}")
         self.residual_decay = betas.pop()
         if not 0.0 <= self.residual_decay < 1.0:
-            raise ValueError(f"{self.who}: adam='demo' needs 0 <= betas[0] < 1, got {self.residual_decay}")
+            raise ValueError(f"{self.who}: adam={self.mode!r} needs 0 <= betas[0] < 1, got {self.residual_decay}")
         self.step = 0
 
     @property
@@ -384,6 +386,73 @@ class DecoupledMomentum(AdamPath):
     def load_state_dict(self, d: dict[str, Any]) -> None:
         """Load a dict that ``check`` accepted."""
         self.step = int(d["step"])
+
+
+class AgedDecoupledMomentum(DecoupledMomentum):
+    """``adam="demo-age"``: ``"demo"`` with each sign scaled by the root of the coordinate's wait.
+
+    Everything is ``DecoupledMomentum``'s (the momentum in the sparsifier's residual, ExDyna's
+    selection, the signs gathered) except the step: a coordinate whose exchanged sign is not zero
+    moves by ``lr * sqrt(a) * sign(q_avg)``, where ``a`` is the number of steps since it last moved
+    (since the start for its first move). ``"demo"`` moves it by ``lr`` however long it waited.
+
+    Why: at density ``d`` a coordinate moves about once in ``1/d`` steps, the largest ones every
+    step. Under ``"demo"`` the rarely sent ones (small gradients, noisy ones) then move ``d`` times
+    as far per step as the often sent ones, where Adam's normalisation would put them on one scale.
+    Over ``a`` steps Adam moves a coordinate with a steady sign about ``a`` rates and one of pure
+    noise about ``sqrt(a)`` (a random walk); ``sqrt(a)`` is the scale that does not amplify noise,
+    and a coordinate sent every step moves exactly as under ``"demo"``.
+
+    State: the step at which each coordinate last moved (int32, 4 bytes a parameter, the same on
+    every rank: it follows the exchanged average), in ``"exdyna_adam"`` with the step count.
+    """
+
+    def __init__(self, optimizer, params, who: str = "DistributedOptimizer") -> None:
+        super().__init__(optimizer, params, who, mode="demo-age")
+        self.moved: torch.Tensor | None = None   # flat int32: the step of each coordinate's last move (0: never)
+
+    def place(self, device) -> None:
+        if self.moved is not None and self.moved.device != device:   # loaded from a host copy
+            self.moved = self.moved.to(device)
+
+    def prepare(self, optimizer, flat, dense: bool) -> None:
+        self.place(flat.device)
+        super().prepare(optimizer, flat, dense)
+
+    def update(self, flat, skipped: bool) -> None:
+        torch = _torch()
+        if skipped:
+            return
+        if self.moved is None:
+            self.moved = torch.zeros(self.numel, dtype=torch.int32, device=flat.device)
+        self.step += 1
+        with torch.no_grad():
+            moves = flat != 0
+            # the wait in float32 (exact below 2**24 steps), its root correctly rounded on every rank
+            u = torch.sign(flat).to(torch.float32).mul_((self.step - self.moved).to(torch.float32).sqrt_())
+            self.moved.masked_fill_(moves, self.step)
+        self._descend(u)
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(super().state_dict(), moved=None if self.moved is None else self.moved.clone())
+
+    def check(self, d: dict[str, Any]) -> None:
+        """``DecoupledMomentum.check``, and ``moved``: None, or ``numel`` int32 steps in ``[0, step]``."""
+        super().check(d)
+        torch = _torch()
+        moved = d.get("moved")
+        if moved is None:
+            return
+        if not isinstance(moved, torch.Tensor) or moved.dtype != torch.int32 or moved.numel() != self.numel:
+            raise ValueError(f"{self.who}.load_state_dict: exdyna_adam.moved must be {self.numel} int32 steps, got "
+                             f"{getattr(moved, 'numel', lambda: None)()} of {getattr(moved, 'dtype', type(moved))}")
+        if moved.numel() and (int(moved.min()) < 0 or int(moved.max()) > int(d["step"])):
+            raise ValueError(f"{self.who}.load_state_dict: exdyna_adam.moved holds steps outside [0, {int(d['step'])}]")
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        super().load_state_dict(d)
+        moved = d.get("moved")
+        self.moved = None if moved is None else moved.detach().clone()
 
 
 class FrozenVarianceAdam(AdamPath):

@@ -112,19 +112,19 @@ class ExDynaHookState:
             optimizer holding exactly DDP's parameters. Without it (the default) the hook is the
             plain sparse average, whatever the optimizer, and the recipe options are refused.
         adam: with ``optimizer=`` a ``torch.optim.Adam``/``AdamW``, ``DistributedOptimizer``'s Adam path, with its
-            default: ``"auto"`` runs ``"demo"`` for Adam/AdamW with ``"exdyna"`` and ``"live"`` (the optimizer steps on
-            the exchanged gradient) otherwise; ``"update"``, ``"demo"``, ``"frozen"``, ``"frozen-gradient"``: see
-            ``DistributedOptimizer``. The paths that apply their own update take over ``optimizer.step()`` through the
-            optimizer's step hooks: ``step()`` applies the exchanged update to every parameter and the optimizer's own
-            step sees no gradient (``.grad`` is back once it returns). Each ``step()`` needs one exchange (one DDP
-            ``backward()`` outside ``no_sync``) since the last, and an exchange refuses to start while the last one's
-            update has not been applied (a state made later with the same optimizer takes its step over: the newest one
-            counts). The path's state (moments, step count) is in ``state_dict()`` under ``"adam"``; with
-            ``adam="demo"`` the momentum is the sparsifier's residual. The update comes from the exchanged vector, not
-            from ``.grad``: clip with ``clip_norm=``. A ``.grad`` edited between ``backward()`` and ``step()`` (a
-            binding ``clip_grad_norm_``, a ``GradScaler``'s unscaling), whose change would be lost, makes ``step()``
-            raise ``CollectiveError`` on every rank with nothing applied; with ``.grad`` put back, ``step()`` applies
-            the update.
+            default: ``"auto"`` runs ``"demo-age"`` for Adam/AdamW with ``"exdyna"`` and ``"live"`` (the optimizer steps
+            on the exchanged gradient) otherwise; ``"update"``, ``"demo"``, ``"demo-age"``, ``"frozen"``,
+            ``"frozen-gradient"``: see ``DistributedOptimizer``. The paths that apply their own update take over
+            ``optimizer.step()`` through the optimizer's step hooks: ``step()`` applies the exchanged update to every
+            parameter and the optimizer's own step sees no gradient (``.grad`` is back once it returns). Each ``step()``
+            needs one exchange (one DDP ``backward()`` outside ``no_sync``) since the last, and an exchange refuses to
+            start while the last one's update has not been applied (a state made later with the same optimizer takes its
+            step over: the newest one counts). The path's state (moments, step count) is in ``state_dict()`` under
+            ``"adam"``; with ``adam="demo"``/``"demo-age"`` the momentum is the sparsifier's residual. The update comes
+            from the exchanged vector, not from ``.grad``: clip with ``clip_norm=``. A ``.grad`` edited between
+            ``backward()`` and ``step()`` (a binding ``clip_grad_norm_``, a ``GradScaler``'s unscaling), whose change
+            would be lost, makes ``step()`` raise ``CollectiveError`` on every rank with nothing applied; with ``.grad``
+            put back, ``step()`` applies the update.
 
     Raises:
         ValueError: a bad option (the same on every rank: nothing collective has run yet).

@@ -401,7 +401,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
     the configured sparsifier; ``opt.stats`` shows the live stage's stats).
 
     ``adam`` (for ``torch.optim.Adam``/``AdamW``; see ``_torch_adam.py``): ``"auto"`` (the default)
-    is ``"demo"`` for an Adam/AdamW with ``sparsifier="exdyna"`` (one ``betas[0]`` over the groups,
+    is ``"demo-age"`` for an Adam/AdamW with ``sparsifier="exdyna"`` (one ``betas[0]`` over the groups,
     no ``amsgrad``/``maximize``) and ``"live"`` otherwise; ``"live"`` exchanges the raw gradient and
     lets the wrapped optimizer update its moments from the sparse average; ``"update"`` runs Adam's
     moments on each rank's own gradient and exchanges the update they give, with error feedback,
@@ -415,6 +415,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
     exchanged average after AdamW's decay (no second moment). ``"demo"`` moves a sent coordinate by
     ``lr``, about what Adam's normalised step moves it: on the LM its best rate was 2x (d = 0.05) to
     4x (d = 0.01) DDP-AdamW's, and ``betas[0]`` of 0.99 or 0.999 suited it better than AdamW's 0.9.
+    ``"demo-age"`` is ``"demo"`` with each sign scaled by ``sqrt(a)``, ``a`` the steps since the
+    coordinate last moved: a coordinate sent once in ``a`` steps moves about as far as a random walk
+    of ``a`` of Adam's steps, not ``a`` times less than one sent every step. On the LM its best rate
+    was DDP-AdamW's own, and at DDP's budget it reached DDP's loss (docs/training.md).
 
     ``overlap=True`` (see ``_torch_overlap.py``): ``step()`` hands this step's gradient to a worker
     thread and returns; the exchange runs while the caller computes the next gradient, and the next

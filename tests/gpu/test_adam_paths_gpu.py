@@ -1,10 +1,11 @@
 """GPU lane: ``DistributedOptimizer``'s Adam paths with a CUDA model (the flat gradient and the
 residual on the device).
 
-For ``adam="update"`` and ``adam="demo"`` (the residual as the momentum, scaled on the device after
-each exchange): ranks identical after every step, and a resume from a state dict reaches the
-straight run's bits. Runs where CuPy sees a CUDA device and torch was built with CUDA (the lane
-runs it serially and under ``mpiexec -n 2``).
+For ``adam="update"``, ``adam="demo"`` (the residual as the momentum, scaled on the device after
+each exchange) and ``adam="demo-age"`` (also the steps of the last moves on the device): ranks
+identical after every step, and a resume from a state dict reaches the straight run's bits. Runs
+where CuPy sees a CUDA device and torch was built with CUDA (the lane runs it serially and under
+``mpiexec -n 2``).
 """
 import io
 
@@ -37,7 +38,7 @@ def _flat(model):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu().numpy()
 
 
-@pytest.mark.parametrize("mode", ["update", "demo"])
+@pytest.mark.parametrize("mode", ["update", "demo", "demo-age"])
 def test_cuda_adam_path_ranks_identical_and_resume_bit_exact(mode):
     comm = MPI.COMM_WORLD
     model, opt = _build(mode)

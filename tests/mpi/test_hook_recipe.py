@@ -4,14 +4,14 @@
   ExDyna's quotas), the same with clipping, a dense warm-up and a density warm-up, a bfloat16 model,
   AdamW (no recipe runs; also with bfloat16 values on the wire) and the Adam paths that own the
   step (``adam="update"`` with clipping and on bfloat16, ``"demo"``, also with bfloat16 wire values,
-  ``"frozen"`` after a dense warm-up): after every step, the DDP
+  ``"demo-age"``, also on bfloat16, ``"frozen"`` after a dense warm-up): after every step, the DDP
   model's parameters equal those of the same model trained by ``DistributedOptimizer`` with the same
   options, on every rank, with several DDP buckets and DDP's rebuild after the first iteration;
 - resume through the hook in the middle of the warm-ups: the same bits as the straight run (the
   Adam paths' state included);
 - the Adam paths give ``.grad`` back after ``step()`` and refuse a step without an exchange, an
   exchange before the last update was applied, and a ``.grad`` edited after ``backward()`` (a user's
-  clip: on every rank, nothing applied); ``adam="auto"``, both entry points' default, runs ``"demo"``
+  clip: on every rank, nothing applied); ``adam="auto"``, both entry points' default, runs ``"demo-age"``
   for AdamW through both;
 - refusals: recipe options without ``optimizer=``, ``scope="bucket"`` with it, a dict without the
   recipe's state (or with it, into a state without a recipe), a corrupt velocity on one rank (the
@@ -90,9 +90,13 @@ CASES = {
                    dict(adam="demo")),
     "adamw-demo-wire16": (lambda ps: torch.optim.AdamW(ps, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1), 0.02,
                           dict(adam="demo"), torch.float32, dict(wire_dtype="bfloat16")),
+    "adamw-demo-age": (lambda ps: torch.optim.AdamW(ps, lr=1e-2, betas=(0.99, 0.95), weight_decay=0.1), 0.02,
+                       dict(adam="demo-age")),
+    "adamw-demo-age-bf16": (lambda ps: torch.optim.AdamW(ps, lr=1e-2, betas=(0.99, 0.95), weight_decay=0.1), 0.02,
+                            dict(adam="demo-age"), torch.bfloat16),
     "adam-frozen": (lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=1e-3), 0.02,
                     dict(adam="frozen", warmup_steps=2)),
-    # both entry points' default, adam="auto": "demo" for AdamW with ExDyna
+    # both entry points' default, adam="auto": "demo-age" for AdamW with ExDyna
     "adamw-auto-clip": (lambda ps: torch.optim.AdamW(ps, lr=1e-2, betas=(0.99, 0.95), weight_decay=0.1), 0.02,
                         dict(clip_norm=1.0)),
 }
@@ -160,8 +164,9 @@ def test_hook_with_optimizer_equals_distributed_optimizer(case):
     if case == "sgd-momentum-auto":
         mpi_assert(state.options.get("max_imbalance") == 0.2, f"auto quotas missing: {state.options}")
     if case == "adamw-auto-clip":
-        mpi_assert(state._adam is not None and state._adam.mode == "demo" and wrapped._exdyna_adam.mode == "demo",
-                   "adam='auto' did not run 'demo' through both entry points")
+        mpi_assert(state._adam is not None and state._adam.mode == "demo-age"
+                   and wrapped._exdyna_adam.mode == "demo-age",
+                   "adam='auto' did not run 'demo-age' through both entry points")
 
 
 def _edit_refused(ddp, opt, state, step, edit, who):
@@ -205,7 +210,7 @@ def test_a_grad_edited_after_backward_is_refused_everywhere():
         for s in range(5):
             if s == 1:
                 msg = _edit_refused(ddp, opt, state, s, clip, range(comm.Get_size()))
-                mpi_assert("clip_norm=" in msg and "adam='demo'" in msg and "rank 0" in msg
+                mpi_assert("clip_norm=" in msg and "adam='demo-age'" in msg and "rank 0" in msg
                            and f"rank {last}" in msg, msg)
                 opt.step()   # .grad put back: the pending update applies
             elif s == 3:
@@ -224,7 +229,7 @@ def test_a_grad_edited_after_backward_is_refused_everywhere():
 
 
 @pytest.mark.parametrize("case", ["sgd-clip-warmups", "sgd-bf16", "adamw-wire16", "adamw-update-bf16", "adamw-demo",
-                                  "adam-frozen"])
+                                  "adamw-demo-age-bf16", "adam-frozen"])
 @pytest.mark.parametrize("at", [1, 3, 5])
 def test_resume_through_the_hook_is_bit_exact(case, at):
     """``at`` falls in the dense warm-up (1), the density warm-up (3) and after it (5)."""
@@ -268,7 +273,7 @@ def test_the_hooks_adam_path_owns_the_step_and_gives_the_gradients_back():
     """After ``step()`` every parameter has its ``.grad`` (the exchanged average) again, the wrapped
     AdamW holds no state of its own (its step saw no gradient), and ranks agree."""
     comm = MPI.COMM_WORLD
-    for case in ("adamw-update-clip", "adamw-demo"):
+    for case in ("adamw-update-clip", "adamw-demo", "adamw-demo-age"):
         model = _typed_model(case, 5)
         ddp, opt, state = _hook_run(case, model)
         try:

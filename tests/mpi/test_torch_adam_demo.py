@@ -9,7 +9,8 @@
 - A step skipped everywhere leaves parameters, residual (the decay included) and step count as
   they were; a dict of another ``beta1`` or mode is refused on every rank with the same error;
   param groups with different ``betas[0]`` are refused at construction.
-- The default ``adam="auto"`` runs ``"demo"`` for Adam/AdamW with ExDyna and ``"live"`` for other
+- The default ``adam="auto"`` runs ``"demo-age"`` (``"demo"`` with age-scaled signs,
+  tests/mpi/test_torch_adam_demo_age.py) for Adam/AdamW with ExDyna and ``"live"`` for other
   sparsifiers, optimizers, ``amsgrad`` and mixed ``betas[0]``; the DDP hook's default follows it.
 """
 
@@ -129,7 +130,7 @@ def test_refusals_are_collective_and_change_nothing(wcomm):
         DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, comm=wcomm, adam="demo")
 
 
-def test_auto_runs_demo_for_adam_with_exdyna_and_live_elsewhere(wcomm):
+def test_auto_runs_demo_age_for_adam_with_exdyna_and_live_elsewhere(wcomm):
     from exdyna_mpi.adapters.torch import ExDynaHookState
 
     def mode(make_opt, sparsifier="exdyna", **kw):
@@ -146,8 +147,8 @@ def test_auto_runs_demo_for_adam_with_exdyna_and_live_elsewhere(wcomm):
         return torch.optim.AdamW([{"params": ps[:2], "betas": (0.9, 0.95)}, {"params": ps[2:], "betas": (0.99, 0.95)}])
 
     cases = {
-        "AdamW, exdyna": (mode(adamw), "demo"),
-        "Adam, exdyna": (mode(lambda ps: torch.optim.Adam(ps, lr=LR)), "demo"),
+        "AdamW, exdyna": (mode(adamw), "demo-age"),
+        "Adam, exdyna": (mode(lambda ps: torch.optim.Adam(ps, lr=LR)), "demo-age"),
         "AdamW, topk": (mode(adamw, "topk"), None),
         "AdamW, dense": (mode(adamw, "dense"), None),
         "SGD, exdyna": (mode(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)), None),
@@ -159,6 +160,7 @@ def test_auto_runs_demo_for_adam_with_exdyna_and_live_elsewhere(wcomm):
         mpi_assert(got == want, f"{name}: adam='auto' ran {got!r}, expected {want!r}", wcomm)
     model = _model()
     state = ExDynaHookState("exdyna", 0.05, comm=wcomm, optimizer=adamw(model.parameters()))
-    mpi_assert(state._adam is not None and state._adam.mode == "demo", "the DDP hook's default is not 'demo'", wcomm)
+    mpi_assert(state._adam is not None and state._adam.mode == "demo-age", "the DDP hook's default is not 'demo-age'",
+               wcomm)
     state = ExDynaHookState("topk", 0.05, comm=wcomm, optimizer=adamw(model.parameters()))
-    mpi_assert(state._adam is None, "the DDP hook ran 'demo' for top-k", wcomm)
+    mpi_assert(state._adam is None, "the DDP hook ran an Adam path for top-k", wcomm)

@@ -5,7 +5,7 @@ is computed, and its result is applied one step late.
   given each gradient one step late (at call ``t`` its ``.grad`` is the gradient computed at call
   ``t - 1``, on the parameters of that moment). The overlapped run, flushed, must reach its bits
   on every rank, for the plain sparsifier step, the SGD recipe (clipping, a dense warm-up, momentum
-  correction), AdamW on the sparse average, ``adam="demo"`` and ``adam="frozen"`` (its freeze
+  correction), AdamW on the sparse average, ``adam="demo"``, ``"demo-age"`` and ``adam="frozen"`` (its freeze
   falls between the warm-up's delayed update and the first sparse exchange).
 - A checkpoint taken with an update pending resumes bit-exactly.
 - A refused exchange is raised by the next ``step()`` on every rank with nothing applied, and
@@ -36,6 +36,8 @@ CONFIGS = {
                                   dict(sparsifier="topk", density=0.1)),
     "adamw-demo": lambda m: (torch.optim.AdamW(m.parameters(), lr=1e-2, betas=(0.99, 0.95), weight_decay=0.1),
                              dict(sparsifier="exdyna", density=0.05, adam="demo")),
+    "adamw-demo-age": lambda m: (torch.optim.AdamW(m.parameters(), lr=1e-2, betas=(0.99, 0.95), weight_decay=0.1),
+                                 dict(sparsifier="exdyna", density=0.05, adam="demo-age")),
     "adam-frozen": lambda m: (torch.optim.Adam(m.parameters(), lr=1e-2, weight_decay=0.01),
                               dict(sparsifier="exdyna", density=0.05, adam="frozen", warmup_steps=3)),
 }

@@ -216,23 +216,23 @@ def test_library_diloco_methods_take_outer_steps(tmp_path):
 def test_adam_paths_train_with_adamw(tmp_path):
     """The harness's Adam paths (``DistributedOptimizer(adam=...)``) under the AdamW protocol: each
     trains, every rank holds the same parameters, and the paths differ from each other and from
-    ``adam="live"``; the library's default for AdamW (``exdyna``) is ``adam="demo"`` at AdamW's
-    ``betas[0]`` (``exdyna-demo``), to the bit; the DDP hook gives ``DistributedOptimizer``'s losses,
+    ``adam="live"``; the library's default for AdamW (``exdyna``) is ``adam="demo-age"`` at AdamW's
+    ``betas[0]`` (``exdyna-demoage``), to the bit; the DDP hook gives ``DistributedOptimizer``'s losses,
     by default (``ddp-exdyna``, clipping inside) and with ``adam="demo"`` named; ``"demo"``
     gathering its means (``exdyna-demo999-mean``) trains to the same bits with more bytes; an Adam
     path under SGD is refused."""
     recs = e2e(tmp_path, "--optimizer", "adamw", "--lr", "2e-3", "--steps", "4", "--max-steps", "4",
                "--eval-every", "4", "--warmup", "1", "--density", "0.05",
                "--methods", "ddp,exdyna,exdyna-live,exdyna-adam-u,exdyna-demo,exdyna-demo999,ddp-exdyna-demo999,"
-               "ddp-exdyna,exdyna-demo999-mean")
+               "ddp-exdyna,exdyna-demo999-mean,exdyna-demoage")
     runs = {r["method"]: r for r in recs if r["kind"] == "run"}
     finals = set()
-    for m in ("exdyna-live", "exdyna-adam-u", "exdyna-demo", "exdyna-demo999"):
+    for m in ("exdyna-live", "exdyna-adam-u", "exdyna-demo", "exdyna-demo999", "exdyna-demoage"):
         assert runs[m]["params_identical"] and runs[m]["steps_run"] == 4, m
         assert runs[m]["evals"][-1][2] < runs[m]["evals"][0][2], m
         finals.add(runs[m]["evals"][-1][2])
-    assert len(finals) == 4
-    assert [e[2] for e in runs["exdyna"]["evals"]] == [e[2] for e in runs["exdyna-demo"]["evals"]]
+    assert len(finals) == 5
+    assert [e[2] for e in runs["exdyna"]["evals"]] == [e[2] for e in runs["exdyna-demoage"]["evals"]]
     # the DDP hook's Adam path trains as DistributedOptimizer's: the same losses to the last bit
     assert runs["ddp-exdyna-demo999"]["evals"] and runs["ddp-exdyna-demo999"]["params_identical"]
     assert [e[2] for e in runs["ddp-exdyna-demo999"]["evals"]] == [e[2] for e in runs["exdyna-demo999"]["evals"]]
