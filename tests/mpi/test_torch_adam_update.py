@@ -69,6 +69,19 @@ def _train(model, opt, rank, steps):
         _step(model, opt, *_batch(rank, s))
 
 
+def skipped_step(model, opt, rank, wcomm, s=3):
+    """One ``step()`` whose gradient is NaN on the last rank only (``nonfinite="skip"``): asserts it
+    was skipped on every rank."""
+    opt.zero_grad()
+    x, y = _batch(rank, s)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    if rank == wcomm.Get_size() - 1:
+        with torch.no_grad():
+            next(model.parameters()).grad[0, 0] = float("nan")
+    opt.step()
+    mpi_assert(opt.stats.skipped, "the step was skipped on every rank", wcomm)
+
+
 def straight_and_resumed(make, wcomm):
     """Ten steps of ``make(model)`` (a ``DistributedOptimizer``) with a state dict saved after six;
     a fresh model and optimizer loaded from it take the last four. Checks that the ranks end
@@ -129,14 +142,7 @@ def test_a_skipped_step_changes_nothing(wcomm):
     _train(model, opt, rank, range(3))
     path = opt._exdyna_adam
     kept = (_flat(model.parameters()), path.m.clone(), path.v.clone(), path.step)
-    opt.zero_grad()
-    x, y = _batch(rank, 3)
-    torch.nn.functional.cross_entropy(model(x), y).backward()
-    if rank == wcomm.Get_size() - 1:
-        with torch.no_grad():
-            next(model.parameters()).grad[0, 0] = float("nan")
-    opt.step()
-    mpi_assert(opt.stats.skipped, "the step was skipped on every rank", wcomm)
+    skipped_step(model, opt, rank, wcomm)
     mpi_assert(_flat(model.parameters()).tobytes() == kept[0].tobytes() and torch.equal(path.m, kept[1])
                and torch.equal(path.v, kept[2]) and path.step == kept[3], "a skipped step changed the state", wcomm)
     _train(model, opt, rank, range(4, 6))   # and training goes on from there
