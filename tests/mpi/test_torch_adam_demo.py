@@ -1,9 +1,11 @@
 """DistributedOptimizer(adam="demo"): DeMo's decoupled momentum, the residual as the momentum.
 
-- With the union top-k exchange, the parameters and every rank's residual equal a reference
-  computed here: each rank's momentum ``m = beta1 m + g`` (Adam's coupled decay in ``g``), its
-  top-k by magnitude, the union of the ranks' selections averaged, ``theta -= lr * sign(avg)``
-  after AdamW's decoupled decay, the sent entries removed from every rank's momentum.
+- With the union top-k exchange, under ``"demo"`` and ``"demo-age"``, the parameters and every
+  rank's residual equal a reference computed here (``"demo-age"``: each move scaled by ``sqrt`` of
+  the steps since the coordinate last moved, whose record the path's ``moved`` must equal): each
+  rank's momentum ``m = beta1 m + g`` (Adam's coupled decay in ``g``), its top-k by magnitude, the
+  union of the ranks' selections averaged, ``theta -= lr * sign(avg)`` after AdamW's decoupled
+  decay, the sent entries removed from every rank's momentum.
 - With ExDyna at 5 %: every rank holds the same parameters, the residuals differ (each rank's own
   momentum), and a state dict resumes bit-exactly.
 - A step skipped everywhere leaves parameters, residual (the decay included) and step count as
@@ -29,22 +31,27 @@ pytestmark = pytest.mark.mpi
 LR, BETAS, WD = 1e-2, (0.9, 0.95), 0.1
 
 
-def _make(model, wcomm, cls=torch.optim.AdamW, betas=BETAS, **kw):
+def _make(model, wcomm, cls=torch.optim.AdamW, betas=BETAS, adam="demo", **kw):
     opt = cls(model.parameters(), lr=LR, betas=betas, weight_decay=WD)
-    return DistributedOptimizer(opt, model, comm=wcomm, adam="demo", **kw)
+    return DistributedOptimizer(opt, model, comm=wcomm, adam=adam, **kw)
 
 
+@pytest.mark.parametrize("adam", ["demo", "demo-age"])
 @pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.Adam])
-def test_topk_exchange_equals_decoupled_momentum_computed_here(wcomm, cls):
+def test_topk_exchange_equals_decoupled_momentum_computed_here(wcomm, cls, adam):
+    """``"demo-age"`` moves each coordinate by ``sqrt`` of the steps since it last moved times what
+    ``"demo"`` moves it; the reference tracks those steps and checks the path's ``moved`` too."""
     rank, size = wcomm.Get_rank(), wcomm.Get_size()
     model = _model()
     density = 0.1
-    opt = _make(model, wcomm, cls, sparsifier="topk", density=density)
+    opt = _make(model, wcomm, cls, adam=adam, sparsifier="topk", density=density)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))   # the lr is read at each step
     theta = _flat(model.parameters()).astype(np.float64)
     n = theta.shape[0]
     k = max(1, int(density * n))
     m = np.zeros(n)
+    moved = np.zeros(n)                              # the step of each coordinate's last move
+    waits = set()
     beta1 = BETAS[0]
     decoupled = cls is torch.optim.AdamW
     for t in range(1, 9):
@@ -59,19 +66,28 @@ def test_topk_exchange_equals_decoupled_momentum_computed_here(wcomm, cls):
         for mr in every:                             # each rank's top-k by magnitude, ties at the k-th taken
             union |= np.abs(mr) >= np.sort(np.abs(mr))[-k]
         avg = every.mean(axis=0)
+        moves = union & (avg != 0)                   # a zero average's sign moves nothing
+        wait = t - moved[moves]
+        waits.update(wait.astype(int).tolist())
+        scale = np.sqrt(wait) if adam == "demo-age" else 1.0
         expect = theta * (1 - lr * WD) if decoupled else theta.copy()
-        expect[union] -= lr * np.sign(avg[union])
+        expect[moves] -= lr * scale * np.sign(avg[moves])
+        moved[moves] = t
         m[union] = 0.0
         m *= beta1
         _step(model, opt, x, y)
         sched.step()
         got = _flat(model.parameters()).astype(np.float64)
         err = np.abs(got - expect).max()
-        mpi_assert(err < 1e-5, f"{cls.__name__} step {t}: max |theta - reference| {err:.3g}", wcomm)
+        mpi_assert(err < 1e-5, f"{cls.__name__} {adam} step {t}: max |theta - reference| {err:.3g}", wcomm)
         res_err = np.abs(opt.sparsifier.residual.astype(np.float64) - m).max() / max(np.abs(m).max(), 1e-30)
         mpi_assert(res_err < 1e-5, f"step {t}: the residual is not the decayed momentum ({res_err:.3g})", wcomm)
+        if adam == "demo-age":
+            mpi_assert(np.array_equal(opt._exdyna_adam.moved.numpy(), moved),
+                       f"step {t}: the steps of the last moves differ from the reference", wcomm)
         theta = got
     mpi_assert(opt._exdyna_adam.step == 8, f"steps counted: {opt._exdyna_adam.step}", wcomm)
+    mpi_assert(1 in waits and max(waits) >= 3, f"the run scaled no long wait (waits {sorted(waits)})", wcomm)
     if size > 1:
         res = allgather_array(opt.sparsifier.residual, wcomm)
         mpi_assert(res[0].tobytes() != res[1].tobytes(), "each rank's momentum is its own", wcomm)

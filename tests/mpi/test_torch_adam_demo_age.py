@@ -1,12 +1,8 @@
 """DistributedOptimizer(adam="demo-age"): DeMo's decoupled momentum, each sign scaled by the root of its wait.
 
-- With the union top-k exchange, the parameters, every rank's residual and the steps of the last
-  moves equal a reference computed here: ``"demo"``'s arithmetic (the momentum ``m = beta1 m + g``,
-  the union of the ranks' top-k averaged, the sent entries removed, AdamW's decoupled or Adam's
-  coupled decay), with the sent coordinates moved by ``lr * sqrt(a) * sign(avg)``, ``a`` the steps
-  since each last moved.
-- The scale is not ``"demo"``'s: the same run under ``"demo"`` ends elsewhere; a coordinate that
-  moves every step moves as under ``"demo"``.
+- Its arithmetic against a reference computed in the test (the union top-k exchange, the steps of
+  the last moves included) is checked beside ``"demo"``'s, in tests/mpi/test_torch_adam_demo.py.
+- The scale is not ``"demo"``'s: the same run under ``"demo"`` ends elsewhere.
 - With ExDyna at 5 %, also with bfloat16 values on the wire and on bfloat16 parameters: every
   rank holds the same parameters and the same steps of the last moves, and a state dict resumes
   bit-exactly through ``torch.save``/``torch.load(weights_only=True)``.
@@ -24,7 +20,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is not installed")
 
 from exdyna_mpi.adapters.torch import DistributedOptimizer  # noqa: E402
 from tests.conftest import allgather_array, mpi_assert, same_error_everywhere  # noqa: E402
-from tests.mpi.test_torch_adam import _grad_at  # noqa: E402
+from tests.mpi.test_hook_recipe import _bits  # noqa: E402
 from tests.mpi.test_torch_adam_update import _train, skipped_step  # noqa: E402
 from tests.mpi.test_torch_options import _batch, _flat, _model, _step  # noqa: E402
 
@@ -35,54 +31,6 @@ LR, BETAS, WD = 1e-2, (0.9, 0.95), 0.1
 def _make(model, wcomm, cls=torch.optim.AdamW, adam="demo-age", **kw):
     opt = cls(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD)
     return DistributedOptimizer(opt, model, comm=wcomm, adam=adam, **kw)
-
-
-@pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.Adam])
-def test_topk_exchange_equals_aged_decoupled_momentum_computed_here(wcomm, cls):
-    rank = wcomm.Get_rank()
-    model = _model()
-    density = 0.1
-    opt = _make(model, wcomm, cls, sparsifier="topk", density=density)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))   # the lr is read at each step
-    theta = _flat(model.parameters()).astype(np.float64)
-    n = theta.shape[0]
-    k = max(1, int(density * n))
-    m = np.zeros(n)
-    moved = np.zeros(n)
-    waits = set()
-    decoupled = cls is torch.optim.AdamW
-    for t in range(1, 11):
-        lr = LR / t
-        x, y = _batch(rank, t)
-        g = _grad_at(model, theta, x, y)
-        if not decoupled:
-            g = g + WD * theta
-        m = m + g
-        every = allgather_array(m, wcomm)
-        union = np.zeros(n, bool)
-        for mr in every:                             # each rank's top-k by magnitude, ties at the k-th taken
-            union |= np.abs(mr) >= np.sort(np.abs(mr))[-k]
-        avg = every.mean(axis=0)
-        moves = union & (avg != 0)
-        wait = t - moved[moves]
-        waits.update(wait.astype(int).tolist())
-        expect = theta * (1 - lr * WD) if decoupled else theta.copy()
-        expect[moves] -= lr * np.sqrt(wait) * np.sign(avg[moves])
-        moved[moves] = t
-        m[union] = 0.0
-        m *= BETAS[0]
-        _step(model, opt, x, y)
-        sched.step()
-        got = _flat(model.parameters()).astype(np.float64)
-        err = np.abs(got - expect).max()
-        mpi_assert(err < 1e-5, f"{cls.__name__} step {t}: max |theta - reference| {err:.3g}", wcomm)
-        res_err = np.abs(opt.sparsifier.residual.astype(np.float64) - m).max() / max(np.abs(m).max(), 1e-30)
-        mpi_assert(res_err < 1e-5, f"step {t}: the residual is not the decayed momentum ({res_err:.3g})", wcomm)
-        path = opt._exdyna_adam
-        mpi_assert(np.array_equal(path.moved.numpy(), moved),
-                   f"step {t}: the steps of the last moves differ from the reference", wcomm)
-        theta = got
-    mpi_assert(1 in waits and max(waits) >= 3, f"the run scaled no long wait (waits {sorted(waits)})", wcomm)
 
 
 def test_the_scale_is_not_demos(wcomm):
@@ -139,12 +87,6 @@ def test_exdyna_ranks_identical_and_resume_bit_exact(wcomm, variant):
     mpi_assert(opt2.sparsifier.residual.tobytes() == opt.sparsifier.residual.tobytes(),
                "the resumed momentum differs", wcomm)
     mpi_assert(torch.equal(opt2._exdyna_adam.moved, moved), "the resumed steps of the last moves differ", wcomm)
-
-
-def _bits(model):
-    """The parameters' bits, whatever their dtype."""
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    return flat.view(torch.int16 if flat.dtype == torch.bfloat16 else torch.int32).numpy().copy()
 
 
 def test_a_skipped_step_changes_nothing(wcomm):
