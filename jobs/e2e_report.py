@@ -33,8 +33,10 @@ README_END = "<!-- e2e-results:end -->"
 BEST_DILOCO = "diloco (best)"
 #: the methods every other one is compared with, within each launch
 BASES = ("ddp", "ddp-bf16", "ddp-powersgd", BEST_DILOCO)
-#: the methods of the README's short table
-HEADLINE = ("exdyna", "ddp-bf16", "ddp-powersgd", BEST_DILOCO, "ddp-accum")
+#: the methods of the README's short table, in its order: the library's defaults (``exdyna``; on the
+#: AdamW LM ``exdyna-demoage999``, the default ``adam="demo-age"`` with the ``betas[0]`` of 0.999 the
+#: docs advise), the baselines, and the library's sparse outer exchange (``sloco-h16``)
+HEADLINE = ("exdyna", "exdyna-demoage999", "ddp-bf16", "ddp-powersgd", BEST_DILOCO, "sloco-h16", "ddp-accum")
 #: the rates at which the regime table states the modelled speed-up, Mbit/s
 DOC_RATES = (100, 1000, 10000)
 _ANY = object()

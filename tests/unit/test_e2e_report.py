@@ -328,6 +328,27 @@ def test_readme_cell_from_fewer_seeds_says_so(tmp_path):
     assert cells[2].endswith("(1 seed only)") and "only" not in cells[3] and "only" not in cells[4]
 
 
+def test_readme_rows_name_the_adamw_default_and_the_sparse_outer_exchange(tmp_path):
+    """The LM's timed launches run the default Adam path as ``exdyna-demoage999`` and the library's
+    DiLoCo with an ExDyna exchange as ``sloco-h16``: both are headline rows, in HEADLINE's order, while a
+    method outside the headline (``topk``) stays on the results page only."""
+    paths = []
+    for seed in (1, 2, 3):
+        lid = f"lm-200-s{seed}"
+        runs = [("ddp", 100.0 + seed, dict(steps=400)), ("sloco-h16", 70.0, dict(steps=900, nbytes=1e4)),
+                ("topk", 90.0, dict(steps=500, nbytes=1e4)), ("diloco-h64", 60.0, dict(steps=800, nbytes=1e4)),
+                ("exdyna-demoage999", 40.0 + seed, dict(steps=400, nbytes=1e5))]
+        paths.append(_write(tmp_path / f"{lid}.jsonl", _launch(lid, 200.0, seed, runs)))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"{er.README_BEGIN}\n{er.README_END}\n")
+    er.write_docs(er.read_records(paths), str(tmp_path / "page.md"), readme=str(readme), plot=False)
+    rows = [line.split(" | ") for line in readme.read_text().splitlines() if line.startswith("| lm |")]
+    assert [r[1] for r in rows] == ["exdyna-demoage999", "diloco (best) (diloco-h64)", "sloco-h16"]
+    mean = sum((100.0 + s) / (40.0 + s) for s in (1, 2, 3)) / 3
+    assert rows[0][2].startswith(f"{mean:.2f}x (") and rows[2][2] == f"{sum(100.0 + s for s in (1, 2, 3)) / 210:.2f}x (" \
+        f"{101 / 70:.2f}–{103 / 70:.2f})"
+
+
 def test_write_docs_without_markers_or_over_the_limit(tmp_path):
     recs = _docs_records(tmp_path)
     readme = tmp_path / "README.md"
