@@ -839,24 +839,40 @@ def _regime_name(workload, rated):
 
 
 def _tuning_section(records, workload, labels):
+    """The learning-rate tables of ``workload``: one per tuning budget (a method given a schedule of its
+    own, ``--steps-of``, is tuned at that length), each held to the protocol by :func:`choose_lrs`."""
     tunes = [r for r in records if r.get("kind") == "tune" and r.get("workload") == workload]
     stored = [r for r in records if r.get("kind") == "tuned" and r.get("workload") == workload]
     if not tunes and not stored:
         return []
     out = [f"### {workload}: learning rates", ""]
-    tuned = stored[-1] if stored else None
-    if tunes:
+    budgets = sorted({r.get("steps") for r in tunes}, key=lambda b: (b is None, b))
+    chosen = []   # (budget, tuned record)
+    if not tunes:
+        chosen.append((stored[-1].get("steps"), stored[-1]))
+    for budget in budgets:
+        group = [r for r in tunes if r.get("steps") == budget]
+        if len(budgets) > 1:
+            out += [f"At a budget of {budget} batches ({', '.join(sorted({r['method'] for r in group}))}):", ""]
         try:
-            tuned = choose_lrs(records, workload)
+            tuned = choose_lrs(group, workload)
         except ValueError as e:
-            return out + [f"The tune records do not meet the protocol: {e}", ""]
-    out += [tuning_table(tuned, labels), ""]
-    if stored and stored[-1]["lr_of"] != tuned["lr_of"]:
-        out += [f"The stored tuned record chose {stored[-1]['lr_of']}, the tune records give {tuned['lr_of']}.", ""]
-    lr_of = {m: float(v) for m, v in tuned["lr_of"].items()}
+            out += [f"The tune records do not meet the protocol: {e}", ""]
+            continue
+        out += [tuning_table(tuned, labels), ""]
+        chosen.append((budget, tuned))
+    if not chosen:
+        return out
+    if stored and len(chosen) == 1 and stored[-1]["lr_of"] != chosen[0][1]["lr_of"]:
+        out += [f"The stored tuned record chose {stored[-1]['lr_of']}, the tune records give "
+                f"{chosen[0][1]['lr_of']}.", ""]
+    rates = {}   # method: every rate chosen for it, one per budget it was tuned at
+    for _, tuned in chosen:
+        for m, v in tuned["lr_of"].items():
+            rates.setdefault(m, set()).add(float(v))
     off = sorted({f"{m} {float(v):g} (launch {s.get('launch')})" for s in records
                   if s.get("kind") == "setup" and s.get("workload") == workload
-                  for m, v in (s.get("lr_of") or {}).items() if m in lr_of and float(v) != lr_of[m]})
+                  for m, v in (s.get("lr_of") or {}).items() if m in rates and float(v) not in rates[m]})
     if off:
         out += ["Launches that ran with another learning rate than the tuned one: " + "; ".join(off), ""]
     return out

@@ -1,5 +1,6 @@
 """Every relative link in the Markdown pages (README, CHANGELOG, docs/, results/) points at a file
-or folder that exists, so moving a page cannot leave a dead link behind."""
+or folder that exists, so moving a page cannot leave a dead link behind; results/README.md names
+every folder of records; pages stay short."""
 import glob
 import os
 import re
@@ -61,3 +62,21 @@ def test_pages_stay_short_enough_to_read():
         if n > limit:
             too_long.append(f"{os.path.relpath(path, ROOT)}: {n} lines (at most {limit})")
     assert not too_long, too_long
+
+
+def unindexed_folders(results):
+    """The folders of ``results/e2e`` that ``results/README.md`` does not name as ``e2e/FOLDER/``:
+    a record nobody can trace to its command."""
+    with open(os.path.join(results, "README.md"), encoding="utf-8") as f:
+        index = f.read()
+    folders = sorted(d for d in os.listdir(os.path.join(results, "e2e"))
+                     if os.path.isdir(os.path.join(results, "e2e", d)))
+    return [d for d in folders if f"e2e/{d}/" not in index]
+
+
+def test_every_results_folder_is_indexed(tmp_path):
+    assert not unindexed_folders(os.path.join(ROOT, "results")), "add them to results/README.md"
+    (tmp_path / "e2e" / "2026-01-01-a").mkdir(parents=True)
+    (tmp_path / "e2e" / "2026-01-01-ab").mkdir()
+    (tmp_path / "README.md").write_text("## `e2e/2026-01-01-ab/` (not `e2e/2026-01-01-a`)\n")
+    assert unindexed_folders(str(tmp_path)) == ["2026-01-01-a"]

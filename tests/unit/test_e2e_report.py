@@ -349,6 +349,25 @@ def test_readme_rows_name_the_adamw_default_and_the_sparse_outer_exchange(tmp_pa
         f"{101 / 70:.2f}–{103 / 70:.2f})"
 
 
+def test_learning_rates_one_table_per_budget():
+    """Methods tuned at a schedule of their own (``--steps-of``) get a table per budget, each held to
+    the protocol on its own: a short grid at one budget is named there and spares the other tables."""
+    recs = [dict(r, _source="t600.jsonl") for r in _tunes()]                    # budget 50
+    recs += [dict(_tune(m, lr, s, loss, steps=200), _source="t200.jsonl")
+             for m, losses in (("diloco-h64", (2.2, 2.0, 2.4)), ("sloco-h16", (2.3, 2.2, 2.1)))
+             for lr, loss in zip(GRID, losses) for s in (11, 12)]
+    text = "\n".join(er._tuning_section(recs, "lm", None))
+    assert text.count("| method | loss at lr") == 2
+    at50, at200 = text.split("At a budget of 200 batches")
+    assert "At a budget of 50 batches (ddp, ddp-bf16, exdyna, topk)" in at50 and "diloco-h64" not in at50
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in at200.splitlines() if line.startswith("| ")}
+    assert " **2.0000** " in rows["diloco-h64"] and "edge" not in rows["diloco-h64"].split(" | ")[-2]
+    assert rows["sloco-h16"].split(" | ")[-2] == "edge: widen the grid"
+    short = [r for r in recs if not (r["method"] == "sloco-h16" and r["lr"] == GRID[0])]
+    text = "\n".join(er._tuning_section(short, "lm", None))
+    assert text.count("| method | loss at lr") == 1 and "at least 3 values" in text.split("200 batches")[1]
+
+
 def test_write_docs_without_markers_or_over_the_limit(tmp_path):
     recs = _docs_records(tmp_path)
     readme = tmp_path / "README.md"
