@@ -847,9 +847,9 @@ def _tuning_section(records, workload, labels):
         return []
     out = [f"### {workload}: learning rates", ""]
     budgets = sorted({r.get("steps") for r in tunes}, key=lambda b: (b is None, b))
-    chosen = []   # (budget, tuned record)
-    if not tunes:
-        chosen.append((stored[-1].get("steps"), stored[-1]))
+    chosen = [] if tunes else [stored[-1]]   # the tuned record of each budget
+    if not tunes:   # only a stored choice: its own table
+        out += [tuning_table(stored[-1], labels), ""]
     for budget in budgets:
         group = [r for r in tunes if r.get("steps") == budget]
         if len(budgets) > 1:
@@ -860,14 +860,14 @@ def _tuning_section(records, workload, labels):
             out += [f"The tune records do not meet the protocol: {e}", ""]
             continue
         out += [tuning_table(tuned, labels), ""]
-        chosen.append((budget, tuned))
+        chosen.append(tuned)
     if not chosen:
         return out
-    if stored and len(chosen) == 1 and stored[-1]["lr_of"] != chosen[0][1]["lr_of"]:
+    if stored and len(chosen) == 1 and stored[-1]["lr_of"] != chosen[0]["lr_of"]:
         out += [f"The stored tuned record chose {stored[-1]['lr_of']}, the tune records give "
-                f"{chosen[0][1]['lr_of']}.", ""]
+                f"{chosen[0]['lr_of']}.", ""]
     rates = {}   # method: every rate chosen for it, one per budget it was tuned at
-    for _, tuned in chosen:
+    for tuned in chosen:
         for m, v in tuned["lr_of"].items():
             rates.setdefault(m, set()).add(float(v))
     off = sorted({f"{m} {float(v):g} (launch {s.get('launch')})" for s in records

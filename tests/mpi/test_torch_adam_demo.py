@@ -99,16 +99,20 @@ def test_exdyna_ranks_identical_and_resume_bit_exact(wcomm):
                "the resumed momentum differs", wcomm)
 
 
-def test_a_skipped_step_changes_nothing(wcomm):
+@pytest.mark.parametrize("adam", ["demo", "demo-age"])
+def test_a_skipped_step_changes_nothing(wcomm, adam):
+    """Under ``"demo-age"`` the steps of the last moves stay too."""
     rank = wcomm.Get_rank()
     model = _model()
-    opt = _make(model, wcomm, sparsifier="exdyna", density=0.05, nonfinite="skip")
+    opt = _make(model, wcomm, adam=adam, sparsifier="exdyna", density=0.05, nonfinite="skip")
     _train(model, opt, rank, range(3))
     path = opt._exdyna_adam
     kept = (_flat(model.parameters()), opt.sparsifier.residual, path.step)
+    moved = path.moved.clone() if adam == "demo-age" else None
     skipped_step(model, opt, rank, wcomm)
     mpi_assert(_flat(model.parameters()).tobytes() == kept[0].tobytes()
-               and opt.sparsifier.residual.tobytes() == kept[1].tobytes() and path.step == kept[2],
+               and opt.sparsifier.residual.tobytes() == kept[1].tobytes() and path.step == kept[2]
+               and (moved is None or torch.equal(path.moved, moved)),
                "a skipped step changed the state (or decayed the momentum)", wcomm)
     _train(model, opt, rank, range(4, 6))
     mpi_assert(path.step == kept[2] + 2, f"steps counted after the skip: {path.step}", wcomm)

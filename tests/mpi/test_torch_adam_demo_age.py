@@ -6,9 +6,10 @@
 - With ExDyna at 5 %, also with bfloat16 values on the wire and on bfloat16 parameters: every
   rank holds the same parameters and the same steps of the last moves, and a state dict resumes
   bit-exactly through ``torch.save``/``torch.load(weights_only=True)``.
-- A step skipped everywhere changes nothing, the steps of the last moves included; a dict whose
-  ``moved`` is of the wrong length, dtype or range on one rank, or of ``adam="demo"``, is refused
-  on every rank with the same error and nothing changes.
+- A step skipped everywhere changes nothing, the steps of the last moves included (beside
+  ``"demo"``'s, in tests/mpi/test_torch_adam_demo.py); a dict whose ``moved`` is of the wrong
+  length, dtype or range on one rank, or of ``adam="demo"``, is refused on every rank with the
+  same error and nothing changes.
 """
 
 import io
@@ -21,7 +22,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is not installed")
 from exdyna_mpi.adapters.torch import DistributedOptimizer  # noqa: E402
 from tests.conftest import allgather_array, mpi_assert, same_error_everywhere  # noqa: E402
 from tests.mpi.test_hook_recipe import _bits  # noqa: E402
-from tests.mpi.test_torch_adam_update import _train, skipped_step  # noqa: E402
+from tests.mpi.test_torch_adam_update import _train  # noqa: E402
 from tests.mpi.test_torch_options import _batch, _flat, _model, _step  # noqa: E402
 
 pytestmark = pytest.mark.mpi
@@ -87,19 +88,6 @@ def test_exdyna_ranks_identical_and_resume_bit_exact(wcomm, variant):
     mpi_assert(opt2.sparsifier.residual.tobytes() == opt.sparsifier.residual.tobytes(),
                "the resumed momentum differs", wcomm)
     mpi_assert(torch.equal(opt2._exdyna_adam.moved, moved), "the resumed steps of the last moves differ", wcomm)
-
-
-def test_a_skipped_step_changes_nothing(wcomm):
-    rank = wcomm.Get_rank()
-    model = _model()
-    opt = _make(model, wcomm, sparsifier="exdyna", density=0.05, nonfinite="skip")
-    _train(model, opt, rank, range(3))
-    path = opt._exdyna_adam
-    kept = (_flat(model.parameters()), opt.sparsifier.residual, path.step, path.moved.clone())
-    skipped_step(model, opt, rank, wcomm)
-    mpi_assert(_flat(model.parameters()).tobytes() == kept[0].tobytes()
-               and opt.sparsifier.residual.tobytes() == kept[1].tobytes() and path.step == kept[2]
-               and torch.equal(path.moved, kept[3]), "a skipped step changed the state", wcomm)
 
 
 @pytest.mark.parametrize("fault", ["length", "dtype", "ahead", "negative", "mode"])

@@ -366,6 +366,9 @@ def test_learning_rates_one_table_per_budget():
     short = [r for r in recs if not (r["method"] == "sloco-h16" and r["lr"] == GRID[0])]
     text = "\n".join(er._tuning_section(short, "lm", None))
     assert text.count("| method | loss at lr") == 1 and "at least 3 values" in text.split("200 batches")[1]
+    stored = er.choose_lrs([r for r in recs if r["steps"] == 200], "lm")   # a stored choice alone: its table
+    text = "\n".join(er._tuning_section([dict(stored, _source="tuned.json")], "lm", None))
+    assert text.count("| method | loss at lr") == 1 and "sloco-h16" in text and "budget" not in text
 
 
 def test_write_docs_without_markers_or_over_the_limit(tmp_path):
