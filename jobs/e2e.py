@@ -5,11 +5,13 @@
     bash jobs/run_e2e.sh --rate 1000 --tuned out/tune/tuned.json --seed 1 --out out/e2e      # a held-out seed
     srun python -m mpi4py jobs/e2e.py --tuned tuned.json --seed 1          # a cluster's real network
     python jobs/e2e.py --report out/e2e --docs docs/e2e.md --readme README.md   # tables, plots, pages
+    python jobs/e2e.py --choose-lrs out/tune out/tune_8e-3 --methods M --out out/tuned  # a widened grid
 
 The protocol (docs/e2e.md): every method is searched over the same learning-rate grid on tuning seeds
 (``--tune-lrs``: each method at each rate for ``--steps``, the lowest validation loss at the budget,
 mean over the file's tuning seeds, goes to ``DIR/tuned.json``); timed runs take those rates
-(``--tuned``, which refuses a method it has no rate for) on other seeds. Every method trains with the
+(``--tuned``, which refuses a method it has no rate for) on other seeds. A grid widened at its edge in
+a later launch is chosen from both launches' records by ``--choose-lrs``. Every method trains with the
 same optimiser (``--optimizer``), clipping (``--clip``: ``clip_grad_norm_`` over the model's
 parameters before every optimiser step, as a user's loop does it) and schedule (``--lr-warmup``
 batches of linear warm-up, then ``--schedule`` constant or cosine to a tenth at ``--steps``).
@@ -43,7 +45,7 @@ Methods (``--methods``, run one after another in one launch, ``ddp`` first and, 
   collectives in different orders, and gloo aborts ("Received data size doesn't match expected
   size") or hangs (0.5 MB buckets on 3 ranks).
 - ``ddp-bf16``: DDP with torch's ``bf16_compress_hook`` (values cast to bfloat16 for the allreduce).
-- ``diloco-h16``, ``diloco-h64``: DiLoCo as torchft runs it: H local steps of the run's optimiser
+- ``diloco-h4``, ``-h8``, ``-h16``, ``-h64``: DiLoCo as torchft runs it: H local steps of the run's optimiser
   (no communication), then the pseudo-gradient (global minus local parameters) averaged in one dense
   float32 allreduce and applied to the global parameters by Nesterov SGD (lr 0.7, momentum 0.9);
   the global parameters are what is evaluated. ``diloco-exdyna-h16``/``-h64`` (``-bf16-h16``: 16-bit
@@ -52,7 +54,7 @@ Methods (``--methods``, run one after another in one launch, ``ddp`` first and, 
   recipe on the library's ``DiLoCo`` (its default for a sparse exchange, spelt out): ExDyna on the
   delta, the residual decayed by 0.95 after each outer step (``error_decay``), a plain outer SGD at
   lr 1 in place of Nesterov momentum;
-  ``sloco-ef-h16``: the same without the decay; ``sloco-h64``: the recipe with 64 inner steps;
+  ``sloco-ef-h16``: the same without the decay; ``sloco-h4``, ``-h8``, ``-h64``: the recipe with 4, 8, 64 inner steps;
   ``sloco-bf16-h16``: with 16-bit values.
 - ``dense``, ``exdyna``, ``topk``, ``oktopk``, ``micro``: ``exdyna_mpi.adapters.torch.
   DistributedOptimizer`` with that sparsifier at ``--density`` (the library's defaults for the
@@ -140,14 +142,15 @@ ALL_METHODS = DEFAULT_METHODS + ("dense", "ddp-exdyna", "topk", "oktopk", "micro
                                  "exdyna-q02", "exdyna-dw", "exdyna-mcq", "exdyna-plain", "exdyna-mcq02",
                                  "exdyna-adam", "exdyna-adam-g", "exdyna-adam-u", "dense-adam-u", "diloco-exdyna-h16",
                                  "diloco-exdyna-h64", "diloco-exdyna-bf16-h16", "diloco-dense-h16", "sloco-h16",
-                                 "sloco-ef-h16", "sloco-h64", "sloco-bf16-h16", "exdyna-demo", "exdyna-demo99",
+                                 "sloco-ef-h16", "sloco-h64", "sloco-bf16-h16", "sloco-h4", "sloco-h8",
+                                 "diloco-h4", "diloco-h8", "exdyna-demo", "exdyna-demo99",
                                  "exdyna-demo999", "ddp-exdyna-demo999", "exdyna-demo999-ov", "exdyna-demo999-mean",
                                  "exdyna-demo999-bf16", "exdyna-live", "exdyna-demoage",
                                  "exdyna-demoage999", "exdyna-demoage999-bf16")
 DDP_METHODS = ("ddp", "ddp-bv", "ddp-accum", "ddp-powersgd", "ddp-bf16")
 #: DiLoCo (Douillard et al. 2023; torchft): H local steps of the inner optimiser, then the averaged
 #: parameter delta applied by an outer Nesterov SGD (lr 0.7, momentum 0.9, the paper's values)
-DILOCO = {"diloco-h16": 16, "diloco-h64": 64}
+DILOCO = {"diloco-h4": 4, "diloco-h8": 8, "diloco-h16": 16, "diloco-h64": 64}
 
 
 def _nesterov(params):
@@ -181,6 +184,8 @@ DILOCO_LIB = {"diloco-exdyna-h16": (16, "exdyna", {"outer_optimizer": _nesterov,
               "sloco-h16": (16, "exdyna", {"error_decay": 0.95, "outer_optimizer": _plain_sgd}),
               "sloco-ef-h16": (16, "exdyna", {"outer_optimizer": _plain_sgd}),
               "sloco-h64": (64, "exdyna", {"error_decay": 0.95, "outer_optimizer": _plain_sgd}),
+              "sloco-h4": (4, "exdyna", {"error_decay": 0.95, "outer_optimizer": _plain_sgd}),
+              "sloco-h8": (8, "exdyna", {"error_decay": 0.95, "outer_optimizer": _plain_sgd}),
               "sloco-bf16-h16": (16, "exdyna", {"wire_dtype": "bfloat16", "error_decay": 0.95,
                                                 "outer_optimizer": _plain_sgd})}
 #: methods that only exist for momentum SGD (they move SGD's momentum in front of the exchange)
@@ -895,6 +900,9 @@ def parse_args(argv=None):
     ap.add_argument("--report", nargs="+", metavar="JSONL_OR_DIR", help="rebuild table and plots, no MPI")
     ap.add_argument("--docs", metavar="MD", help="with --report: also write this results page (and --readme's table)")
     ap.add_argument("--readme", metavar="MD", help="with --docs: README whose e2e-results block is regenerated")
+    ap.add_argument("--choose-lrs", nargs="+", metavar="JSONL_OR_DIR",
+                    help="write OUT/tuned.json: each of --methods' rate chosen from its tune records in these "
+                         "files (one grid spread over launches, e.g. an edge widened later); no MPI")
     ap.add_argument("--curves-from", nargs="+", metavar="JSONL_OR_DIR", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     methods = [m for m in args.methods.split(",") if m]
@@ -954,8 +962,32 @@ def parse_args(argv=None):
     return args
 
 
+def choose(paths, methods, workload, out):
+    """``OUT/tuned.json`` from tune records spread over several launches (a grid widened at its edge
+    in a launch of its own): the records of ``methods`` only, held to the protocol by
+    :func:`e2e_report.choose_lrs` (the same grid size, seeds and budget for each). Returns the record."""
+    import common
+    from e2e_report import choose_lrs, read_records
+
+    records = [r for r in read_records(paths) if r.get("kind") == "tune" and r.get("method") in methods]
+    missing = [m for m in methods if m not in {r["method"] for r in records}]
+    if missing:
+        raise SystemExit(f"e2e: no tune records of {missing} in {', '.join(paths)}")
+    try:
+        tuned = choose_lrs(records, workload)
+    except ValueError as e:
+        raise SystemExit(f"e2e: {e}") from None
+    common.write_json(os.path.join(out, "tuned.json"), tuned)
+    return tuned
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.choose_lrs:
+        from e2e_report import tuning_table
+
+        print(tuning_table(choose(args.choose_lrs, args.methods, args.workload, args.out)))
+        return 0
     if args.report:
         if args.curves_from:
             raise SystemExit("e2e: --curves-from is gone: composed times are not part of the protocol")

@@ -192,16 +192,47 @@ def test_run_e2e_on_the_testbed(tmp_path):
     assert "xdyt-" not in left
 
 
+def test_choose_lrs_joins_a_grid_widened_in_another_launch(tmp_path):
+    """``--choose-lrs``: a method's grid spread over two launches is chosen as one (its edge flag
+    follows the widened grid); another method's records in the same file are left out unless named,
+    and a named method without records is refused."""
+    def tune(method, lr, loss):
+        return {"kind": "tune", "workload": "lm", "method": method, "lr": lr, "seed": 100, "steps": 50,
+                "loss_at_steps": loss}
+
+    first, later = tmp_path / "first.jsonl", tmp_path / "later.jsonl"
+    first.write_text("".join(json.dumps(r) + "\n" for r in
+                             [tune("sloco-h4", 1e-3, 2.0), tune("sloco-h4", 2e-3, 1.9), tune("sloco-h4", 4e-3, 1.8),
+                              tune("sloco-h8", 1e-3, 2.1), tune("sloco-h8", 2e-3, 2.0), tune("sloco-h8", 4e-3, 2.2)]))
+    later.write_text(json.dumps(tune("sloco-h4", 8e-3, 1.85)) + "\n")
+
+    def choose(*args):
+        return subprocess.run([sys.executable, JOB, "--choose-lrs", str(first), str(later), *args],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+    p = choose("--methods", "sloco-h4", "--out", str(tmp_path / "h4"))
+    assert p.returncode == 0, p.stderr
+    tuned = json.loads((tmp_path / "h4" / "tuned.json").read_text())
+    assert tuned["lr_of"] == {"sloco-h4": 4e-3} and tuned["grid"] == [1e-3, 2e-3, 4e-3, 8e-3]
+    assert tuned["edge"] == {"sloco-h4": False} and tuned["steps"] == 50
+    # both methods: their grids differ in size, which the protocol refuses
+    p = choose("--methods", "sloco-h4,sloco-h8", "--out", str(tmp_path / "both"))
+    assert p.returncode == 1 and "same size" in p.stderr and "Traceback" not in p.stderr
+    p = choose("--methods", "sloco-h16", "--out", str(tmp_path / "none"))
+    assert p.returncode != 0 and "no tune records of ['sloco-h16']" in p.stderr
+
+
 def test_library_diloco_methods_take_outer_steps(tmp_path):
     """The library's DiLoCo in the harness: 16 inner steps, then the outer step; the dense one close
     to torchft's recipe (``diloco-h16``, gloo's allreduce) after it, ranks identical, the sparse
     one's bytes per step those of one outer step over 16; SparseLoCo's recipe (``sloco-h16``) sends
-    the same and steps otherwise."""
+    the same and steps otherwise; ``sloco-h4`` and ``diloco-h4`` take four outer steps in the same 16
+    batches, about four times the bytes of their H = 16 versions."""
     recs = e2e(tmp_path, *SGD, "--steps", "16", "--max-steps", "16", "--eval-every", "16", "--warmup", "1",
                "--density", "0.05", "--methods", "ddp,diloco-h16,diloco-dense-h16,diloco-exdyna-h16,"
-               "diloco-exdyna-bf16-h16,sloco-h16")
+               "diloco-exdyna-bf16-h16,sloco-h16,sloco-h4,diloco-h4")
     runs = {r["method"]: r for r in recs if r["kind"] == "run"}
-    for m in ("diloco-dense-h16", "diloco-exdyna-h16", "diloco-exdyna-bf16-h16", "sloco-h16"):
+    for m in ("diloco-dense-h16", "diloco-exdyna-h16", "diloco-exdyna-bf16-h16", "sloco-h16", "sloco-h4", "diloco-h4"):
         assert runs[m]["params_identical"] and runs[m]["steps_run"] == 16, m
         assert runs[m]["evals"][-1][2] != runs[m]["evals"][0][2], m
     assert abs(runs["diloco-dense-h16"]["evals"][-1][2] - runs["diloco-h16"]["evals"][-1][2]) < 1e-4
@@ -211,6 +242,10 @@ def test_library_diloco_methods_take_outer_steps(tmp_path):
     # SparseLoCo's outer step (plain SGD at lr 1) is not the Nesterov one (0.7 x 1.9 the first delta)
     assert runs["sloco-h16"]["bytes_per_step"] == sparse
     assert runs["sloco-h16"]["evals"][-1][2] != runs["diloco-exdyna-h16"]["evals"][-1][2]
+    # H is what the name says: four outer steps of about the same size in place of one
+    for short, long in (("sloco-h4", "sloco-h16"), ("diloco-h4", "diloco-h16")):
+        assert 3 < runs[short]["bytes_per_step"] / runs[long]["bytes_per_step"] < 5, short
+        assert runs[short]["evals"][-1][2] != runs[long]["evals"][-1][2], short
 
 
 def test_adam_paths_train_with_adamw(tmp_path):
