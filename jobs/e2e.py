@@ -965,9 +965,9 @@ def parse_args(argv=None):
 def choose(paths, methods, workload, out):
     """``OUT/tuned.json`` from tune records spread over several launches (a grid widened at its edge
     in a launch of its own): the records of ``methods`` only, held to the protocol by
-    :func:`e2e_report.choose_lrs` (the same grid size, seeds and budget for each). Returns the record."""
+    :func:`e2e_report.choose_lrs` (the same grid size, seeds and budget for each). Returns its table."""
     import common
-    from e2e_report import choose_lrs, read_records
+    from e2e_report import _labels, choose_lrs, read_records, tuning_table
 
     records = [r for r in read_records(paths) if r.get("kind") == "tune" and r.get("method") in methods]
     missing = [m for m in methods if m not in {r["method"] for r in records}]
@@ -978,15 +978,13 @@ def choose(paths, methods, workload, out):
     except ValueError as e:
         raise SystemExit(f"e2e: {e}") from None
     common.write_json(os.path.join(out, "tuned.json"), tuned)
-    return tuned
+    return tuning_table(tuned, _labels(records))
 
 
 def main(argv=None):
     args = parse_args(argv)
     if args.choose_lrs:
-        from e2e_report import tuning_table
-
-        print(tuning_table(choose(args.choose_lrs, args.methods, args.workload, args.out)))
+        print(choose(args.choose_lrs, args.methods, args.workload, args.out))
         return 0
     if args.report:
         if args.curves_from:
@@ -1097,10 +1095,14 @@ def tune(args, wl, comm, numel, setup, path, log):
                 common.append_json_line(path, tune_rec)
             log(f"tune {method} lr {lr:g}: loss at {args.steps} {rec['loss_at_steps']}")
     if comm.Get_rank() == 0:
-        tuned = choose_lrs(read_records([path]), args.workload)
-        common.append_json_line(path, tuned)
-        common.write_json(os.path.join(args.out, "tuned.json"), tuned)
-        log(f"tuned: {tuned['lr_of']}")
+        try:
+            tuned = choose_lrs(read_records([path]), args.workload)
+        except ValueError as e:     # a short grid: this launch widens another's (--choose-lrs joins them)
+            log(f"no tuned.json: {e}; join these tune records with the rest of the grid: --choose-lrs")
+        else:
+            common.append_json_line(path, tuned)
+            common.write_json(os.path.join(args.out, "tuned.json"), tuned)
+            log(f"tuned: {tuned['lr_of']}")
     dist.destroy_process_group()
     return 0
 

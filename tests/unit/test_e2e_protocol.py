@@ -195,6 +195,25 @@ def test_tuning_writes_the_search_and_its_choice(tmp_path):
     assert used[0]["lr_of"]["exdyna"] == tuned["lr_of"]["exdyna"] and used[0]["tuned_from"].endswith("tuned.json")
 
 
+def test_a_grid_widened_in_its_own_launch_is_joined(tmp_path):
+    """A launch of one more rate (an edge widened) keeps its tune record and writes no ``tuned.json``
+    of its own (one value is no grid); ``--choose-lrs`` joins it with the first launch's three."""
+    first = e2e(tmp_path / "tune", "--steps", "2", "--eval-every", "1", "--tune-lrs", "1e-3,2e-3,4e-3",
+                "--methods", "exdyna")
+    wide = e2e(tmp_path / "wide", "--steps", "2", "--eval-every", "1", "--tune-lrs", "8e-3", "--methods", "exdyna")
+    assert [(r["method"], r["lr"]) for r in wide if r["kind"] == "tune"] == [("exdyna", 8e-3)]
+    assert not (tmp_path / "wide" / "tuned.json").exists()
+    p = subprocess.run([sys.executable, JOB, "--choose-lrs", str(tmp_path / "tune"), str(tmp_path / "wide"),
+                        "--methods", "exdyna", "--out", str(tmp_path / "joined")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    tuned = json.loads((tmp_path / "joined" / "tuned.json").read_text())
+    tunes = [r for r in first + wide if r["kind"] == "tune"]
+    assert tuned["grid"] == [1e-3, 2e-3, 4e-3, 8e-3]
+    assert tuned["lr_of"]["exdyna"] == min((r["loss_at_steps"], r["lr"]) for r in tunes)[1]
+    assert "tune/e2e.jsonl" in p.stdout and "wide/e2e.jsonl" in p.stdout     # each record file named
+
+
 def test_a_method_with_its_own_budget_follows_its_own_schedule(tmp_path):
     """``--steps-of``: one method's cosine ends at its budget, not the launch's; the target stays DDP's
     loss at ``--steps`` and the evaluations keep the launch's interval."""
