@@ -2,7 +2,7 @@
 by any sparsifier of ``exdyna_mpi.available()`` with error feedback.
 
     inner = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
-    opt = DiLoCo(inner, model, sync_every=64, sparsifier="exdyna", density=0.01)
+    opt = DiLoCo(inner, model, sync_every=4, sparsifier="exdyna", density=0.03)
     for x, y in batches:
         opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
 
@@ -110,7 +110,9 @@ class DiLoCo:
         optimizer: the inner optimizer (any ``torch.optim`` optimizer over the model's parameters).
         model: the ``torch.nn.Module`` whose parameters and buffers are broadcast from rank 0;
             without it, the optimizer's parameters.
-        sync_every: inner steps per outer step (DiLoCo's H), an integer >= 1.
+        sync_every: inner steps per outer step (DiLoCo's H), an integer >= 1. A sparse exchange
+            affords a short period: on the AdamW LM of docs/e2e.md, ``"exdyna"`` at d = 0.03 trained
+            best at H = 4 and dense DiLoCo at H = 16 (docs/diloco.md); time your own.
         sparsifier: any name of ``exdyna_mpi.available()``; ``"dense"`` (the default) is DiLoCo's
             exact average.
         density: the sparsifier's density (ignored by ``"dense"``).
@@ -139,12 +141,12 @@ class DiLoCo:
     Example::
 
         >>> inner = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
-        >>> opt = DiLoCo(inner, model, sync_every=16, sparsifier="exdyna", density=0.03,
+        >>> opt = DiLoCo(inner, model, sync_every=4, sparsifier="exdyna", density=0.03,
         ...              wire_dtype="bfloat16")
         >>> for x, y in batches:
         ...     opt.zero_grad()
         ...     loss_fn(model(x), y).backward()
-        ...     opt.step()                       # an outer step every 16 calls
+        ...     opt.step()                       # an outer step every 4 calls
         >>> opt.stats.bytes_sent                 # of the last outer step
         >>> torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, f"ckpt.{rank}")
     """
