@@ -847,8 +847,9 @@ def _tuning_section(records, workload, labels):
         return []
     out = [f"### {workload}: learning rates", ""]
     budgets = sorted({r.get("steps") for r in tunes}, key=lambda b: (b is None, b))
-    chosen = [] if tunes else [stored[-1]]   # the tuned record of each budget
+    chosen = []   # the tuned record of each budget
     if not tunes:   # only a stored choice: its own table
+        chosen.append(stored[-1])
         out += [tuning_table(stored[-1], labels), ""]
     for budget in budgets:
         group = [r for r in tunes if r.get("steps") == budget]
