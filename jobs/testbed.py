@@ -10,12 +10,18 @@
 Layout (needs root, or CAP_NET_ADMIN and CAP_SYS_ADMIN): rank r lives in namespace ``<prefix>-r<r>``
 with one interface ``<prefix>0`` at 198.18.0.<r+1>/24 (198.18.0.0/15 is the range set aside for
 network benchmarks, RFC 2544). Its peer end ``<prefix>v<r>`` is enslaved to the bridge ``<prefix>br``,
-which joins these veths and nothing else: no host interface, no address on the host side, no
-default route in any namespace, so no packet can leave the box. ``tc tbf`` shapes both directions
-of each rank's link (the rank's egress on its interface, its ingress on the bridge port), like a
-full-duplex NIC of that rate into a non-blocking switch. The kernel here has no ``netem``: links
-have a rate, not a delay. tbf's bucket is kept small (``burst_bytes``): what it holds crosses at the
-veth's speed after an idle moment, which a real link of that rate never does.
+which joins these veths and nothing else: no host interface, no default route in any namespace,
+and IPv6 off on every link the testbed makes (in each namespace, on the bridge and on the host's
+veth ends, set before any of them goes up, so not even a link-local address appears). The host
+thus has no address on the bridge or its ports, IPv4 or IPv6, and no route into the namespaces:
+over the network a rank reaches the other ranks and nothing else, and no packet can leave the
+box. ``up`` checks this once the links are up and, where an address or route shows, removes what
+it made and fails. The host's own settings (``net.ipv6.conf.all``, ``default``) stay as they are.
+``tc tbf`` shapes both directions of each rank's link (the rank's egress on its interface, its
+ingress on the bridge port), like a full-duplex NIC of that rate into a non-blocking switch. The
+kernel here has no ``netem``: links have a rate, not a delay. tbf's bucket is kept small
+(``burst_bytes``): what it holds crosses at the veth's speed after an idle moment, which a real
+link of that rate never does.
 
 ``mpiexec`` launches one rank per namespace, MPMD (``mpiexec -n 1 ip netns exec NS0 CMD : -n 1 ip
 netns exec NS1 CMD ...``). The process manager stays in the host namespace; ranks reach it through
@@ -224,6 +230,59 @@ def _rates(ranks, rate_mbit, rate_of):
     return rates
 
 
+# Run in a namespace (``ip netns exec``): /proc/sys/net shows the net namespace of the process that
+# opens it, so these writes stay inside that namespace.
+_NO_IPV6 = r"""
+import sys
+for key in sys.argv[1:]:
+    with open(f"/proc/sys/net/ipv6/conf/{key}/disable_ipv6", "w") as f:
+        f.write("1")
+"""
+
+
+def _ipv6_in_kernel():
+    return os.path.isdir("/proc/sys/net/ipv6")
+
+
+def _ns_without_ipv6(netns, iface):
+    """IPv6 off in ``netns`` while its links are still down, so they never get an address: on
+    ``default`` (a link made there later), ``all``, and ``lo`` and ``iface`` by name."""
+    if _ipv6_in_kernel():
+        _ns(netns, sys.executable, "-c", _NO_IPV6, "default", "all", "lo", iface)
+
+
+def _host_link_without_ipv6(dev):
+    """IPv6 off on the host's ``dev`` alone (not on ``all`` or ``default``: those are the host's),
+    while it is still down, so it never gets a link-local address."""
+    if not _ipv6_in_kernel():
+        return
+    try:
+        with open(f"/proc/sys/net/ipv6/conf/{dev}/disable_ipv6", "w") as f:
+            f.write("1")
+    except OSError as e:
+        raise TestbedError(f"cannot turn IPv6 off on {dev}: {e}") from None
+
+
+def isolation_faults(tb):
+    """What would let a rank reach the host: each address or route on the bridge or a host veth
+    end (any family), each IPv6 address in a namespace, a default route in one. Empty when sealed."""
+    faults = []
+    for dev in [tb.bridge] + [_names(tb.prefix)["veth"](r.rank) for r in tb.ranks]:
+        faults += [f"host {dev}: {' '.join(line.split()[2:4])}"
+                   for line in _run("ip", "-o", "addr", "show", "dev", dev).stdout.splitlines()]
+        for fam in ("-4", "-6"):
+            faults += [f"host route via {dev}: {line.strip()}"
+                       for line in _run("ip", fam, "route", "show", "table", "all", "dev", dev).stdout.splitlines()]
+    for r in tb.ranks:
+        faults += [f"{r.netns} {line.split()[1]}: {' '.join(line.split()[2:4])}"
+                   for line in _run("ip", "-n", r.netns, "-o", "-6", "addr", "show").stdout.splitlines()]
+        for fam in ("-4", "-6"):
+            faults += [f"{r.netns} route: {line.strip()}"
+                       for line in _run("ip", "-n", r.netns, fam, "route", "show").stdout.splitlines()
+                       if line.split()[:1] == ["default"]]
+    return faults
+
+
 def up(ranks, rate_mbit, rate_of=None, prefix=PREFIX):
     """Make a testbed of ``ranks`` namespaces, each link shaped to ``rate_mbit`` Mbit/s each way
     (``rate_of={rank: mbit}`` for exceptions). A stale testbed of the same prefix goes first.
@@ -237,11 +296,14 @@ def up(ranks, rate_mbit, rate_of=None, prefix=PREFIX):
     links = []
     try:
         _run("ip", "link", "add", n["bridge"], "type", "bridge")
+        _host_link_without_ipv6(n["bridge"])
         _run("ip", "link", "set", n["bridge"], "up")
         for r in range(ranks):
             ns, veth, addr = n["netns"](r), n["veth"](r), f"{SUBNET}.{r + 1}"
             _run("ip", "netns", "add", ns)
             _run("ip", "link", "add", veth, "type", "veth", "peer", "name", n["iface"], "netns", ns)
+            _ns_without_ipv6(ns, n["iface"])
+            _host_link_without_ipv6(veth)
             _run("ip", "link", "set", veth, "master", n["bridge"])
             _run("ip", "link", "set", veth, "up")
             _ns(ns, "ip", "link", "set", "lo", "up")
@@ -252,6 +314,9 @@ def up(ranks, rate_mbit, rate_of=None, prefix=PREFIX):
             links.append(RankLink(r, ns, addr, rates[r], burst_bytes(rates[r])))
         tb = Testbed(prefix, n["iface"], n["bridge"], float(rate_mbit), tuple(links))
         _wait_ready(tb)
+        faults = isolation_faults(tb)
+        if faults:
+            raise TestbedError(f"testbed '{prefix}' is not sealed off from the host: {'; '.join(faults)}")
     except BaseException:
         down(prefix)
         raise

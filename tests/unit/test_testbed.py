@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -237,3 +238,204 @@ def test_rank_env_for_both_mpis(clean):
     assert argv[1:] == ["-l", "-n", "1", "ip", "netns", "exec", "xdyt-r0", "python", "x.py", ":",
                         "-n", "1", "ip", "netns", "exec", "xdyt-r1", "python", "x.py"]
     assert shutil.which("ip")
+
+
+# Run in a rank's namespace: argv is the seconds each phase may take, the namespace's interface,
+# its own IPv4 address, the MACs of the host's links (the bridge, its ports), then ``ADDR|PORT``
+# targets. Phase 1: every TCP connect at once, non-blocking, within one bound. A listener on the
+# rank's own address is a target that must connect: it shows that an attempt which fails failed on
+# the network, not in the probe. Phase 2: raw IPv6 frames written onto the interface past the
+# namespace's own stack (which may refuse to send IPv6 at all): an echo request to all-nodes
+# (ff02::1), and to each host link's EUI-64 link-local an echo request and a neighbour
+# solicitation; every IPv6 frame that comes back is recorded. Prints one JSON line.
+_REACH = r"""
+import errno, json, select, socket, struct, sys, time
+limit, iface, own = float(sys.argv[1]), sys.argv[2], sys.argv[3]
+host_macs = [bytes.fromhex(m.replace(":", "")) for m in sys.argv[4].split(",")]
+control = socket.socket(); control.bind((own, 0)); control.listen(8)
+targets = [f"{own}|{control.getsockname()[1]}"] + sys.argv[5:]
+out, pending = {}, {}
+for t in targets:
+    addr, port = t.rsplit("|", 1)
+    try:
+        fam, typ, proto, _, sa = socket.getaddrinfo(addr, int(port), type=socket.SOCK_STREAM)[0]
+        s = socket.socket(fam, typ, proto); s.setblocking(False)
+        rc = s.connect_ex(sa)
+    except OSError as e:
+        out[t] = f"error {errno.errorcode.get(e.errno, e.errno)}"
+        continue
+    if rc == 0:
+        out[t] = "connected"
+    elif rc == errno.EINPROGRESS:
+        pending[s] = t
+    else:
+        out[t] = f"error {errno.errorcode.get(rc, rc)}"
+deadline = time.monotonic() + limit
+while pending and time.monotonic() < deadline:
+    _, ready, _ = select.select([], list(pending), [], max(0.0, deadline - time.monotonic()))
+    for s in ready:
+        rc = s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        out[pending.pop(s)] = "connected" if rc == 0 else f"error {errno.errorcode.get(rc, rc)}"
+for t in pending.values():
+    out[t] = "timeout"
+
+def csum(b):
+    b += b"\0" * (len(b) % 2)
+    s = sum(struct.unpack("!%dH" % (len(b) // 2), b))
+    while s >> 16:
+        s = (s & 0xffff) + (s >> 16)
+    return ~s & 0xffff
+
+def link_local(mac):
+    return b"\xfe\x80" + bytes(6) + bytes([mac[0] ^ 2, *mac[1:3], 0xff, 0xfe, *mac[3:]])
+
+def frame(dst_mac, dst, icmp):
+    pseudo = src + dst + struct.pack("!I3xB", len(icmp), 58)
+    icmp = icmp[:2] + struct.pack("!H", csum(pseudo + icmp)) + icmp[4:]
+    return dst_mac + own_mac + b"\x86\xdd" + struct.pack("!IHBB", 6 << 28, len(icmp), 58, 255) + src + dst + icmp
+
+with open(f"/sys/class/net/{iface}/address") as f:
+    own_mac = bytes.fromhex(f.read().strip().replace(":", ""))
+src = link_local(own_mac)
+raw = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x86dd)); raw.bind((iface, 0x86dd))
+echo = struct.pack("!BBHHH", 128, 0, 0, 0x7e57, 1) + b"probe"
+frames = [frame(b"\x33\x33\0\0\0\1", socket.inet_pton(socket.AF_INET6, "ff02::1"), echo)]
+for mac in host_macs:
+    target = link_local(mac)
+    frames.append(frame(mac, target, echo))
+    frames.append(frame(b"\x33\x33\xff" + target[13:], socket.inet_pton(socket.AF_INET6, "ff02::1:ff00:0")[:13]
+                        + target[13:], struct.pack("!BBHI", 135, 0, 0, 0) + target + b"\1\1" + own_mac))
+for fr in frames:
+    raw.send(fr)
+back = []
+raw.settimeout(0.05)
+deadline = time.monotonic() + limit
+while time.monotonic() < deadline:
+    try:
+        data, where = raw.recvfrom(2048)
+    except socket.timeout:
+        continue
+    if where[2] != socket.PACKET_OUTGOING and len(data) >= 55:
+        back.append({"from": socket.inet_ntop(socket.AF_INET6, data[22:38]), "mac": data[6:12].hex(":"),
+                     "icmpv6_type": data[54] if data[20] == 58 else None})
+print(json.dumps({"connect": out, "sent_frames": len(frames), "ipv6_back": back}))
+"""
+
+
+def _host_addresses():
+    """Every address of every interface of the host namespace: ``[(dev, family, addr)]``."""
+    out = subprocess.run(["ip", "-o", "addr", "show"], capture_output=True, text=True, check=True).stdout
+    return [(f[1], f[2], f[3].split("/")[0]) for f in (line.split() for line in out.splitlines())
+            if len(f) > 3 and f[2] in ("inet", "inet6")]
+
+
+def _link_local_of(dev):
+    """The EUI-64 link-local address ``dev`` gets from its MAC where IPv6 is on: tried even where
+    no such address shows, so an address the listing misses is still probed."""
+    with open(f"/sys/class/net/{dev}/address") as f:
+        mac = [int(b, 16) for b in f.read().strip().split(":")]
+    eui = [mac[0] ^ 2, *mac[1:3], 0xff, 0xfe, *mac[3:]]
+    return "fe80::" + ":".join(f"{eui[i] << 8 | eui[i + 1]:x}" for i in range(0, 8, 2))
+
+
+def _host_wide_ipv6_settings():
+    out = {}
+    for key in ("all", "default"):
+        path = f"/proc/sys/net/ipv6/conf/{key}/disable_ipv6"
+        if os.path.exists(path):
+            with open(path) as f:
+                out[key] = f.read().strip()
+    return out
+
+
+def _testbed_addresses(tb):
+    """``{where: [address lines]}`` on every link the testbed made: the bridge and the host's veth
+    ends (any family), and everything in each namespace's IPv6 table."""
+    found = {}
+    for dev in [tb.bridge] + [f"{tb.prefix}v{r.rank}" for r in tb.ranks]:
+        found[f"host {dev}"] = subprocess.run(["ip", "-o", "addr", "show", "dev", dev], capture_output=True,
+                                              text=True, check=True).stdout.splitlines()
+        found[f"host routes via {dev}"] = [line for fam in ("-4", "-6") for line in subprocess.run(
+            ["ip", fam, "route", "show", "table", "all", "dev", dev], capture_output=True, text=True,
+            check=True).stdout.splitlines()]
+    for r in tb.ranks:
+        found[f"{r.netns} inet6"] = subprocess.run(["ip", "-n", r.netns, "-o", "-6", "addr", "show"],
+                                                   capture_output=True, text=True, check=True).stdout.splitlines()
+    return found
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_no_host_address_is_reachable_from_a_rank_s_namespace(clean, ranks):
+    """Listeners on the host bound to every address (0.0.0.0 and [::]) cannot be reached from a
+    rank's namespace on any address the host has, IPv4 or IPv6, link-local included (scoped to the
+    namespace's interface); IPv6 frames written raw onto the rank's link (an all-nodes echo, an
+    echo and a neighbour solicitation to each host link's link-local) get no answer; and no
+    testbed link carries an IPv6 address, nor the host an address or route on them."""
+    host_wide = _host_wide_ipv6_settings()
+    tb = testbed.up(ranks, 100, prefix=PREFIX)
+    assert _host_wide_ipv6_settings() == host_wide, "up changed the host's own IPv6 settings"
+    listeners = {}
+    try:
+        s4 = socket.socket(socket.AF_INET)
+        s4.bind(("0.0.0.0", 0))
+        s4.listen(64)
+        listeners["inet"] = s4
+        if socket.has_ipv6 and os.path.isdir("/proc/sys/net/ipv6"):
+            s6 = socket.socket(socket.AF_INET6)
+            s6.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            s6.bind(("::", 0))
+            s6.listen(64)
+            listeners["inet6"] = s6
+        port = {fam: s.getsockname()[1] for fam, s in listeners.items()}
+        # the listeners work: from the host itself they accept
+        for fam, addr in (("inet", "127.0.0.1"), ("inet6", "::1")):
+            if fam in listeners and any(a == addr for _, _, a in _host_addresses()):
+                socket.create_connection((addr, port[fam]), timeout=1).close()
+
+        # a link-local address is usable only once duplicate detection has passed: wait for that
+        # (bounded), so that one the testbed leaves on its links is really tried
+        deadline = time.monotonic() + 10
+        while any("tentative" in line for lines in _testbed_addresses(tb).values() for line in lines):
+            assert time.monotonic() < deadline, _testbed_addresses(tb)
+            time.sleep(0.1)
+
+        addrs = {(fam, a) for _, fam, a in _host_addresses()}
+        addrs |= {("inet6", _link_local_of(dev)) for dev in [tb.bridge] + [f"{tb.prefix}v{r.rank}" for r in tb.ranks]}
+        addrs |= {("inet6", _link_local_of(dev)) for dev, _, _ in _host_addresses() if dev != "lo"}
+        targets = sorted(f"{a}%{tb.iface}|{port['inet6']}" if a.startswith("fe80:") else
+                         f"{a}|{port[fam]}" for fam, a in addrs if fam in port)
+        host_ips = {a for _, a in addrs}
+        host_macs = []
+        for dev in [tb.bridge] + [f"{tb.prefix}v{r.rank}" for r in tb.ranks]:
+            with open(f"/sys/class/net/{dev}/address") as f:
+                host_macs.append(f.read().strip())
+        for r in tb.ranks:      # one at a time: a probe would hear another's frames on the bridge
+            p = subprocess.run(["ip", "netns", "exec", r.netns, sys.executable, "-c", _REACH, "1.0", tb.iface, r.addr,
+                                ",".join(host_macs), *targets], capture_output=True, text=True, timeout=30)
+            assert p.returncode == 0, p.stderr[-2000:]
+            rec = json.loads(p.stdout)
+            control = rec["connect"].pop(next(t for t in rec["connect"] if t.startswith(r.addr + "|")))
+            assert control == "connected", f"{r.netns}: the probe cannot reach its own listener: {control}"
+            reached = {t: v for t, v in rec["connect"].items() if v == "connected"}
+            assert not reached, f"{r.netns} reaches the host at {sorted(reached)}"
+            assert sorted(rec["connect"]) == targets, rec
+            assert rec["sent_frames"] == 1 + 2 * len(host_macs), rec
+            # nothing may answer: the host's links must not, and the other ranks have no IPv6 either
+            assert rec["ipv6_back"] == [], \
+                f"{r.netns}: IPv6 answers {rec['ipv6_back']} (host addresses: {sorted(host_ips)})"
+        found = _testbed_addresses(tb)
+        assert not any(found.values()), {k: v for k, v in found.items() if v}
+    finally:
+        for s in listeners.values():
+            s.close()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/sys/net/ipv6"), reason="this kernel has no IPv6")
+def test_up_fails_and_cleans_up_where_a_host_link_keeps_ipv6(clean, monkeypatch):
+    """Where IPv6 stays on at the host's end of the links (a kernel or daemon that will not have it
+    off), the bridge gets a link-local address: ``up`` names it, removes what it made and fails."""
+    monkeypatch.setattr(testbed, "_host_link_without_ipv6", lambda dev: None, raising=False)
+    with pytest.raises(testbed.TestbedError, match=r"not sealed off from the host: .*xdytbr: inet6 fe80::"):
+        testbed.up(2, 100, prefix=PREFIX)
+    assert leftovers() == []
+    assert not os.path.exists(testbed.state_path(PREFIX))
