@@ -160,7 +160,7 @@ class GroupAverager:
         self.comm = comm
         self.rank, self.nranks = self.tx.rank, self.tx.size
         P = self.nranks
-        errors = []
+        errors = [p for p in [transport.watchdog.timeout_problem()] if p]   # the bound on every later wait
         if isinstance(numel, (bool, np.bool_)) or not isinstance(numel, (int, np.integer)) or numel <= 0:
             errors.append(f"numel must be a positive integer, got {numel!r}")
         if not is_pow2(P):

@@ -25,7 +25,10 @@ def local_rank(comm=None):
     if comm is not None:
         from mpi4py import MPI
 
-        local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        from .watchdog import waiting
+
+        with waiting("Comm.Split_type (the ranks of this node)", comm):
+            local = comm.Split_type(MPI.COMM_TYPE_SHARED)
         try:
             return local.Get_rank()
         finally:

@@ -42,7 +42,7 @@ import time
 
 import numpy as np
 from mpi4py import MPI
-from .watchdog import watched
+from .watchdog import waiting, watched
 
 WORD = np.int64
 MAX_WINDOW = 1 << 12
@@ -126,7 +126,8 @@ class DeadlineTransport:
     the agreement collective, byte counters. Host (NumPy) buffers only."""
 
     def __init__(self, comm, n_chunks):
-        self.comm = comm.Dup()
+        with waiting("Comm.Dup (the deadline exchange's communicator)", comm):
+            self.comm = comm.Dup()
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.n_chunks = int(n_chunks)
         tag_ub = self.comm.Get_attr(MPI.TAG_UB) or 32767

@@ -34,7 +34,7 @@ from mpi4py import MPI
 from ..arrays.half import narrow, widen
 from ..kernels import cpu_half as _kh
 from . import signs as _signs
-from .watchdog import watched
+from .watchdog import waiting, watched
 
 WORD = np.int64
 
@@ -45,8 +45,11 @@ def world():
 
 
 def broadcast(buf, comm=None, root=0):
-    """Broadcast host buffer ``buf`` in place from ``root`` over ``comm`` (default COMM_WORLD)."""
-    (world() if comm is None else comm).Bcast(buf, root=root)
+    """Broadcast host buffer ``buf`` in place from ``root`` over ``comm`` (default COMM_WORLD): a
+    bounded wait (the watchdog aborts the job when the root never comes)."""
+    comm = world() if comm is None else comm
+    with waiting("broadcast", comm):
+        comm.Bcast(buf, root=root)
     return buf
 
 
@@ -63,7 +66,8 @@ def node_ranks(comm):
         v = os.environ.get(key, "")
         if v.isdigit() and int(v) > 0:
             return int(v)
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    with waiting("Comm.Split_type (the ranks of this node)", comm):
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:
         return node.Get_size()
     finally:

@@ -20,7 +20,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .exchange import Exchange
-from .watchdog import watched
+from .watchdog import waiting, watched
 
 WORD = np.int64
 #: Versioned tags: round v, recursive-doubling step j -> tag (v mod TAG_WINDOW) * TAG_STEPS + j.
@@ -117,10 +117,11 @@ class GroupTransport:
     def open(self, need_async):
         """Private duplicates of the user's communicator (collective): one for the blocking
         exchanges, one for the progress thread's wait-avoiding rounds."""
-        self.private = self.comm.Dup()
-        self.xch = Exchange(self.private)
-        if need_async:
-            self.async_comm = self.comm.Dup()
+        with waiting("Comm.Dup (private communicators)", self.comm):
+            self.private = self.comm.Dup()
+            self.xch = Exchange(self.private)
+            if need_async:
+                self.async_comm = self.comm.Dup()
 
     @staticmethod
     def thread_multiple():

@@ -91,7 +91,8 @@ class Worker:
             The private communicator.
         """
         if self._comm is None:
-            self._comm = comm.Dup()
+            with watchdog.waiting("Comm.Dup (a private communicator)", comm):
+                self._comm = comm.Dup()
         return self._comm
 
     def free(self) -> None:
