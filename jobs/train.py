@@ -157,6 +157,14 @@ def params_hash(model):
     return h.hexdigest()
 
 
+def shared_state(state):
+    """The part of a checkpoint's state every rank holds bit for bit: the current run's parameters
+    and buffers, which the gradient exchange keeps identical (runs that average models let them
+    differ between averages, so theirs is not compared)."""
+    name = state["config"]["runs"][state["run_index"]][0]
+    return None if name in MODEL_AVERAGING else state["current"]["model"]
+
+
 def imbalance_of(stats):
     imb = getattr(stats, "imbalance", None)
     if imb is not None:
@@ -195,7 +203,7 @@ class Job:
                         "model": model.state_dict(), "opt": opt.state_dict()},
             "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
         }
-        checkpoint.save(self.comm, self.args.out, self.step, state)
+        checkpoint.save(self.comm, self.args.out, self.step, state, shared=shared_state)
 
 
 class Run:
@@ -452,7 +460,8 @@ def main(argv=None):
     job = Job(args, comm, todo, None)
     try:
         passed = []
-        ck = checkpoint.load_latest(comm, args.out, job.config, report=passed) if args.resume else None
+        ck = (checkpoint.load_latest(comm, args.out, job.config, report=passed, shared=shared_state)
+              if args.resume else None)
     except checkpoint.CheckpointError as e:   # the same text on every rank: say it once, all exit 2
         if rank == 0:
             print(f"train.py: --resume refused on all {nranks} ranks: {e}", file=sys.stderr, flush=True)

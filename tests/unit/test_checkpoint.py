@@ -1,6 +1,8 @@
-"""jobs/checkpoint.py: a format that loads without running code, exact NumPy bits, the previous
-format still read, two complete generations kept, a corrupt newest one passed over.
-(The multi-rank side, one rank's file corrupt, runs in tests/unit/test_train_cli.py.)"""
+"""jobs/checkpoint.py: a format that loads without running code, exact NumPy bits, older formats
+refused saying why, two complete generations kept, and a newest generation passed over when its
+marker entry is malformed or this rank's file is unreadable, another rank's, another step's, edited
+after the write, non-finite or written with another shared part.
+(The multi-rank side runs in tests/mpi/test_job_checkpoint_mpi.py and tests/unit/test_train_cli.py.)"""
 import importlib.util
 import json
 import os
@@ -21,14 +23,21 @@ _spec.loader.exec_module(checkpoint)
 CONFIG = {"runs": [["exdyna", 0.05]], "model": "cnn"}
 
 
-def _state(step):
+def _state(step, payload=False):
+    """A job-like state; ``payload`` adds a NaN with a payload (bits a round trip must keep, but that
+    ``load_latest`` refuses)."""
     rng = np.random.RandomState(step)
-    nan = np.array([np.nan], dtype=np.float32).view(np.uint32) | np.uint32(0x12345)   # a NaN payload
-    return {"config": CONFIG, "job_step": step,
-            "arrays": [rng.standard_normal(7).astype(np.float32), np.arange(5, dtype=np.uint32), nan.view(np.float32),
-                       np.zeros((0, 3)), np.array(3.5), rng.standard_normal((2, 3))],
+    nan = np.array([np.nan], dtype=np.float32).view(np.uint32) | np.uint32(0x12345)
+    arrays = [rng.standard_normal(7).astype(np.float32), np.arange(5, dtype=np.uint32), np.zeros((0, 3)),
+              np.array(3.5), rng.standard_normal((2, 3))] + ([nan.view(np.float32)] if payload else [])
+    return {"config": CONFIG, "job_step": step, "arrays": arrays,
             "scalars": (np.float32(1.25), np.int64(-7), np.bool_(True), 2 ** 70, 0.1, None, "text", b"raw"),
-            "tensor": torch.arange(4.0), "rng": {"numpy": np.random.RandomState(step).get_state()}}
+            "model": {"w": torch.from_numpy(rng.standard_normal((3, 4)).astype(np.float32)), "b": torch.arange(4.0)},
+            "rng": {"numpy": np.random.RandomState(step).get_state()}}
+
+
+def _model(state):
+    return state["model"]
 
 
 def _same(a, b):
@@ -47,8 +56,10 @@ def _same(a, b):
 
 def test_round_trip_keeps_every_bit(tmp_path):
     path = str(tmp_path / "x.pt")
-    checkpoint.write(path, _state(3))
-    assert _same(checkpoint.read(path), _state(3))
+    checkpoint.write(path, _state(3, payload=True), rank=2, nranks=4, step=3)
+    header, state = checkpoint.read(path)
+    assert _same(state, _state(3, payload=True))
+    assert header == {"rank": 2, "nranks": 4, "step": 3, "shared": None}
 
 
 class _Payload:
@@ -70,11 +81,22 @@ def test_a_file_that_would_run_code_is_refused_without_running_it(tmp_path):
     assert not os.path.exists(_Payload.target)
 
 
-def test_version_1_files_still_load(tmp_path):
-    """Version 1: torch.save of the state itself, NumPy objects pickled inside."""
-    path = str(tmp_path / "v1.pt")
-    torch.save(_state(5), path)
-    assert _same(checkpoint.read(path), _state(5))
+@pytest.mark.parametrize("version", [1, 2])
+def test_older_versions_are_refused_saying_why(tmp_path, version):
+    """Version 1 (torch.save of the state, NumPy objects inside) and 2 (no rank, step or digest):
+    nothing in them can be checked, so they are refused by name, by read and by load_latest."""
+    out = str(tmp_path)
+    checkpoint.save(MPI.COMM_SELF, out, 4, _state(4))
+    path = os.path.join(checkpoint.folder(out), "step00000004.rank0.pt")
+    if version == 1:
+        torch.save(_state(4), path)
+    else:
+        torch.save({"format": checkpoint.FORMAT, "version": 2, "state": checkpoint.encode(_state(4))}, path)
+    words = f"format version {version}: it records neither the rank that wrote it nor a digest"
+    with pytest.raises(ValueError, match=words):
+        checkpoint.read(path)
+    with pytest.raises(checkpoint.CheckpointError, match=f"step 4: rank 0 cannot read step00000004.rank0.pt .*{words}"):
+        checkpoint.load_latest(MPI.COMM_SELF, out, CONFIG)
 
 
 def test_objects_the_format_cannot_hold_are_refused_at_save(tmp_path):
@@ -109,3 +131,128 @@ def test_other_settings_are_refused(tmp_path):
     with pytest.raises(checkpoint.CheckpointError, match="other settings: model='cnn' \\(now 'mlp'\\)"):
         checkpoint.load_latest(MPI.COMM_SELF, out, dict(CONFIG, model="mlp"))
     assert checkpoint.load_latest(MPI.COMM_SELF, str(tmp_path / "none"), CONFIG) is None
+
+
+def _two_generations(tmp_path, shared=_model):
+    """Checkpoints of steps 8 and 12 under ``tmp_path``; returns (out, folder)."""
+    out = str(tmp_path)
+    for step in (8, 12):
+        checkpoint.save(MPI.COMM_SELF, out, step, _state(step), shared=shared)
+    return out, checkpoint.folder(out)
+
+
+def _falls_back(out, words, shared=_model):
+    """load_latest passes over step 12 saying ``words`` and gives step 8's state, bit for bit."""
+    report = []
+    got = checkpoint.load_latest(MPI.COMM_SELF, out, CONFIG, report=report, shared=shared)
+    assert _same(got, _state(8))
+    assert len(report) == 1 and report[0].startswith("step 12: ") and words in report[0], report
+
+
+def _rewrite(path, edit):
+    """Load a file as the format holds it, ``edit`` it and save it back with torch.save."""
+    raw = torch.load(path, weights_only=True)
+    edit(raw)
+    torch.save(raw, path)
+
+
+@pytest.mark.parametrize("what", ["weight", "residual", "rank"])
+def test_a_file_edited_after_the_write_is_passed_over(tmp_path, what):
+    """One finite weight, one bit of a NumPy array, or the header's rank changed after the write:
+    the file no longer matches the digest written with it."""
+    out, d = _two_generations(tmp_path)
+
+    def edit(raw):
+        if what == "weight":
+            raw["state"]["model"]["w"][1, 2] += 0.5
+        elif what == "residual":
+            raw["state"]["arrays"][0]["data"][3] ^= 1
+        else:
+            raw["rank"] = 1
+    _rewrite(os.path.join(d, "step00000012.rank0.pt"), edit)
+    _falls_back(out, "do not match the digest written with them")
+
+
+@pytest.mark.parametrize("header,words", [
+    ({"rank": 1}, "rank 0's file step00000012.rank0.pt was written by rank 1"),
+    ({"nranks": 2}, "was written by a run of 2 ranks, this job has 1"),
+    ({"step": 8}, "holds step 8, not 12"),
+])
+def test_a_consistent_file_of_another_rank_run_or_step_is_passed_over(tmp_path, header, words):
+    """A file whose digest matches but that another rank, run size or step wrote (copied over
+    this rank's file) is refused by what its header records."""
+    out, d = _two_generations(tmp_path, shared=None)
+    at = dict({"rank": 0, "nranks": 1, "step": 12}, **header)
+    checkpoint.write(os.path.join(d, "step00000012.rank0.pt"), _state(at["step"]), **at)
+    _falls_back(out, words, shared=None)
+
+
+def test_a_non_finite_value_is_refused_at_save_and_at_load(tmp_path):
+    out, d = _two_generations(tmp_path, shared=None)
+    bad = _state(16)
+    bad["model"]["w"][2, 1] = float("inf")
+    words = "writing step 16 refused: rank 0: a non-finite value in model/w"
+    with pytest.raises(checkpoint.CheckpointError, match=words):
+        checkpoint.save(MPI.COMM_SELF, out, 16, bad)
+    assert json.load(open(os.path.join(d, checkpoint.MARKER)))["step"] == 12
+    assert not os.path.exists(os.path.join(d, "step00000016.rank0.pt"))
+    nan = _state(12)
+    nan["arrays"][4][1, 0] = np.nan
+    checkpoint.write(os.path.join(d, "step00000012.rank0.pt"), nan, rank=0, nranks=1, step=12)
+    _falls_back(out, "holds a non-finite value in arrays/4", shared=None)
+
+
+def test_a_file_written_with_another_shared_part_is_passed_over(tmp_path):
+    out, d = _two_generations(tmp_path, shared=None)
+    checkpoint.save(MPI.COMM_SELF, out, 12, _state(12), shared=_model)
+    _falls_back(out, "is not the one it was written with", shared=None)
+
+
+@pytest.mark.parametrize("edit,words", [
+    (lambda m: m["generations"][0].update(files=[]), "lists 0 files for 1 ranks"),
+    (lambda m: m["generations"][0].update(files="step00000012.rank0.pt"), "has no list of files"),
+    (lambda m: m["generations"][0].update(files=["step00000008.rank0.pt"]),
+     "names 'step00000008.rank0.pt' as rank 0's file, not 'step00000012.rank0.pt'"),
+    (lambda m: m["generations"][0].update(files=[7]), "names 7 as rank 0's file"),
+    (lambda m: m["generations"][0].pop("files"), "has no list of files (None)"),
+    (lambda m: m["generations"][0].update(step="12"), "has step '12'"),
+    (lambda m: m["generations"][0].pop("step"), "has step None"),
+    (lambda m: m["generations"].__setitem__(0, [12]), "is not an object ([12])"),
+    (lambda m: m.update(files=[]), "its step and files disagree with its newest generation"),
+])
+def test_a_malformed_marker_entry_refuses_that_generation_only(tmp_path, edit, words):
+    out, d = _two_generations(tmp_path)
+    path = os.path.join(d, checkpoint.MARKER)
+    marker = json.load(open(path))
+    edit(marker)
+    json.dump(marker, open(path, "w"))
+    report = []
+    got = checkpoint.load_latest(MPI.COMM_SELF, out, CONFIG, report=report, shared=_model)
+    assert _same(got, _state(8))
+    heads = ("step 12: rank 0: COMPLETE: its ", "generation 1: rank 0: COMPLETE: its ")   # its step unreadable
+    assert len(report) == 1 and report[0].startswith(heads) and words in report[0], report
+
+
+@pytest.mark.parametrize("edit,words", [
+    (lambda m: m.pop("nranks"), "it has no number of ranks"),
+    (lambda m: m.update(nranks="1"), "it has no number of ranks"),
+    (lambda m: m.update(generations={}), "its generations are not a non-empty list"),
+    (lambda m: m.update(generations=[]), "its generations are not a non-empty list"),
+    (lambda m: m.clear(), "it has no number of ranks"),
+])
+def test_a_marker_without_usable_generations_is_refused(tmp_path, edit, words):
+    out, d = _two_generations(tmp_path)
+    path = os.path.join(d, checkpoint.MARKER)
+    marker = json.load(open(path))
+    edit(marker)
+    json.dump(marker, open(path, "w"))
+    with pytest.raises(checkpoint.CheckpointError, match=f"cannot resume from .*COMPLETE: rank 0: {words}"):
+        checkpoint.load_latest(MPI.COMM_SELF, out, CONFIG, shared=_model)
+
+
+def test_a_marker_that_is_not_an_object_is_refused(tmp_path):
+    out, d = _two_generations(tmp_path)
+    with open(os.path.join(d, checkpoint.MARKER), "w") as f:
+        json.dump([12, 8], f)
+    with pytest.raises(checkpoint.CheckpointError, match=r"COMPLETE: rank 0: it is not a JSON object \(\[12, 8\]\)"):
+        checkpoint.load_latest(MPI.COMM_SELF, out, CONFIG, shared=_model)
