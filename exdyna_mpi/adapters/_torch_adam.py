@@ -137,6 +137,9 @@ class AdamPath:
     #: what the sparsifier's residual is multiplied by after each exchange that was not skipped (None:
     #: left alone); ``DistributedOptimizer.step`` applies it
     residual_decay: float | None = None
+    #: whether ``update`` reads only the signs of the exchanged average (an edit of ``.grad`` that
+    #: keeps every sign then changes nothing: the DDP hook accepts it)
+    signs_only = False
 
     def __init__(self, optimizer, params, mode: str, who: str = "DistributedOptimizer") -> None:
         torch = _torch()
@@ -172,7 +175,9 @@ class AdamPath:
         raise NotImplementedError
 
     def apply(self, flat, skipped: bool, sp) -> None:
-        """``update``, then ``decay_residual``."""
+        """``update``, then ``decay_residual``; nothing for a skipped exchange."""
+        if skipped:
+            return
         self.update(flat, skipped)
         self.decay_residual(sp, skipped)
 
@@ -219,6 +224,8 @@ class AdamPath:
         (``u`` flat, in the parameters' order; ``lr`` read from the group at this step)."""
         with _torch().no_grad():
             for p, g, off, n in self.slices:
+                if p.grad is None:   # no gradient reached it (DDP's unused parameters): torch leaves it alone
+                    continue
                 lr, wd = float(g["lr"]), float(g["weight_decay"])
                 if wd and self.decoupled:
                     p.mul_(1 - lr * wd)
@@ -335,6 +342,8 @@ class DecoupledMomentum(AdamPath):
     sparsifier's state (``"exdyna_sparsifier"``); this path keeps only its step count. A skipped
     exchange (``nonfinite="skip"``) changes nothing, the decay included.
     """
+
+    signs_only = True
 
     def __init__(self, optimizer, params, who: str = "DistributedOptimizer", mode: str = "demo") -> None:
         super().__init__(optimizer, params, mode, who)
@@ -527,6 +536,8 @@ class FrozenVarianceAdam(AdamPath):
             self.step += 1
             t = self.step
             for p, g, off, n in self.slices:
+                if p.grad is None:   # as in _descend
+                    continue
                 beta1 = g["betas"][0]
                 lr, wd = float(g["lr"]), float(g["weight_decay"])
                 pv = flat[off:off + n].view_as(p)

@@ -40,8 +40,9 @@ from exdyna_mpi import transport
 from exdyna_mpi.transport.group import GroupTransport
 
 from ._torch_adam import AdamPath, check_mode as check_adam_mode, make_adam_path
-from ._torch_common import _flat_layout, _torch
-from ._torch_options import RECIPE_DEFAULTS, Recipe, TrainingOptions, check_state, move_momentum, recipe_for
+from ._torch_common import _flat_layout, _from_torch, _to_torch, _torch
+from ._torch_config import EntryConfig, agree_entry, layout_text, optimizer_items
+from ._torch_options import RECIPE_DEFAULTS, Recipe, TrainingOptions, check_state, recipe_for
 
 if TYPE_CHECKING:
     import torch
@@ -102,8 +103,8 @@ class ExDynaHookState:
         optimizer: the optimizer that steps on the hook's gradients. Given, the hook runs
             ``DistributedOptimizer``'s training recipe (``_torch_options.py``) around the exchange,
             with the same options and defaults: ``momentum_correction="auto"`` moves an SGD's
-            momentum before the exchange (the optimizer's ``momentum`` is set to 0 here and again at
-            every iteration, so a loaded optimizer state cannot bring it back) and adds ExDyna's
+            momentum before the exchange (the optimizer steps without its ``momentum``, taken out of
+            the param groups by its step hooks while ``step()`` runs and put back after) and adds ExDyna's
             quotas; ``momentum_masking``, ``clip_norm``, ``warmup_steps``, ``density_warmup`` and
             ``density_warmup_steps`` as there. The model-wide vector is then laid out in the
             optimizer's parameter order, so DDP with this hook and ``DistributedOptimizer`` with the
@@ -121,13 +122,16 @@ class ExDynaHookState:
             start while the last one's update has not been applied (a state made later with the same optimizer takes its
             step over: the newest one counts). The path's state (moments, step count) is in ``state_dict()`` under
             ``"adam"``; with ``adam="demo"``/``"demo-age"`` the momentum is the sparsifier's residual. The update comes
-            from the exchanged vector, not from ``.grad``: clip with ``clip_norm=``. A ``.grad`` edited between
-            ``backward()`` and ``step()`` (a binding ``clip_grad_norm_``, a ``GradScaler``'s unscaling), whose change
-            would be lost, makes ``step()`` raise ``CollectiveError`` on every rank with nothing applied; with ``.grad``
-            put back, ``step()`` applies the update.
+            from the exchanged vector, not from ``.grad``: clip with ``clip_norm=`` (before the exchange). Under
+            ``"demo"``/``"demo-age"`` (the AdamW default) ``.grad`` holds the exchanged signs and the update reads only
+            them, so the standard loop's ``clip_grad_norm_`` (a positive rescale: every sign kept) changes nothing and
+            is accepted. Under the other paths a ``.grad`` edited between ``backward()`` and ``step()`` (a binding
+            ``clip_grad_norm_``, a ``GradScaler``'s unscaling), whose change would be lost, makes ``step()`` raise
+            ``CollectiveError`` on every rank with nothing applied; with ``.grad`` put back, ``step()`` applies the
+            update.
 
     Raises:
-        ValueError: a bad option (the same on every rank: nothing collective has run yet).
+        CollectiveError: a bad option on any rank, or ranks that differ (on every rank).
         CollectiveError: from ``optimizer.step()`` (an Adam path that owns the step): ``.grad``
             edited since ``backward()`` on some rank.
         RuntimeError: MPI without ``MPI_THREAD_MULTIPLE``: the exchanges run on a worker thread
@@ -138,9 +142,15 @@ class ExDynaHookState:
     last failed exchange (DDP re-raises it from ``backward()`` inside a ``RuntimeError``).
     ``state.close()`` stops the worker (collective: it frees the private communicator).
 
-    ``state_dict()`` / ``load_state_dict()`` checkpoint it (every rank its own: residuals differ; host
-    NumPy copies, and with ``optimizer=`` the recipe's state under ``"recipe"`` with its tensors on
-    the CPU, so save with pickle or ``torch.save`` / ``torch.load(weights_only=False)``).
+    ``state_dict()`` / ``load_state_dict()`` checkpoint it (every rank its own: residuals differ):
+    CPU tensors and plain values, for ``torch.save`` / ``torch.load(weights_only=True)``; the dict
+    records the configuration, and a load into another configuration is refused on every rank.
+
+    Construction is collective over ``comm`` (a ``CollectiveError`` on every rank when any rank's
+    arguments are refused or the ranks' configurations differ: ``_torch_config.py``). With
+    ``optimizer=``, the optimizer's param groups keep the user's own settings: the momentum the
+    recipe moves is out of them only while ``optimizer.step()`` runs, and after an exchange that
+    skipped the step (``nonfinite="skip"``) the step moves nothing (no decay, no momentum).
     Pickling keeps the same, without communicator, thread or futures; after unpickling ``comm`` is
     ``MPI.COMM_WORLD`` unless ``state.comm`` is set before the first iteration. A state with
     ``optimizer=`` is not picklable (it holds the optimizer): save its ``state_dict()``.
@@ -162,37 +172,54 @@ class ExDynaHookState:
                  warmup_steps: int = 0, momentum_correction: float | str = "auto", momentum_masking: bool = True,
                  density_warmup: Sequence[float] | None = None, density_warmup_steps: int | None = None,
                  adam: str = "auto", **options: Any) -> None:
-        if scope not in SCOPES:
-            raise ValueError(f"ExDynaHookState: scope must be one of {SCOPES}, got {scope!r}")
-        if sparsifier not in exdyna_mpi.available():
-            raise ValueError(f"ExDynaHookState: unknown sparsifier {sparsifier!r}; "
-                             f"available: {', '.join(exdyna_mpi.available())}")
+        who = "ExDynaHookState"
         recipe_args = dict(clip_norm=clip_norm, warmup_steps=warmup_steps, momentum_correction=momentum_correction,
                            momentum_masking=momentum_masking, density_warmup=density_warmup,
                            density_warmup_steps=density_warmup_steps)
-        recipe: Recipe | None = None
-        params: list[torch.Tensor] | None = None
-        adam_path: AdamPath | None = None
-        if optimizer is None:
-            given = [k for k, v in recipe_args.items() if v != RECIPE_DEFAULTS[k]]   # none may differ
-            given += ["adam"] if adam not in ("auto", "live") else []
-            if given:
-                raise ValueError(f"ExDynaHookState: {', '.join(given)} belong to the training recipe, which runs "
-                                 "only with optimizer= (the optimizer that steps on the hook's gradients)")
+
+        def plan() -> tuple[tuple[dict[str, Any], Recipe | None, list[Any] | None, AdamPath | None], EntryConfig]:
+            """Every check, on this rank only, and the configuration they give; changes nothing."""
+            opts = dict(options)
+            if scope not in SCOPES:
+                raise ValueError(f"{who}: scope must be one of {SCOPES}, got {scope!r}")
+            if sparsifier not in exdyna_mpi.available():
+                raise ValueError(f"{who}: unknown sparsifier {sparsifier!r}; "
+                                 f"available: {', '.join(exdyna_mpi.available())}")
+            recipe: Recipe | None = None
+            params: list[torch.Tensor] | None = None
+            adam_path: AdamPath | None = None
+            items = {"entry": who, "sparsifier": sparsifier, "density": repr(density), "scope": scope}
+            if optimizer is None:
+                given = [k for k, v in recipe_args.items() if v != RECIPE_DEFAULTS[k]]   # none may differ
+                given += ["adam"] if adam not in ("auto", "live") else []
+                if given:
+                    raise ValueError(f"{who}: {', '.join(given)} belong to the training recipe, which runs only "
+                                     "with optimizer= (the optimizer that steps on the hook's gradients)")
+                items.update((f"option.{k}", repr(v)) for k, v in sorted(opts.items()))
+            else:
+                if scope != "model":
+                    raise ValueError(f"{who}: optimizer= needs scope='model' (the recipe clips and "
+                                     "momentum-corrects the model's whole gradient before one exchange)")
+                params, _ = _flat_layout([p for g in optimizer.param_groups for p in g["params"]], who)
+                check_adam_mode(optimizer, adam, warmup_steps, who)
+                adam_path = make_adam_path(optimizer, params, adam, who, sparsifier=sparsifier)
+                if adam_path is not None:
+                    opts = adam_path.sparsifier_options(sparsifier, opts)
+                recipe = recipe_for(optimizer, sparsifier, density, opts, who=who, **recipe_args)
+                opts = recipe.options
+                items.update(recipe.items())
+                items.update({"adam": "live" if adam_path is None else adam_path.mode, **optimizer_items(optimizer),
+                              "layout": layout_text(params)})
+            if not GroupTransport.thread_multiple():
+                raise RuntimeError(f"{who} needs MPI initialised with MPI_THREAD_MULTIPLE (mpi4py's default, "
+                                   "see mpi4py.rc.thread_level): its exchanges run on a worker thread")
+            return (opts, recipe, params, adam_path), EntryConfig.of(who, items)
+
+        if getattr(self, "_unpickling", False):   # one rank's business: the first iteration's loads agree
+            (options, recipe, params, adam_path), config = plan()
         else:
-            if scope != "model":
-                raise ValueError("ExDynaHookState: optimizer= needs scope='model' (the recipe clips and "
-                                 "momentum-corrects the model's whole gradient before one exchange)")
-            params, _ = _flat_layout([p for g in optimizer.param_groups for p in g["params"]], "ExDynaHookState")
-            check_adam_mode(optimizer, adam, warmup_steps, "ExDynaHookState")
-            adam_path = make_adam_path(optimizer, params, adam, "ExDynaHookState", sparsifier=sparsifier)
-            if adam_path is not None:
-                options = adam_path.sparsifier_options(sparsifier, options)
-            recipe = recipe_for(optimizer, sparsifier, density, options, who="ExDynaHookState", **recipe_args)
-            options = recipe.options
-        if not GroupTransport.thread_multiple():
-            raise RuntimeError("ExDynaHookState needs MPI initialised with MPI_THREAD_MULTIPLE (mpi4py's default, "
-                               "see mpi4py.rc.thread_level): its exchanges run on a worker thread")
+            (options, recipe, params, adam_path), config = agree_entry(self.comm_of(comm), who, plan)
+        self._config = config
         self.sparsifier, self.density, self.scope, self.options = sparsifier, density, scope, dict(options)
         self.optimizer = optimizer
         self._recipe_config: Recipe | None = recipe
@@ -201,6 +228,7 @@ class ExDynaHookState:
         self._adam_due = False    # an exchange ran whose Adam-path update optimizer.step() has yet to apply
         self._last_sp: Any = None   # the sparsifier of the last model-wide exchange (a warm-up's or the main one)
         self._stashed: list[tuple[torch.Tensor, torch.Tensor | None]] = []   # .grad held away from the optimizer
+        self._momenta: list[Any] | None = None   # the groups' own momentum while the optimizer steps without it
         self._user_comm = comm
         self.step = 0
         self.stats: Any = None
@@ -235,52 +263,73 @@ class ExDynaHookState:
             # DistributedOptimizer's flat gradient, so both entry points exchange the same vector
             self._set_layout([(p.numel(), tuple(p.shape)) for p in params])
             self._index = {id(p): (weakref.ref(p), i) for i, p in enumerate(params)}
-            if recipe.moves_momentum:   # last: nothing above can refuse any more
-                move_momentum(optimizer)
         if optimizer is not None:
             # one state steps an optimizer: a state made earlier for it gives its step hooks up
             for handle in getattr(optimizer, _STEP_HOOKS, ()):
                 handle.remove()
-            handles: tuple[Any, ...] = ()
-            if adam_path is not None:
-                # the optimizer's own step() must apply the path's update: its step hooks run inside
-                # it, whatever wraps step() (LR schedulers, profilers)
-                handles = (optimizer.register_step_pre_hook(self._before_optimizer_step),
-                           optimizer.register_step_post_hook(self._after_optimizer_step))
+            # the optimizer's own step() applies the Adam path's update, steps without the momentum
+            # the recipe moved and moves nothing after a skipped exchange: its step hooks run inside
+            # it, whatever wraps step() (LR schedulers, profilers, a GradScaler)
+            handles = (optimizer.register_step_pre_hook(self._before_optimizer_step),
+                       optimizer.register_step_post_hook(self._after_optimizer_step))
             setattr(optimizer, _STEP_HOOKS, handles)
 
     # ------------------------------------------------------------------ the Adam path's step
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        """The optimizer's step pre-hook (``adam=`` given): apply the last exchange's update when the
-        path owns the step, and hold the gradients away so the optimizer's own step changes nothing."""
+        """The optimizer's step pre-hook (``optimizer=`` given): after a skipped exchange, hold every
+        gradient away so the step moves nothing; else apply the last exchange's update when the Adam
+        path owns the step (holding the gradients away so the optimizer's own step changes nothing),
+        and take the momentum the recipe moved out of the param groups until the step returns."""
+        self._restore_optimizer()   # a step that raised left them held
         adam = self._adam
-        assert adam is not None   # registered only with a path
-        if not self._adam_due:
+        skipped = self.stats is not None and bool(getattr(self.stats, "skipped", False))
+        if adam is not None and not self._adam_due:
             raise RuntimeError(f"ExDynaHookState(adam={adam.mode!r}): optimizer.step() without an exchange since "
                                "the last step; run one DDP backward() (outside no_sync) before each step()")
-        if adam.owns_step:
+        if skipped:   # the exchange skipped the step on every rank: nothing moves, nothing decays
+            self._stashed = [(p, p.grad) for g in optimizer.param_groups for p in g["params"]]
+        elif adam is not None and adam.owns_step:
             # the update comes from the exchanged vector: a .grad changed since backward() (a user's
             # clip_grad_norm_, a GradScaler's unscale_) would be silently lost, so it is refused (not
-            # after an exchange refused for step order, whose backward left DDP's partial work in .grad)
-            problem = None if self._iter_error is not None else _edited_grads(adam.slices, self._held_flat())
+            # after an exchange refused for step order, whose backward left DDP's partial work in .grad),
+            # unless the path reads only signs and the edit kept every sign (a positive rescale: a clip)
+            problem = None if self._iter_error is not None else _edited_grads(adam.slices, self._held_flat(),
+                                                                            signs=adam.signs_only)
 
             def apply() -> None:   # on the worker, after its queued work: the vector and sparsifier are its
                 transport.agree_problems(transport.Exchange(self._working_comm()), problem,
                                          f"ExDynaHookState(adam={adam.mode!r}): optimizer.step() refused on every "
                                          "rank, nothing applied")
-                adam.apply(self._held_flat(), bool(self.stats.skipped), self._last_sp)
+                adam.apply(self._held_flat(), False, self._last_sp)
 
-            self._call(apply)
+            self._call(apply)   # a refusal raises here: the update stays due, for a step with .grad put back
             self._stashed = [(p, p.grad) for p, *_ in adam.slices]
-            for p, _ in self._stashed:
-                p.grad = None
         self._adam_due = False
+        for p, _ in self._stashed:
+            p.grad = None
+        recipe = self._recipe_config
+        if recipe is not None and recipe.moves_momentum:
+            self._momenta = [g.get("momentum", 0.0) for g in optimizer.param_groups]
+            for g in optimizer.param_groups:
+                g["momentum"] = 0.0
 
     def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        """The optimizer's step post-hook: give the parameters their gradients back."""
+        """The optimizer's step post-hook: give the parameters their gradients and the param groups
+        their momentum back (the user's optimizer state never keeps the hook's settings)."""
+        self._restore_optimizer()
+
+    def _restore_optimizer(self) -> None:
         for p, g in self._stashed:
             p.grad = g
         self._stashed = []
+        if self._momenta is not None and self.optimizer is not None:
+            for group, m in zip(self.optimizer.param_groups, self._momenta):
+                group["momentum"] = m
+            self._momenta = None
+
+    @staticmethod
+    def comm_of(comm: MPI.Comm | None) -> MPI.Comm:
+        return transport.world() if comm is None else comm
 
     # ------------------------------------------------------------------ communicator and worker
     @property
@@ -362,11 +411,12 @@ class ExDynaHookState:
         """This rank's state, taken after the work queued so far. Call it between iterations.
 
         Returns:
-            The sparsifier(s)' state dicts, the canonical layout, the step counter and, with
-            ``optimizer=``, the recipe's state under ``"recipe"`` (and with ``adam=``, the Adam
-            path's under ``"adam"``; host copies; safe to pickle).
+            The configuration it runs (under ``"config"``), the sparsifier(s)' state dicts, the
+            canonical layout, the step counter and, with ``optimizer=``, the recipe's state under
+            ``"recipe"`` (and with ``adam=``, the Adam path's under ``"adam"``): CPU tensors and
+            plain Python values, so ``torch.save`` and ``torch.load(weights_only=True)`` round-trip it.
         """
-        return self._call(self._snapshot)
+        return _to_torch(dict(self._call(self._snapshot), config=self._config.record()))
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         """Restore ``state_dict()`` output between iterations. Collective over ``comm``.
@@ -391,7 +441,13 @@ class ExDynaHookState:
         """This rank's checks of a ``state_dict()`` output: (its problem or None, the fields, the layout)."""
         try:
             got = {k: d[k] for k in ("version", "scope", "sparsifier", "density", "layout", "step", "state")}
-        except (KeyError, TypeError) as e:
+            got["state"] = _from_torch(got["state"])   # the sparsifiers' states as they load: NumPy
+            mismatch = self._config.mismatch(d.get("config"))
+            recipe_state = d.get("recipe")
+            if isinstance(recipe_state, dict):
+                d = dict(d, recipe={k: _from_torch(v) if k in ("dense", "stage_state") else v
+                                    for k, v in recipe_state.items()})
+        except (KeyError, TypeError, AttributeError) as e:
             return f"not a state_dict() output ({e!r})", None, None
         for key, mine in (("version", _VERSION), ("scope", self.scope), ("sparsifier", self.sparsifier),
                           ("density", self.density)):
@@ -440,6 +496,8 @@ class ExDynaHookState:
             if sorted(i for key in keys for i in key) != list(range(len(_known_layout(layout)))):
                 return "the bucket keys do not partition the layout", None, None
             got["state"] = [[key, sd] for key, (_, sd) in zip(keys, got["state"])]
+        if mismatch:   # after the checks that name a missing or malformed part
+            return mismatch, None, None
         return None, got, layout
 
     def _load(self, problem: str | None, got: dict[str, Any] | None, layout: Layout | None) -> None:
@@ -542,7 +600,9 @@ class ExDynaHookState:
 
     def __setstate__(self, s: dict[str, Any]) -> None:
         sparsifier, density, scope, options = s["config"]
+        self._unpickling = True
         type(self).__init__(self, sparsifier, density, scope=scope, **options)
+        self._unpickling = False
         # unpickling is one rank's business, not a collective: the sparsifiers are built (and
         # their states checked, collectively) by the worker at the first iteration
         problem, got, layout = self._check_dict(s["state"])
@@ -587,9 +647,6 @@ class ExDynaHookState:
             self._new_index, self._new_layout, self._new_total = {}, [], 0
             self._iter_dtype = buf.dtype
             self._covered = 0
-            if self._recipe_config is not None and self._recipe_config.moves_momentum:   # optimizer= given
-                # a plain optimizer state loaded since would bring its momentum back: it counts once
-                move_momentum(self.optimizer)
             self._iter_error = None
             if self._adam_due and self._adam is not None:   # every bucket of this iteration fails with it
                 self._iter_error = _StepOrderError(
@@ -858,11 +915,13 @@ class ExDynaHookState:
                 self.stats[key] = sp.stats
 
 
-def _edited_grads(slices: list[tuple[Any, Any, int, int]], flat: torch.Tensor) -> str | None:
+def _edited_grads(slices: list[tuple[Any, Any, int, int]], flat: torch.Tensor, signs: bool = False) -> str | None:
     """A problem when a parameter's ``.grad`` no longer holds the bits of its slice of the exchanged
     vector (DDP wrote exactly those), else None. Compared as integers, so NaNs compare equal; one
     device synchronisation for the whole model. A ``.grad`` that is None (a parameter DDP found
-    unused) is not an edit."""
+    unused, or a ``zero_grad(set_to_none=True)``) is not an edit. ``signs``: the update reads only
+    the signs of the vector, so an edit that keeps every sign (``clip_grad_norm_``'s positive
+    rescale) changes nothing and is not refused."""
     torch = _torch()
     words = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
     differs = []
@@ -873,6 +932,9 @@ def _edited_grads(slices: list[tuple[Any, Any, int, int]], flat: torch.Tensor) -
         if g.dtype != flat.dtype or g.numel() != n:
             return f".grad of parameter {i} is now {g.dtype} with {g.numel()} elements (the exchange gave " \
                    f"{flat.dtype}, {n})"
+        if signs:
+            differs.append((torch.sign(g.detach().reshape(-1)) != torch.sign(flat[off:off + n])).any())
+            continue
         w = words[g.element_size()]
         differs.append((g.detach().reshape(-1).view(w) != flat[off:off + n].view(w)).any())
     edited = int(torch.stack(differs).sum()) if differs else 0

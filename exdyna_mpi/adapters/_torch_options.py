@@ -22,7 +22,7 @@ of them off nothing here runs: the optimizer steps exactly as before, bit for bi
   is exactly momentum SGD on the averaged gradient.
   ``momentum_correction="auto"`` (the default) applies the density rule the digits CNN's fidelity
   sweep chose, for ExDyna: the wrapped ``torch.optim.SGD``'s own momentum ``m`` moves before the
-  exchange (the optimizer's ``momentum`` is set to 0 in its param groups), as ``m`` for
+  exchange (the optimizer steps without it, inside ``momentum_moved``), as ``m`` for
   ``0.01 <= density < 0.02`` and ``min(m, 0.8)`` below (0.9 diverged on 4 of 12 seeds at d = 0.0034), and
   with it ExDyna's per-rank quotas ``max_imbalance=0.2`` unless ``max_imbalance`` is given (the
   combination that reached the network testbed's LM targets soonest and kept the digits CNN within
@@ -55,6 +55,7 @@ option off the state dict is unchanged.
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager
 from dataclasses import dataclass
 from numbers import Real
 from typing import Any
@@ -74,8 +75,8 @@ AUTO_DENSITY, AUTO_LOW, AUTO_OFF, AUTO_MAX_IMBALANCE = 0.01, 0.8, 0.02, 0.2
 
 def auto_momentum(optimizer, sparsifier, density):
     """The momentum ``momentum_correction="auto"`` moves before the exchange: the density rule on the
-    wrapped SGD's momentum (module docstring), 0.0 where nothing moves. Changes nothing:
-    ``move_momentum`` zeroes the optimizer's momentum once the wrapper is built."""
+    wrapped SGD's momentum (module docstring), 0.0 where nothing moves. Changes nothing: the
+    optimizer steps without its own momentum inside ``momentum_moved`` only."""
     groups = optimizer.param_groups
     momenta = {float(g.get("momentum", 0.0) or 0.0) for g in groups}
     if (sparsifier != "exdyna" or not isinstance(optimizer, _torch().optim.SGD) or len(momenta) != 1
@@ -96,10 +97,23 @@ def auto_options(options):
     return dict(options, max_imbalance=AUTO_MAX_IMBALANCE)
 
 
-def move_momentum(optimizer):
-    """The wrapped optimizer's momentum now runs before the exchange: it steps without its own."""
+@contextmanager
+def momentum_moved(optimizer, recipe: "Recipe | None"):
+    """Inside: the optimizer steps without its own momentum, which the recipe applies before the
+    exchange. Its param groups get their values back on exit, so the user's optimizer state (and
+    every checkpoint of it) keeps the user's momentum, and a run resumed in torch's usual order
+    (optimizer state loaded before the entry point is built) resolves ``"auto"`` as the first did."""
+    if recipe is None or not recipe.moves_momentum:
+        yield
+        return
+    saved = [g.get("momentum", 0.0) for g in optimizer.param_groups]
     for g in optimizer.param_groups:
         g["momentum"] = 0.0
+    try:
+        yield
+    finally:
+        for g, m in zip(optimizer.param_groups, saved):
+            g["momentum"] = m
 
 
 @dataclass(frozen=True, eq=False)
@@ -114,7 +128,7 @@ class Recipe:
         masking: momentum-factor masking with it.
         stages: the density warm-up's densities (empty: off); ``stage_steps`` steps each.
         options: the sparsifier's options (with the quotas ``"auto"`` adds).
-        moves_momentum: whether ``"auto"`` takes the optimizer's own momentum (``move_momentum``).
+        moves_momentum: whether ``"auto"`` takes the optimizer's own momentum (``momentum_moved``).
     """
     clip_norm: float | None
     warmup_steps: int
@@ -132,12 +146,22 @@ class Recipe:
         """Whether any option is on (off: the step is the sparsifier's alone, bit for bit)."""
         return self.clip_norm is not None or self.warmup_steps > 0 or self.momentum > 0.0 or bool(self.stages)
 
+    def items(self) -> dict[str, str]:
+        """What changes the bits, as configuration items (``_torch_config.EntryConfig``): the
+        sparsifier, its density and options, and every recipe option as resolved."""
+        out = {"sparsifier": self.sparsifier, "density": repr(self.density)}
+        out.update((f"option.{k}", repr(v)) for k, v in sorted(self.options.items()))
+        out.update({"recipe.clip_norm": repr(self.clip_norm), "recipe.warmup_steps": repr(self.warmup_steps),
+                    "recipe.momentum_correction": repr(self.momentum), "recipe.momentum_masking": repr(self.masking),
+                    "recipe.density_warmup": repr(self.stages), "recipe.density_warmup_steps": repr(self.stage_steps)})
+        return out
+
 
 def recipe_for(optimizer, sparsifier, density, options, *, who, clip_norm=None, warmup_steps=0,
                momentum_correction="auto", momentum_masking=True, density_warmup=None,
                density_warmup_steps=None) -> Recipe:
     """The recipe ``optimizer`` gets with these options (module docstring), checked. Changes
-    nothing: the caller calls ``move_momentum(optimizer)`` once nothing else can refuse.
+    nothing (the optimizer steps inside ``momentum_moved``).
 
     Args:
         optimizer: the user's ``torch.optim`` optimizer (read for ``"auto"`` and the momentum check).
@@ -202,6 +226,7 @@ class TrainingOptions:
         self.active = recipe.active
         self.step = 0            # steps exchanged through this object (counted only when active)
         self.velocity = None     # momentum correction's u, allocated at the first step
+        self._velocity_next = None   # this step's u, the velocity once the step is agreed and not skipped
         self.dense = exdyna_mpi.make("dense", numel, 1.0, comm) if self.warmup_steps else None
         self._make_stage = lambda d: exdyna_mpi.make(recipe.sparsifier, numel, d, comm, **recipe.options)
         self._exchange = transport.Exchange(comm)
@@ -270,8 +295,12 @@ class TrainingOptions:
                 self.velocity = torch.zeros_like(flat)
             elif self.velocity.device != flat.device:   # loaded from a host copy
                 self.velocity = self.velocity.to(flat.device)
-            self.velocity.mul_(self.momentum).add_(flat)
-            flat.copy_(self.velocity)
+            nxt = self._velocity_next
+            if nxt is None or nxt.device != flat.device or nxt.dtype != flat.dtype:
+                nxt = self._velocity_next = torch.empty_like(flat)
+            # into the spare buffer: a refused or skipped step (a NaN on some rank) leaves u as it was
+            torch.mul(self.velocity, self.momentum, out=nxt).add_(flat)
+            flat.copy_(nxt)
         if self.carry is not None:
             flat.add_(self.carry.to(flat.device))
 
@@ -294,12 +323,16 @@ class TrainingOptions:
         flat.mul_(coef.to(flat.device))
 
     def after(self, out, sp):
-        """Momentum-factor masking on the exchanged gradient ``out`` (not after a dense step); drop
-        the carry once ``sp`` holds it; count the step."""
-        if self.momentum > 0 and self.masking and sp is not self.dense:
-            self.velocity.masked_fill_(out != 0, 0.0)
-        if not sp.stats.skipped:
-            self.carry = None
+        """After a step every rank completed: commit this step's velocity, with momentum-factor
+        masking on the exchanged gradient ``out`` (not after a dense step); drop the carry once
+        ``sp`` holds it; count the step. A skipped step (``nonfinite="skip"``) changes nothing."""
+        if sp.stats.skipped:
+            return
+        if self.momentum > 0:
+            self.velocity, self._velocity_next = self._velocity_next, self.velocity
+            if self.masking and sp is not self.dense:
+                self.velocity.masked_fill_(out != 0, 0.0)
+        self.carry = None
         self.step += 1
 
     def state_dict(self):

@@ -23,17 +23,23 @@ For ``DistributedDataParallel``, a communication hook instead (``_torch_hook.py`
 """
 from __future__ import annotations
 
+import contextlib
 import copy
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+import functools
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
+
+import numpy as np
 
 import exdyna_mpi
+from exdyna_mpi import transport
 
 from ._torch_common import (_broadcast_model, _flat_layout, _from_torch, _OptimizerMixinBase, _to_torch, _torch, _wrap,
                             _wrapped_params, broadcast_parameters)
 from ._torch_adam import ADAM_KEY, AdamPath, make_adam_path
 from ._torch_adam import check_mode as check_adam_mode
 from ._torch_hook import ExDynaHookState, exdyna_hook
-from ._torch_options import OPTIONS_KEY, TrainingOptions, move_momentum, recipe_for
+from ._torch_config import CONFIG_KEY, EntryConfig, agree_entry, layout_text, optimizer_items
+from ._torch_options import OPTIONS_KEY, TrainingOptions, momentum_moved, recipe_for
 from ._torch_overlap import OVERLAP_KEY, OverlappedExchange
 from .torch_diloco import DiLoCo, nesterov_sgd, plain_sgd
 from .torch_wagma import FlatParams, GroupAveragingOptimizer
@@ -69,20 +75,26 @@ class FlatGrad:
         self.flat = torch.zeros(self.numel, dtype=self.params[0].dtype, device=self.params[0].device)
         self._views: list[Any] = []
         self._ptrs: list[int] = []
+        #: per parameter: whether a gradient reached it since ``zero()`` (a backward through it, or a
+        #: ``.grad`` set from outside); a parameter that none reached on any rank, and whose slice of
+        #: the buffer is zero, steps without ``.grad``
+        self.used = bytearray(len(self.params))
         off = 0
-        for p in self.params:
+        for i, p in enumerate(self.params):
             n = p.numel()
             self._views.append(self.flat[off:off + n].view_as(p))
             off += n
+            p.register_post_accumulate_grad_hook(functools.partial(_mark_used, self.used, i))
         self.attach()
 
     def attach(self) -> None:
         """Point every ``.grad`` at its view (after someone replaced or dropped it)."""
-        for p, v in zip(self.params, self._views):
+        for i, (p, v) in enumerate(zip(self.params, self._views)):
             if p.grad is None or p.grad.data_ptr() != v.data_ptr():
                 if p.grad is not None:
                     with _torch().no_grad():
                         v.copy_(p.grad)  # keep a gradient computed outside the buffer
+                    self.used[i] = 1
                 else:
                     v.zero_()
                 p.grad = v
@@ -91,6 +103,37 @@ class FlatGrad:
         """Zero the flat buffer and point every ``.grad`` back at its view."""
         self.flat.zero_()
         self.attach()
+        self.used[:] = bytes(len(self.used))
+
+    @property
+    def views(self) -> list[Any]:
+        """Each parameter's view of the flat buffer, in order."""
+        return self._views
+
+    @contextlib.contextmanager
+    def without(self, unused: Sequence[int]) -> Iterator[None]:
+        """A context in which the parameters ``unused`` have no ``.grad``.
+
+        Torch's optimizers and the Adam paths then leave them alone (neither stepped nor decayed),
+        as after DDP's backward with ``find_unused_parameters=True``. Their views come back on exit.
+
+        Args:
+            unused: indices into ``params``.
+
+        Returns:
+            A context manager (it yields None).
+        """
+        for i in unused:
+            self.params[i].grad = None
+        try:
+            yield
+        finally:
+            for i in unused:
+                self.params[i].grad = self._views[i]
+
+
+def _mark_used(used: bytearray, i: int, p: Any) -> None:
+    used[i] = 1
 
 
 _SPARSIFIER_KEY = "exdyna_sparsifier"
@@ -118,11 +161,13 @@ class _DistributedMixin(_OptimizerMixinBase):
     _exdyna_grads: FlatGrad
     sparsifier: exdyna_mpi.Sparsifier
     _exdyna_options: TrainingOptions
-    _exdyna_moved_momentum: bool
     _exdyna_adam: AdamPath | None
     _exdyna_last: exdyna_mpi.Sparsifier
     _exdyna_overlap: OverlappedExchange | None
     _exdyna_comm: MPI.Comm
+    _exdyna_config: EntryConfig
+    _exdyna_buffers: list[torch.Tensor]
+    _exdyna_unused: list[int]   # the parameters no rank's backward reached (with overlap: of the pending update)
 
     def synchronize(self) -> exdyna_mpi.Stats:
         """Replace the flat gradient by the averaged sparse gradient, in place. Collective.
@@ -138,8 +183,20 @@ class _DistributedMixin(_OptimizerMixinBase):
             raise RuntimeError("DistributedOptimizer.synchronize: not available with overlap=True, whose "
                                "exchange runs on a worker thread; step() runs it")
         self._exdyna_grads.attach()
+        self._exdyna_unused = self._agree_unused()
         sp = self._exdyna_last = self._exchange(self._exdyna_grads.flat)
         return _stats_of(sp)
+
+    def _agree_unused(self) -> list[int]:
+        """The parameters no rank's backward reached since ``zero_grad()`` (one small sum over the
+        ranks): they step without ``.grad``, as DDP leaves them. Collective."""
+        grads = self._exdyna_grads
+        mine = np.frombuffer(bytes(grads.used), np.uint8).astype(np.int32)
+        for i in np.flatnonzero(mine == 0):   # no backward reached it: a gradient written into flat_grad counts
+            mine[i] = int(bool(grads.views[i].any()))
+        used = transport.Exchange(self._exdyna_comm).sum_words(mine, np.int32)
+        grads.used[:] = bytes(len(grads.used))
+        return np.flatnonzero(used == 0).tolist()
 
     def _exchange(self, flat: torch.Tensor) -> exdyna_mpi.Sparsifier:
         """This step's exchange of ``flat`` in place, inside the recipe and the Adam path's ``prepare``
@@ -149,8 +206,32 @@ class _DistributedMixin(_OptimizerMixinBase):
         with _torch().no_grad():
             return self._exdyna_options.exchange(self.sparsifier, flat, prepare)
 
+    def _apply(self, flat: torch.Tensor, sp: exdyna_mpi.Sparsifier, skipped: bool, unused: list[int]) -> Any:
+        """Step the parameters with the exchanged average ``flat`` (in the flat gradient unless the Adam
+        path owns the step): the Adam path's update, or the wrapped optimizer's step without its
+        moved momentum; parameters no rank's backward reached have no ``.grad`` meanwhile. A skipped
+        exchange steps nothing: parameters, weight decay and every optimizer state stay as they were."""
+        if skipped:
+            return None
+        adam = self._exdyna_adam
+        with self._exdyna_grads.without(unused):
+            if adam is not None and adam.owns_step:
+                adam.apply(flat, skipped, sp)
+                return None
+            with momentum_moved(self, self._exdyna_options.recipe):
+                return super().step()
+
+    def _sync_buffers(self) -> None:
+        """Rank 0's buffers on every rank (``broadcast_buffers``, as DDP's default)."""
+        if self._exdyna_buffers:
+            broadcast_parameters(self._exdyna_buffers, self._exdyna_comm)
+
     def step(self, closure: None = None) -> Any:   # type: ignore[override]  # no closures
         """``synchronize()``, then the wrapped optimizer's step (momentum, weight decay, ...). Collective.
+
+        A step the exchange skipped (``nonfinite="skip"``) moves nothing: neither the parameters nor
+        any optimizer state. Parameters that no rank's backward reached are not stepped (as torch's
+        optimizers treat a parameter without ``.grad``).
 
         Args:
             closure: must be None (a closure would re-evaluate the loss between exchanges).
@@ -160,7 +241,7 @@ class _DistributedMixin(_OptimizerMixinBase):
 
         Raises:
             ValueError: a closure was given.
-            StepError: the exchange refused the step (on every rank).
+            StepError: the exchange refused the step (on every rank); nothing changed.
         """
         if closure is not None:
             raise ValueError("DistributedOptimizer.step: closures are not supported "
@@ -170,20 +251,21 @@ class _DistributedMixin(_OptimizerMixinBase):
             self._exdyna_grads.attach()
             flat = self._exdyna_grads.flat
             ov.wait(self._exdyna_comm)   # a refused exchange raises here, on every rank: nothing applied
+            unused = self._agree_unused()   # of the gradient handed over now
             if ov.has_pending:
                 result = self._apply_pending(ov, keep=flat)   # leaves this step's gradient in ov.buf
             else:
                 result = None
                 with _torch().no_grad():
                     ov.buf.copy_(flat)
+            self._exdyna_unused = unused
             ov.submit(self._overlapped_exchange)
+            self._sync_buffers()
             return result
         stats = self.synchronize()
-        adam = self._exdyna_adam
-        if adam is not None and adam.owns_step:
-            adam.apply(self._exdyna_grads.flat, stats.skipped, self._exdyna_last)
-            return None
-        return super().step()
+        result = self._apply(self._exdyna_grads.flat, self._exdyna_last, bool(stats.skipped), self._exdyna_unused)
+        self._sync_buffers()
+        return result
 
     def _overlapped_exchange(self, buf: torch.Tensor) -> exdyna_mpi.Sparsifier:
         """The worker's job (``overlap=True``): the synchronous step's exchange of ``buf`` in place,
@@ -205,9 +287,12 @@ class _DistributedMixin(_OptimizerMixinBase):
         buf, sp, skipped = ov.take()
         self._exdyna_last, self._exdyna_stats = sp, sp.stats   # None for a pending update loaded from a dict
         adam, flat = self._exdyna_adam, self._exdyna_grads.flat
+        unused = self._exdyna_unused
         if adam is not None and adam.owns_step:
             with torch.no_grad():
-                adam.update(buf, skipped)
+                if not skipped:
+                    with self._exdyna_grads.without(unused):
+                        adam.update(buf, skipped)
                 if keep is not None:
                     buf.copy_(keep)
             return None
@@ -218,7 +303,7 @@ class _DistributedMixin(_OptimizerMixinBase):
                 ov.spare.copy_(keep)
                 ov.buf, ov.spare = ov.spare, buf   # the gradient goes to the worker; the average to the step
             flat.copy_(buf)
-        return super().step()
+        return self._apply(flat, sp, skipped, unused)
 
     def flush(self) -> exdyna_mpi.Stats | None:
         """Wait for the exchange in flight and apply it (``overlap=True``; a no-op otherwise).
@@ -246,7 +331,8 @@ class _DistributedMixin(_OptimizerMixinBase):
         """Zero the flat gradient buffer; ``.grad`` stays a view into it.
 
         Args:
-            set_to_none: ignored: ``.grad`` must stay a view into the buffer.
+            set_to_none: ignored: ``.grad`` must stay a view into the buffer (a parameter that no
+                backward reaches is still stepped without ``.grad``, as torch does with None).
         """
         self._exdyna_grads.zero()
 
@@ -256,12 +342,13 @@ class _DistributedMixin(_OptimizerMixinBase):
         The sparsifier's state (residual, controller, layout, iteration) is under
         ``"exdyna_sparsifier"``, as tensors and plain Python values, so
         ``torch.save(opt.state_dict(), f"ckpt.{rank}")`` and ``torch.load`` (``weights_only=True``
-        included) round-trip it. Every rank saves its own: the residuals differ between ranks.
+        included) round-trip it. Every rank saves its own: the residuals differ between ranks. The
+        param groups hold the user's own settings (the momentum that the recipe moves included).
 
         Returns:
-            The state dict (the recipe's state under ``"exdyna_options"``, the Adam path's under
-            ``"exdyna_adam"`` and, with ``overlap=True``, the exchanged average not yet applied under
-            ``"exdyna_overlap"``).
+            The state dict (the configuration under ``"exdyna_config"``, the recipe's state under
+            ``"exdyna_options"``, the Adam path's under ``"exdyna_adam"`` and, with ``overlap=True``,
+            the exchanged average not yet applied under ``"exdyna_overlap"``).
 
         Raises:
             CollectiveError: ``overlap=True`` and the exchange in flight refused its step (every rank).
@@ -270,92 +357,100 @@ class _DistributedMixin(_OptimizerMixinBase):
         if ov is not None:
             ov.wait(self._exdyna_comm)   # the state is read with nothing in flight
         d = super().state_dict()
+        d[CONFIG_KEY] = self._exdyna_config.record()
         d[_SPARSIFIER_KEY] = _to_torch(self.sparsifier.state_dict())
         if self._exdyna_options.active:
             d[OPTIONS_KEY] = _to_torch(self._exdyna_options.state_dict())
         if self._exdyna_adam is not None:
             d[ADAM_KEY] = self._exdyna_adam.state_dict()
         if ov is not None:
-            d[OVERLAP_KEY] = ov.state_dict()
+            d[OVERLAP_KEY] = dict(ov.state_dict(), unused=list(self._exdyna_unused))
         return d
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore ``state_dict()`` output; resumes bit-exactly.
+    def _check_dict(self, state_dict: Any) -> str | None:
+        """This rank's problem with a ``state_dict()`` output (None: none); changes nothing."""
+        if not isinstance(state_dict, dict):
+            return f"not a state dict ({type(state_dict).__name__})"
+        if _SPARSIFIER_KEY not in state_dict:
+            return (f"no sparsifier state (key {_SPARSIFIER_KEY!r}): it was not saved by "
+                    "DistributedOptimizer.state_dict()")
+        adam, ov = self._exdyna_adam, self._exdyna_overlap
+        try:
+            if adam is not None:
+                if ADAM_KEY not in state_dict:
+                    return f"this optimizer runs adam={adam.mode!r} but the dict has no {ADAM_KEY!r}"
+                adam.check(state_dict[ADAM_KEY])
+            if self._exdyna_options.active and OPTIONS_KEY not in state_dict:
+                return ("this optimizer uses recipe options (clip_norm/warmup_steps/momentum_correction/"
+                        f"density_warmup) but the dict has no {OPTIONS_KEY!r}")
+            problem = self._exdyna_config.mismatch(state_dict.get(CONFIG_KEY))
+            if problem:
+                return problem
+            if ov is not None:
+                ov.check(state_dict.get(OVERLAP_KEY), self._exdyna_grads.numel)
+                unused = state_dict[OVERLAP_KEY].get("unused", [])
+                if not all(isinstance(i, int) and 0 <= i < len(self._exdyna_grads.params) for i in unused):
+                    return f"{OVERLAP_KEY}.unused is not a list of parameter indices"
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            return str(e)
+        return None
 
-        Collective over the sparsifier's communicator: every rank loads its own rank's dict, and a
-        mismatch (other P, sparsifier, density or rank) raises the same ``ValueError`` on every rank
-        before anything changes.
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore ``state_dict()`` output; resumes bit-exactly. Collective, all or nothing.
+
+        Every rank checks its own dict (the configuration it records against this optimizer's, each
+        part's shape and values, torch's own checks of the optimizer's part), the ranks agree once,
+        then each part loads (the sparsifier's and the recipe's loads agree again); a refusal
+        anywhere leaves every rank as it was.
 
         Args:
             state_dict: this rank's ``state_dict()`` output.
 
         Raises:
-            ValueError: this rank's dict lacks the sparsifier's state, or the recipe's or the Adam
-                path's state that this optimizer runs.
-            CollectiveError: any rank's dict is refused (a ``ValueError``, on every rank); nothing changes.
+            CollectiveError: any rank's dict is refused (on every rank, naming each rank and its
+                problem); nothing changes.
         """
-        state_dict = dict(state_dict)
-        sp_state = state_dict.pop(_SPARSIFIER_KEY, None)
-        opt_state = state_dict.pop(OPTIONS_KEY, None)
-        adam_state = state_dict.pop(ADAM_KEY, None)
-        ov_state = state_dict.pop(OVERLAP_KEY, None)
-        adam, ov = self._exdyna_adam, self._exdyna_overlap
+        who = "DistributedOptimizer.load_state_dict refused on every rank, state unchanged"
+        ov = self._exdyna_overlap
         if ov is not None:
             try:
                 ov.wait(self._exdyna_comm)   # nothing in flight while the state changes
             except exdyna_mpi.CollectiveError:
                 pass   # that exchange changed nothing, and the dict replaces what it would have
-        if adam is not None and adam_state is None:   # same config on every rank: all raise
-            raise ValueError(f"DistributedOptimizer.load_state_dict: this optimizer runs adam={adam.mode!r} "
-                             f"but the dict has no {ADAM_KEY!r}")
-        if self._exdyna_options.active and opt_state is None:   # same config on every rank: all raise
-            raise ValueError("DistributedOptimizer.load_state_dict: this optimizer uses recipe options "
-                             "(clip_norm/warmup_steps/momentum_correction/density_warmup) "
-                             f"but the dict has no {OPTIONS_KEY!r}")
-        if sp_state is None:
-            raise ValueError("DistributedOptimizer.load_state_dict: no sparsifier state in this dict "
-                             f"(key {_SPARSIFIER_KEY!r}); it was not saved by DistributedOptimizer.state_dict()")
-        sp_state = _from_torch(sp_state)
-        if adam is not None:
-            try:
-                adam.check(adam_state)
-            except ValueError as e:   # refused on this rank: the collective check below makes all raise
-                sp_state = dict(sp_state, name=f"<{e}>")
-        if ov is not None:
-            try:
-                ov.check(ov_state, self._exdyna_grads.numel)
-            except ValueError as e:   # as above (a dict without the key included: one rank's may lack it)
-                sp_state = dict(sp_state, name=f"<{e}>")
+        problem = self._check_dict(state_dict)
         before = copy.deepcopy(super().state_dict())
-        # the sparsifier's state, to roll back to if the recipe options refuse after it loaded
-        sp_before = self.sparsifier.state_dict() if self._exdyna_options.active else None
-        try:
-            super().load_state_dict(state_dict)
-            if self._exdyna_moved_momentum:   # a dict saved before the momentum moved must not bring it back
-                move_momentum(self)
-        except (KeyError, ValueError, TypeError, RuntimeError) as e:
-            # a local refusal must still reach the collective check, so every rank raises together
-            sp_state = dict(sp_state, name=f"<optimizer state refused on this rank: {e}>")
-        try:
-            self.sparsifier.load_state_dict(sp_state)
-        except Exception:
-            super().load_state_dict(before)   # leave this rank exactly as it was
-            raise
-        if self._exdyna_options.active:
-            opts_before = self._exdyna_options.state_dict()
-            try:   # refusals here are collective (agreed), so every rank rolls back together
-                self._exdyna_options.load_state_dict(_from_torch_keep_tensors(opt_state))
-            except ValueError:
-                self._exdyna_options.load_state_dict(opts_before)
-                assert sp_before is not None   # taken whenever the options are active
-                self.sparsifier.load_state_dict(sp_before)
+        if problem is None:
+            rest = {k: v for k, v in state_dict.items() if k not in _OWN_KEYS}
+            try:   # torch's own checks, on this rank; undone below unless every rank's dict passes
+                super().load_state_dict(rest)
+            except (KeyError, ValueError, TypeError, RuntimeError) as e:
+                problem = f"the wrapped optimizer refused its state ({e})"
                 super().load_state_dict(before)
-                raise
+        try:
+            transport.agree_problems(transport.Exchange(self._exdyna_comm), problem, who)
+        except exdyna_mpi.CollectiveError:
+            super().load_state_dict(before)
+            raise
+        sp_before = self.sparsifier.state_dict()
+        opts_before = self._exdyna_options.state_dict() if self._exdyna_options.active else None
+        try:
+            self.sparsifier.load_state_dict(_from_torch(state_dict[_SPARSIFIER_KEY]))
+            if opts_before is not None:   # its refusals are agreed: every rank rolls back together
+                self._exdyna_options.load_state_dict(_from_torch_keep_tensors(state_dict[OPTIONS_KEY]))
+        except exdyna_mpi.CollectiveError:
+            if opts_before is not None:
+                self._exdyna_options.load_state_dict(opts_before)
+            self.sparsifier.load_state_dict(sp_before)
+            super().load_state_dict(before)
+            raise
+        adam = self._exdyna_adam
         if adam is not None:
             flat = self._exdyna_grads.flat
-            adam.load_state_dict({k: v.to(flat.device) if hasattr(v, "to") else v for k, v in adam_state.items()})
+            adam.load_state_dict({k: v.to(flat.device) if hasattr(v, "to") else v
+                                  for k, v in state_dict[ADAM_KEY].items()})
         if ov is not None:
-            ov.load_state_dict(ov_state, self.sparsifier)
+            ov.load_state_dict(state_dict[OVERLAP_KEY], self.sparsifier)
+            self._exdyna_unused = list(state_dict[OVERLAP_KEY].get("unused", []))
 
     @property
     def stats(self) -> exdyna_mpi.Stats | None:
@@ -372,12 +467,16 @@ class _DistributedMixin(_OptimizerMixinBase):
         return self._exdyna_grads.flat
 
 
+_OWN_KEYS = (CONFIG_KEY, _SPARSIFIER_KEY, OPTIONS_KEY, ADAM_KEY, OVERLAP_KEY)
+
+
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None, *,
                          sparsifier: str = "exdyna", density: float = 0.01, comm: MPI.Comm | None = None,
                          broadcast: bool = True, clip_norm: float | None = None, warmup_steps: int = 0,
                          momentum_correction: float | str = "auto", momentum_masking: bool = True,
                          density_warmup: Sequence[float] | None = None, density_warmup_steps: int | None = None,
-                         adam: str = "auto", overlap: bool = False, **options: Any) -> torch.optim.Optimizer:
+                         adam: str = "auto", overlap: bool = False, broadcast_buffers: bool = True,
+                         **options: Any) -> torch.optim.Optimizer:
     """Wrap a torch optimizer so ``step()`` exchanges a sparse gradient first. Collective.
 
     ``model`` (optional): a ``torch.nn.Module`` whose parameters and buffers are broadcast from rank
@@ -391,10 +490,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
     none): ``momentum_correction="auto"`` (the default) with ``momentum_masking``: for ExDyna with an
     SGD of momentum ``m``, DGC's momentum correction and momentum-factor masking, the momentum moved
     before the exchange, ``m`` for 0.01 <= d < 0.02 and ``min(m, 0.8)`` below (the optimizer's own
-    momentum becomes 0), and with it ExDyna's ``max_imbalance=0.2`` unless given; off from d = 0.02
-    and for other sparsifiers and optimizers; a number ``m`` sets it (wrap an optimizer
-    with ``momentum=0``), ``0`` turns it off. Off by default: ``clip_norm`` (clip this rank's
-    gradient before accumulation), ``warmup_steps`` (dense exchange for the first steps),
+    momentum is out of its param groups only while it steps), and with it ExDyna's
+    ``max_imbalance=0.2`` unless given; off from d = 0.02 and for other sparsifiers and optimizers;
+    a number ``m`` sets it (wrap an optimizer with ``momentum=0``), ``0`` turns it off. Off by
+    default: ``clip_norm`` (clip this rank's gradient before accumulation), ``warmup_steps`` (dense
+    exchange for the first steps),
     ``density_warmup=(d1, d2, ...)`` with ``density_warmup_steps=n`` (DGC's decaying-density warm-up:
     after any dense warm-up, ``n`` steps at each density ``d_i`` > ``density`` with a fresh sparsifier
     of the same kind and options, the error-feedback residual carried from stage to stage and into
@@ -434,19 +534,35 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
         model: a module whose parameters and buffers rank 0 broadcasts (optional).
         sparsifier, density, **options: the sparsifier (``exdyna_mpi.make``).
         comm: the communicator (``MPI.COMM_WORLD`` when None).
-        broadcast: broadcast rank 0's parameters at construction.
+        broadcast: broadcast rank 0's parameters (and the model's buffers) at construction.
         clip_norm, warmup_steps, momentum_correction, momentum_masking, density_warmup,
             density_warmup_steps: the training recipe (above; docs/reference.md).
         adam: the Adam path (above), for ``torch.optim.Adam``/``AdamW`` only.
         overlap: run each exchange while the next gradient is computed (above).
+        broadcast_buffers: after every ``step()``, rank 0's buffers of ``model`` (BatchNorm's running
+            statistics) on every rank, as DDP's ``broadcast_buffers=True`` keeps them; False leaves
+            each rank its own.
 
     Returns:
         The optimizer, now an instance of a subclass of its class whose ``step()`` exchanges first.
 
+    Construction is collective and agreed before anything else: every rank runs the checks on its
+    own arguments, then one agreement compares everything that changes the bits (the sparsifier
+    and its options, the recipe, the Adam path, the optimizer's class and hyperparameters, the
+    parameters' shapes, dtypes and order, the model's buffers); a problem on any rank, or ranks that
+    differ, raise the same ``CollectiveError`` on every rank, naming the ranks and the items, with
+    the model and optimizer untouched (``_torch_config.py``). ``state_dict()`` records the
+    configuration and ``load_state_dict`` refuses a dict of another one.
+
+    Every step is a transaction: a step refused (``StepError``, on every rank) or skipped
+    (``nonfinite="skip"``) leaves the residual, the recipe's velocity, the Adam path's state, the
+    parameters and the wrapped optimizer's state as they were. A parameter that no rank's backward
+    reached since ``zero_grad()`` is stepped without ``.grad`` (not moved, not decayed), as torch's
+    optimizers and DDP with ``find_unused_parameters=True`` treat it.
+
     Raises:
-        ValueError: a recipe option or ``adam`` out of range or not for this optimizer;
-            ``CollectiveError`` (on every rank) when the ranks' arguments disagree.
-        RuntimeError: ``overlap=True`` with MPI initialised without ``MPI_THREAD_MULTIPLE``.
+        CollectiveError: on every rank: a recipe option or ``adam`` out of range or not for this
+            optimizer on any rank, or ranks whose configurations differ.
 
     Example::
 
@@ -458,32 +574,51 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
         ...     opt.step()
         >>> opt.stats.density, opt.stats.bytes_sent
     """
-    comm, params = _wrapped_params(optimizer, model, comm, "DistributedOptimizer")
-    check_adam_mode(optimizer, adam, warmup_steps, "DistributedOptimizer")
-    if not isinstance(overlap, bool):
-        raise ValueError(f"DistributedOptimizer: overlap must be True or False, got {overlap!r}")
-    if overlap and not GroupTransport.thread_multiple():
-        raise RuntimeError("DistributedOptimizer: overlap=True needs MPI initialised with MPI_THREAD_MULTIPLE "
-                           "(mpi4py's default, see mpi4py.rc.thread_level): its exchanges run on a worker thread")
+    who = "DistributedOptimizer"
+    comm = transport.world() if comm is None else comm
+
+    def plan() -> tuple[tuple[list[Any], AdamPath | None, Any, list[Any]], EntryConfig]:
+        """Every check, on this rank only, and the configuration they give; changes nothing."""
+        _, params = _wrapped_params(optimizer, model, comm, who)
+        params, _ = _flat_layout(params, who)
+        if sparsifier not in exdyna_mpi.available():
+            raise ValueError(f"{who}: unknown sparsifier {sparsifier!r}; "
+                             f"available: {', '.join(exdyna_mpi.available())}")
+        check_adam_mode(optimizer, adam, warmup_steps, who)
+        for name, flag in (("overlap", overlap), ("broadcast", broadcast), ("broadcast_buffers", broadcast_buffers)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{who}: {name} must be True or False, got {flag!r}")
+        if overlap and not GroupTransport.thread_multiple():
+            raise RuntimeError(f"{who}: overlap=True needs MPI initialised with MPI_THREAD_MULTIPLE "
+                               "(mpi4py's default, see mpi4py.rc.thread_level): its exchanges run on a worker thread")
+        adam_path = make_adam_path(optimizer, params, adam, sparsifier=sparsifier)
+        opts = adam_path.sparsifier_options(sparsifier, options) if adam_path is not None else options
+        recipe = recipe_for(optimizer, sparsifier, density, opts, who=who, clip_norm=clip_norm,
+                            warmup_steps=warmup_steps, momentum_correction=momentum_correction,
+                            momentum_masking=momentum_masking, density_warmup=density_warmup,
+                            density_warmup_steps=density_warmup_steps)
+        buffers = list(model.buffers()) if model is not None else []
+        items = {"entry": who, **recipe.items(), "adam": "live" if adam_path is None else adam_path.mode,
+                 **optimizer_items(optimizer), "layout": layout_text(params), "buffers": layout_text(buffers),
+                 "overlap": repr(overlap), "broadcast": repr(broadcast), "broadcast_buffers": repr(broadcast_buffers)}
+        config = EntryConfig.of(who, items, unrecorded=("broadcast", "broadcast_buffers", "buffers"))
+        return (params, adam_path, recipe, buffers), config
+
+    (params, adam_path, recipe, buffers), config = agree_entry(comm, who, plan)
+    # agreed on every rank: from here on every collective meets the same sizes
     grads = FlatGrad(params)
-    adam_path = make_adam_path(optimizer, grads.params, adam, sparsifier=sparsifier)
-    if adam_path is not None:
-        options = adam_path.sparsifier_options(sparsifier, options)
-    recipe = recipe_for(optimizer, sparsifier, density, options, who="DistributedOptimizer", clip_norm=clip_norm,
-                        warmup_steps=warmup_steps, momentum_correction=momentum_correction,
-                        momentum_masking=momentum_masking, density_warmup=density_warmup,
-                        density_warmup_steps=density_warmup_steps)
     ov = OverlappedExchange(grads.numel, grads.flat.dtype, grads.flat.device) if overlap else None
     # the exchanges' communicator: the worker's private duplicate with overlap, so that the caller's
     # own collectives on comm never meet the worker's
     xcomm = comm if ov is None else ov.open(comm)
     opts = TrainingOptions(recipe, [p.shape for p in grads.params], grads.numel, xcomm)
-    if broadcast:
+    try:
+        sp = exdyna_mpi.make(sparsifier, grads.numel, density, xcomm, **recipe.options)
+    except BaseException:
+        opts.close()
+        raise
+    if broadcast:   # after the sparsifier agreed its options: a refusal leaves every model as it was
         _broadcast_model(model, grads.params, comm)
-    sp = exdyna_mpi.make(sparsifier, grads.numel, density, xcomm, **recipe.options)
-    if recipe.moves_momentum:   # only now, once nothing above can refuse: a refusal leaves the optimizer as it was
-        move_momentum(optimizer)
     return _wrap(optimizer, _DistributedMixin, "Distributed", _exdyna_grads=grads, sparsifier=sp,
-                 _exdyna_options=opts, _exdyna_moved_momentum=recipe.moves_momentum, _exdyna_adam=adam_path,
-                 _exdyna_overlap=ov, _exdyna_comm=comm)
-
+                 _exdyna_options=opts, _exdyna_adam=adam_path, _exdyna_overlap=ov, _exdyna_comm=comm,
+                 _exdyna_config=config, _exdyna_buffers=buffers if broadcast_buffers else [], _exdyna_unused=[])

@@ -44,6 +44,7 @@ import exdyna_mpi
 from exdyna_mpi import transport
 
 from ._torch_common import _broadcast_model, _flat_layout, _from_torch, _to_torch, _torch, _wrapped_params
+from ._torch_config import EntryConfig, agree_entry, layout_text, optimizer_items
 
 if TYPE_CHECKING:
     import torch
@@ -129,9 +130,16 @@ class DiLoCo:
         broadcast: broadcast rank 0's model at construction (default True).
         **options: the sparsifier's options (``wire_dtype="bfloat16"``, ``max_imbalance``, ...).
 
+    Construction is collective and agreed before the broadcast: the period, the error decay, the
+    sparsifier and its options, the inner and outer optimizers' classes and settings, the
+    parameters' layout and the model's buffers must be the same on every rank (``_torch_config.py``);
+    ``state_dict()`` records them and a load into another configuration is refused. An outer
+    exchange skipped on every rank (``nonfinite="skip"``) changes nothing: no outer step, no decay;
+    the next ``step()`` tries it again.
+
     Raises:
-        ValueError: a bad ``sync_every`` or ``error_decay``, or parameters of mixed dtypes or
-            devices (on every rank: the check is agreed).
+        CollectiveError: a bad ``sync_every`` or ``error_decay``, parameters of mixed dtypes or
+            devices, or ranks whose configurations differ (on every rank).
 
     Attributes:
         sparsifier: the sparsifier of the outer exchange; ``stats`` its last stats (``bytes_sent``
@@ -156,28 +164,48 @@ class DiLoCo:
                  outer_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None,
                  error_decay: float | None = None, broadcast: bool = True, **options: Any) -> None:
         torch = _torch()
-        comm, params = _wrapped_params(optimizer, model, comm, "DiLoCo")
+        who = "DiLoCo"
+        comm = transport.world() if comm is None else comm
         sparse = sparsifier != "dense"
         if outer_optimizer is None:
             outer_optimizer = plain_sgd if sparse else nesterov_sgd
         if error_decay is None:
             error_decay = SPARSE_ERROR_DECAY if sparse else 1.0
+
+        def plan() -> tuple[tuple[list[Any], int], EntryConfig]:
+            """Every check, on this rank only, and the configuration they give; changes nothing."""
+            _, params = _wrapped_params(optimizer, model, comm, who)
+            if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+                raise ValueError(f"sync_every must be an integer >= 1, got {sync_every!r}")
+            if (isinstance(error_decay, bool) or not isinstance(error_decay, (int, float))
+                    or not 0.0 < float(error_decay) <= 1.0):
+                raise ValueError(f"error_decay must be a number in (0, 1], got {error_decay!r}")
+            if sparsifier not in exdyna_mpi.available():
+                raise ValueError(f"unknown sparsifier {sparsifier!r}; available: {', '.join(exdyna_mpi.available())}")
+            if not isinstance(broadcast, bool):
+                raise ValueError(f"broadcast must be True or False, got {broadcast!r}")
+            params, numel = _flat_layout(params, who)
+            # the outer optimizer's class and settings, read off one built over a one-element stand-in
+            outer = outer_optimizer([torch.nn.Parameter(torch.zeros(1, dtype=params[0].dtype))])
+            items = {"entry": who, "sync_every": repr(sync_every), "error_decay": repr(float(error_decay)),
+                     "sparsifier": sparsifier, "density": repr(1.0 if sparsifier == "dense" else density),
+                     **{f"option.{k}": repr(v) for k, v in sorted(options.items())},
+                     **optimizer_items(optimizer, "inner"), **optimizer_items(outer, "outer"),
+                     "layout": layout_text(params),
+                     "buffers": layout_text(list(model.buffers()) if model is not None else []),
+                     "broadcast": repr(broadcast)}
+            return (params, numel), EntryConfig.of(who, items, unrecorded=("broadcast", "buffers"))
+
         self._exchange = transport.Exchange(comm)
-        problem = None
-        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
-            problem = f"sync_every must be an integer >= 1, got {sync_every!r}"
-        elif (isinstance(error_decay, bool) or not isinstance(error_decay, (int, float))
-              or not 0.0 < float(error_decay) <= 1.0):
-            problem = f"error_decay must be a number in (0, 1], got {error_decay!r}"
-        transport.agree_problems(self._exchange, problem, "DiLoCo: bad arguments")
-        self.params, self.numel = _flat_layout(params, "DiLoCo")
+        (self.params, self.numel), self._config = agree_entry(comm, who, plan)
+        # agreed: the sparsifier's own checks, then the broadcast, which meets the same sizes on every rank
+        self.sparsifier = exdyna_mpi.make(sparsifier, self.numel, 1.0 if sparsifier == "dense" else density, comm,
+                                          **options)
         if broadcast:
             _broadcast_model(model, self.params, comm)
         self.optimizer = optimizer
         self.sync_every = sync_every
         self.error_decay = float(error_decay)
-        self.sparsifier = exdyna_mpi.make(sparsifier, self.numel, 1.0 if sparsifier == "dense" else density, comm,
-                                          **options)
         with torch.no_grad():
             self.global_params = torch.nn.Parameter(self._local_flat())
         self.outer = outer_optimizer([self.global_params])
@@ -270,6 +298,11 @@ class DiLoCo:
             delta = self._local_flat()
             torch.sub(self.global_params.detach(), delta, out=delta)   # global - local, in the same buffer
             self.sparsifier.step(delta, out=delta)
+            if self.sparsifier.stats is not None and self.sparsifier.stats.skipped:
+                # skipped on every rank (nonfinite="skip"): no outer step, no decay; the local
+                # model and the period go on, and the next step() tries the exchange again
+                self.stats = self.sparsifier.stats
+                return self.stats
             # after the step, not before it: a refused step leaves the residual as it was
             self.sparsifier.scale_residual(self.error_decay)
             self.global_params.grad = delta
@@ -304,7 +337,8 @@ class DiLoCo:
             (``torch.save`` / ``torch.load(weights_only=True)`` round-trip it).
         """
         return {"inner": self.optimizer.state_dict(),
-                _KEY: {"version": _VERSION, "sync_every": self.sync_every, "error_decay": self.error_decay,
+                _KEY: {"version": _VERSION, "config": self._config.record(),
+                       "sync_every": self.sync_every, "error_decay": self.error_decay,
                        "inner_steps": self.inner_steps,
                        "outer_steps": self.outer_steps, "global": self.global_params.detach().clone(),
                        "outer": copy.deepcopy(self.outer.state_dict()),
@@ -322,8 +356,11 @@ class DiLoCo:
             if float(own.get("error_decay", 1.0)) != self.error_decay:   # (dicts before it had none: 1.0)
                 return (f"the dict has error_decay={own.get('error_decay')!r}, this DiLoCo "
                         f"{self.error_decay}"), None
+            mismatch = self._config.mismatch(own.get("config"))
+            if mismatch:
+                return mismatch, None
             inner_steps, outer_steps = int(own["inner_steps"]), int(own["outer_steps"])
-            if not 0 <= inner_steps <= self.sync_every or outer_steps < 0:
+            if inner_steps < 0 or outer_steps < 0:   # past sync_every after an outer exchange that skipped
                 return f"inner_steps={inner_steps}, outer_steps={outer_steps} out of range", None
             g = own["global"]
             want = self.global_params.dtype

@@ -19,8 +19,10 @@ import copy
 from typing import TYPE_CHECKING, Any, Iterable, Literal
 
 import exdyna_mpi
+from exdyna_mpi import transport
 
 from ._torch_common import _broadcast_model, _flat_layout, _OptimizerMixinBase, _torch, _wrap, _wrapped_params
+from ._torch_config import CONFIG_KEY, EntryConfig, agree_entry, layout_text, optimizer_items
 
 if TYPE_CHECKING:
     import torch
@@ -54,6 +56,7 @@ class FlatParams:
 class _GroupAveragingMixin(_OptimizerMixinBase):
     averager: exdyna_mpi.GroupAverager   # set by ``_wrap``
     _wagma_params: FlatParams
+    _wagma_config: EntryConfig
 
     def average(self) -> exdyna_mpi.Stats:
         """Average the model as the schedule says for this call (in place). Collective.
@@ -111,6 +114,7 @@ class _GroupAveragingMixin(_OptimizerMixinBase):
         """
         d = super().state_dict()
         d["group_averager"] = self.averager.state_dict()
+        d[CONFIG_KEY] = self._wagma_config.record()
         return d
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -126,8 +130,10 @@ class _GroupAveragingMixin(_OptimizerMixinBase):
         """
         d = dict(state_dict)
         ga = d.pop("group_averager", None)
+        saved = d.pop(CONFIG_KEY, None)
         before = copy.deepcopy(super().state_dict())
         problem = None if ga is not None else "the dict has no 'group_averager' state"
+        problem = problem or self._wagma_config.mismatch(saved)
         if problem is None:
             try:
                 super().load_state_dict(d)
@@ -166,12 +172,34 @@ def GroupAveragingOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Mo
     Returns:
         The optimizer, now an instance of a subclass of its class whose ``step()`` averages after.
 
+    Construction is collective and agreed before the broadcast (``_torch_config.py``): the
+    averaging options, the optimizer's class and settings, the parameters' layout and the model's
+    buffers must be the same on every rank; ``state_dict()`` records them and a load into another
+    configuration is refused on every rank.
+
     Raises:
-        ValueError: bad arguments (on every rank, through the averager's agreement).
+        CollectiveError: bad arguments on any rank, or ranks whose configurations differ (on every rank).
     """
-    comm, params = _wrapped_params(optimizer, model, comm, "GroupAveragingOptimizer")
+    who = "GroupAveragingOptimizer"
+    comm = transport.world() if comm is None else comm
+
+    def plan() -> tuple[tuple[list[Any], int], EntryConfig]:
+        """Every check, on this rank only, and the configuration they give; changes nothing."""
+        _, params = _wrapped_params(optimizer, model, comm, who)
+        params, numel = _flat_layout(params, who)
+        if not isinstance(broadcast, bool):
+            raise ValueError(f"{who}: broadcast must be True or False, got {broadcast!r}")
+        items = {"entry": who, "group_size": repr(group_size), "sync_every": repr(sync_every), "mode": repr(mode),
+                 **optimizer_items(optimizer), "layout": layout_text(params),
+                 "buffers": layout_text(list(model.buffers()) if model is not None else []),
+                 "broadcast": repr(broadcast)}
+        return (params, numel), EntryConfig.of(who, items, unrecorded=("broadcast", "buffers"))
+
+    (params, numel), config = agree_entry(comm, who, plan)
+    # agreed: the averager's own checks, then the broadcast, which meets the same sizes on every rank
+    ga = exdyna_mpi.GroupAverager(numel, comm, group_size=group_size, sync_every=sync_every, mode=mode)
     if broadcast:
         _broadcast_model(model, params, comm)
     flat = FlatParams(params)
-    ga = exdyna_mpi.GroupAverager(flat.numel, comm, group_size=group_size, sync_every=sync_every, mode=mode)
-    return _wrap(optimizer, _GroupAveragingMixin, "GroupAveraging", _wagma_params=flat, averager=ga)
+    return _wrap(optimizer, _GroupAveragingMixin, "GroupAveraging", _wagma_params=flat, averager=ga,
+                 _wagma_config=config)

@@ -158,8 +158,8 @@ def test_hook_with_optimizer_equals_distributed_optimizer(case):
     digests = comm.allgather(_params(hooked).tobytes())
     mpi_assert(len(set(digests)) == 1, f"{case}: parameters differ between ranks")
     mpi_assert(state.step == 8 and isinstance(state.stats, exdyna_mpi.Stats), f"step {state.step}")
-    moved = case in ("sgd-momentum-auto", "sgd-clip-warmups", "sgd-bf16")
-    mpi_assert(all(g["momentum"] == (0.0 if moved else 0.9) for g in opt.param_groups if "momentum" in g),
+    # the recipe moves the momentum before the exchange, but the user's optimizer keeps its own setting
+    mpi_assert(all(g["momentum"] == 0.9 for g in opt.param_groups if "momentum" in g),
                f"{case}: the optimizer's momentum {[g.get('momentum') for g in opt.param_groups]}")
     if case == "sgd-momentum-auto":
         mpi_assert(state.options.get("max_imbalance") == 0.2, f"auto quotas missing: {state.options}")
@@ -187,12 +187,14 @@ def _edit_refused(ddp, opt, state, step, edit, who):
     return msg
 
 
-def test_a_grad_edited_after_backward_is_refused_everywhere():
-    """The default path for AdamW computes its update from the exchanged vector: a ``clip_grad_norm_``
-    (or any edit of ``.grad``) between ``backward()`` and ``step()`` would be lost, so ``step()``
-    refuses it on every rank, nothing applied, naming the ranks that edited. With ``.grad`` put back
-    the same ``step()`` goes on, and the run equals one that never saw the edits; a clip that does
-    not bind changes no bit and passes."""
+def test_a_grad_edit_that_changes_the_update_is_refused_everywhere():
+    """The default path for AdamW (``"demo-age"``) computes its update from the signs of the
+    exchanged vector. The standard loop's ``clip_grad_norm_`` between ``backward()`` and ``step()``
+    (a positive rescale, binding or not: every sign kept) changes no bit and passes, on every rank
+    or on one. An edit that flips a sign would be lost, so ``step()`` refuses it on every rank,
+    nothing applied, naming the ranks that edited; with ``.grad`` put back the same ``step()`` goes
+    on. A path that reads the values (``adam="update"``) refuses even a clip. The run equals one
+    that never saw the edits."""
     comm = MPI.COMM_WORLD
     last = comm.Get_size() - 1
     case = "adamw-auto-clip"
@@ -202,20 +204,25 @@ def test_a_grad_edited_after_backward_is_refused_everywhere():
     def clip(m):
         torch.nn.utils.clip_grad_norm_(m.parameters(), 1e-3)
 
-    def halve(m):   # the exchanged vector is mostly zeros: halve every parameter's
+    def flip(m):   # the exchanged vector is mostly zeros: negate every parameter's
         for p in m.parameters():
-            p.grad.mul_(0.5)
+            p.grad.neg_()
 
     try:
         for s in range(5):
-            if s == 1:
-                msg = _edit_refused(ddp, opt, state, s, clip, range(comm.Get_size()))
-                mpi_assert("clip_norm=" in msg and "adam='demo-age'" in msg and "rank 0" in msg
-                           and f"rank {last}" in msg, msg)
-                opt.step()   # .grad put back: the pending update applies
+            if s == 1:   # a binding clip on every rank, then one on the last rank only
+                _backward(ddp, opt, s)
+                clip(model)
+                opt.step()
+            elif s == 2 and last > 0:
+                _backward(ddp, opt, s)
+                if comm.Get_rank() == last:
+                    clip(model)
+                opt.step()
             elif s == 3:
-                msg = _edit_refused(ddp, opt, state, s, halve, (last,))
-                mpi_assert(f"rank {last}: .grad of" in msg and (last == 0 or "rank 0" not in msg), msg)
+                msg = _edit_refused(ddp, opt, state, s, flip, (last,))
+                mpi_assert(f"rank {last}: .grad of" in msg and "clip_norm=" in msg and "adam='demo-age'" in msg
+                           and (last == 0 or "rank 0" not in msg), msg)
                 opt.step()
             else:
                 _backward(ddp, opt, s)
@@ -226,6 +233,15 @@ def test_a_grad_edited_after_backward_is_refused_everywhere():
     finally:
         state.close()
         ref_state.close()
+    model = _typed_model("adamw-update-clip", 6)
+    ddp, opt, state = _hook_run("adamw-update-clip", model)
+    try:
+        _step(ddp, opt, 0)
+        msg = _edit_refused(ddp, opt, state, 1, clip, range(comm.Get_size()))
+        mpi_assert("clip_norm=" in msg and "adam='update'" in msg and f"rank {last}" in msg, msg)
+        opt.step()
+    finally:
+        state.close()
 
 
 @pytest.mark.parametrize("case", ["sgd-clip-warmups", "sgd-bf16", "adamw-wire16", "adamw-update-bf16", "adamw-demo",

@@ -358,14 +358,14 @@ def test_density_warmup_bad_values_raise_on_every_rank(bad, wcomm):
 def test_auto_momentum_correction_moves_the_sgd_momentum_by_the_density_rule(density, moved, wcomm):
     """``"auto"`` (the default) on SGD(momentum=0.9) steps bit-identically to ``momentum_correction=
     moved, max_imbalance=0.2`` on SGD(momentum=0): 0.9 for 0.01 <= d < 0.02, min(0.9, 0.8) below,
-    with ExDyna's quotas; the optimizer's momentum becomes 0."""
+    with ExDyna's quotas; the optimizer's param groups keep their own momentum (the step runs without it)."""
     rank = wcomm.Get_rank()
     runs = []
     for kw, sgd_m in (({}, 0.9), ({"momentum_correction": moved, "max_imbalance": 0.2}, 0.0)):
         model = _model()
         base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=sgd_m)
         opt = DistributedOptimizer(base, model, sparsifier="exdyna", density=density, comm=wcomm, **kw)
-        mpi_assert(opt._exdyna_options.momentum == moved and all(g["momentum"] == 0 for g in base.param_groups)
+        mpi_assert(opt._exdyna_options.momentum == moved and all(g["momentum"] == sgd_m for g in base.param_groups)
                    and opt.sparsifier.options["max_imbalance"] == 0.2,
                    f"{kw}: momentum {opt._exdyna_options.momentum}, groups {base.param_groups[0]['momentum']}, "
                    f"max_imbalance {opt.sparsifier.options['max_imbalance']}", wcomm)
@@ -418,18 +418,26 @@ def test_momentum_correction_refuses_a_bad_string_on_every_rank(wcomm):
                              density=0.05, comm=wcomm, momentum_correction="on")
 
 
-def test_auto_momentum_stays_moved_after_loading_a_dict_with_momentum(wcomm):
-    """A state dict whose param groups still carry the SGD momentum (saved before it moved) does not
-    bring it back: it would count twice."""
-    model = _model()
-    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model,
-                               sparsifier="exdyna", density=0.01, comm=wcomm)
-    _step(model, opt, *_batch(wcomm.Get_rank(), 0))
-    sd = opt.state_dict()
-    sd["param_groups"][0]["momentum"] = 0.9
-    opt.load_state_dict(sd)
-    mpi_assert(opt.param_groups[0]["momentum"] == 0.0 and opt._exdyna_options.momentum == 0.9,
-               f"momentum {opt.param_groups[0]['momentum']} after loading", wcomm)
+def test_auto_momentum_never_counts_twice_after_loading_a_dict_with_momentum(wcomm):
+    """The param groups keep the SGD's own momentum (the user's state, in every checkpoint), and a
+    loaded dict that carries it does not make it count twice: the run goes on bit for bit as one
+    that never reloaded, with the user's momentum still in the groups."""
+    rank = wcomm.Get_rank()
+    runs = []
+    for reload in (False, True):
+        model = _model()
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model,
+                                   sparsifier="exdyna", density=0.01, comm=wcomm)
+        for s in range(3):
+            _step(model, opt, *_batch(rank, s))
+            if reload and s == 1:
+                sd = opt.state_dict()
+                mpi_assert(sd["param_groups"][0]["momentum"] == 0.9, "the saved groups lost the momentum", wcomm)
+                opt.load_state_dict(sd)
+        mpi_assert(opt.param_groups[0]["momentum"] == 0.9 and opt._exdyna_options.momentum == 0.9,
+                   f"momentum {opt.param_groups[0]['momentum']} after loading", wcomm)
+        runs.append(_flat(model.parameters()))
+    mpi_assert(runs[0].tobytes() == runs[1].tobytes(), "the reloaded run differs from the straight one", wcomm)
 
 
 @pytest.mark.parametrize("kind", ["velocity", "step"])
