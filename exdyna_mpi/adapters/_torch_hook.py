@@ -806,8 +806,10 @@ class ExDynaHookState:
                     for j in jobs:
                         for src, dst, n in j.runs:
                             j.buf[src:src + n].copy_(flat[dst:dst + n])
-            # counted before the futures complete: the caller reads ``step`` once backward() returns
-            self.step += 1
+            # counted before the futures complete: the caller reads ``step`` once backward() returns;
+            # a model-wide exchange skipped on every rank (nonfinite="skip") changed nothing, this included
+            if not (self.scope == "model" and getattr(self.stats, "skipped", False)):
+                self.step += 1
             for j in jobs + [last]:
                 if not j.fut.done():
                     j.fut.set_result(j.buf)
