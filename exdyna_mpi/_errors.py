@@ -20,6 +20,7 @@ class InputCode(enum.IntEnum):
     # 12: no longer used (half gradients on a CUDA device were refused before the device kernels)
     WIRE = 13
     HOST_STEP = 14
+    OVERFLOW = 15
 
 
 class CollectiveError(ValueError):
@@ -60,6 +61,8 @@ def describe(code, detail, numel, dtype_names, accepted=None):
         return "grad requires grad; pass tensor.detach() (or the .grad buffer)"
     if code == InputCode.NONFINITE:
         return f"grad has {detail} non-finite values (NaN or inf) after error feedback"
+    if code == InputCode.OVERFLOW:
+        return f"{detail} sums of grad's finite values (after error feedback) are not finite: they overflow its dtype"
     if code == InputCode.WIRE:
         return (f"grad has dtype {dtype_names.get(detail, '?')}; values travel in 16 bits (wire_dtype) only "
                 "from float32, float16 or bfloat16 gradients")

@@ -6,14 +6,20 @@
    gradient (float16, bfloat16) is widened to float32 here, the one place (``Ops.widen_half``):
    every selector then sees float32, the residual is float32, and step 6 rounds the output back;
    values travel in 16 bits where ``wire_dtype`` (or a half gradient) says so
-   (``average_at``; dense's ``combine``), and only their signs where ``output="sign"`` says so;
+   (``average_at``; dense's ``combine``), and only their signs where ``output="sign"`` says so.
+   The binding is provisional until the step is agreed: a refused or skipped step undoes it, so the
+   sparsifier is then exactly as it was (a fresh one stays unbound);
 2. ``select`` (the selector role, the subclass) fills ``acc = residual + grad`` from the memory
    role and chooses what this rank sends;
-3. the first collective: ``StepWords`` (count, error word, dtype) plus the selector's
-   ``report_size`` words, through the exchange role; every rank raises the same ``StepError`` or
-   skips (``nonfinite="skip"``) together, with the state untouched;
+3. the first collective: ``StepWords`` (count, error word, dtype, and the sparsifier's ``ident``
+   and iteration) plus the selector's ``report_size`` words, through the exchange role; every rank
+   raises the same ``StepError`` or skips (``nonfinite="skip"``) together, with the state
+   untouched; ranks that step different sparsifiers or iterations raise it too;
 4. ``combine`` (the subclass) gets every rank's count and report words as one ``RankWords``
-   (whichever first collective ran), exchanges, commits, and returns the output and its stats;
+   (whichever first collective ran), exchanges, commits, and returns the output and its stats.
+   Values summed over ranks are the same on every rank, so each rank checks them before it commits
+   (``check_sums``): a sum that is not finite (finite gradients whose sum overflows) raises
+   ``SumNotFinite`` on every rank at once, and the step is refused or skipped like a non-finite one;
 5. the template completes the stats (iteration, bytes, timings, imbalance) and the iteration count;
 6. the output goes back in the gradient's kind and dtype (a half one rounded to nearest even).
 
@@ -31,12 +37,15 @@ from ..arrays import (ACCEPTED_DTYPES, HALF_DTYPES, as_input, check_vector, comp
                       host_threads, ops_for)
 from ..arrays.half import WireFormat
 from ..arrays.ops import cuda_available, cuda_simulated
-from .._errors import CollectiveError, InputCode
+from .._errors import CollectiveError, InputCode, StepError
 from ..transport import Exchange, ExchangeProtocol, agree_problems, device_exchange, node_ranks, world
-from .roles import ErrorFeedback, RankWords, Selection, Selector, Step, StepWords, agree_arguments, imbalance
+from .roles import (SERIALS, ErrorFeedback, RankWords, Selection, Selector, Step, StepWords, SumNotFinite,
+                    agree_arguments, ident_of, imbalance)
 from .timing import timed
 
 NONFINITE_POLICIES = ("raise", "skip")
+#: the float32 magnitude from which rounding to each half dtype (to nearest even) gives inf
+_HALF_LIMIT = {"float16": 65520.0, "bfloat16": float(np.float32(2.0 - 2.0**-8) * np.float32(2.0**127))}
 DEVICES = ("auto", "cpu", "cuda")
 #: ``wire_dtype``: None (the gradient's: 16-bit values for a half gradient where the sparsifier can
 #: send them, else the computing dtype), or one of these
@@ -102,6 +111,11 @@ class Sparsifier(Selector):
     ``transport.Exchange``, or on a CUDA device its subclass ``DeviceExchange``), ``ops`` (the
     ``arrays.Ops`` of the bound device, None until bound).
 
+    ``serial``: this sparsifier's number, the same on every rank and larger than that of any
+    sparsifier built before it on the same ranks; with a fingerprint of the configuration it makes
+    ``ident``, which every step's first collective carries with the iteration, so a rank stepping
+    another sparsifier or iteration than the others is refused on every rank (``StepError``).
+
     Args:
         numel: the flat gradient's length, the same on every rank.
         density: the fraction of elements sent per step, in (0, 1].
@@ -139,7 +153,8 @@ class Sparsifier(Selector):
         self.comm = world() if comm is None else comm
         self.exchange = Exchange(self.comm)
         self.rank, self.nranks = self.exchange.rank, self.exchange.size
-        errors = []
+        from ..transport.watchdog import timeout_problem
+        errors = [p for p in [timeout_problem()] if p]   # a bad EXDYNA_TIMEOUT_S on any rank refuses on all
         if isinstance(numel, (bool, np.bool_)) or not isinstance(numel, (int, np.integer)) or numel <= 0:
             errors.append(f"numel must be a positive integer, got {numel!r}")
         try:
@@ -181,7 +196,9 @@ class Sparsifier(Selector):
         config = (f"{self.name} numel={numel!r} density={density!r} nonfinite={nonfinite!r} device={device!r} "
                   f"wire_dtype={wire_dtype!r} output={output!r} "
                   + " ".join(f"{k}={v!r}" for k, v in sorted(opts.items())))
-        agree_arguments(self.exchange, self.name, errors, config)
+        self.serial = agree_arguments(self.exchange, self.name, errors, config, SERIALS.take())
+        SERIALS.passed(self.serial)
+        self.ident = ident_of(self.serial, config)
         self.exchange.reset_counters()
         # host threads of the per-element pass: this rank's share of its node's cores (1 when the
         # node's ranks fill them); the same result with any number
@@ -192,9 +209,9 @@ class Sparsifier(Selector):
         self.options = opts
         self.wire_dtype = wire_dtype
         self.output = output
-        self._wire = None           # the WireFormat of a step whose values travel in 16 bits
+        self._wire: WireFormat | None = None   # the WireFormat of a step whose values travel in 16 bits
         self.memory = ErrorFeedback(self.numel)
-        self._grad_dtype = None     # the gradients' dtype name, fixed by the first good step
+        self._grad_dtype: str | None = None    # the gradients' dtype name, fixed by the first good step
         self._wide = None           # float32 buffers of a half gradient: its values, the output
         self._device, self.ops, self._input_device = None, None, None
         if device != "auto":
@@ -255,15 +272,34 @@ class Sparsifier(Selector):
         if device == "cuda":
             self.exchange = device_exchange(self.comm)
 
+    #: attributes a step that is refused or skipped does not take back with its binding (``_unbind``):
+    #: what the template sets after the verdict, and a deadline exchange built collectively in it
+    _UNBIND_KEEPS = frozenset({"stats", "deadline"})
+
     def _bind(self, inp):
         """Fix device and dtype from the first good gradient; allocate the residual there (float32
-        for a half gradient)."""
+        for a half gradient). Returns what ``_unbind`` needs to take the binding back if the step is
+        not agreed (None when this step binds nothing new)."""
+        undo = None
+        if self._grad_dtype is None or not self.memory.bound:
+            # provisional: buffers the step allocates on the new device go back with it
+            undo = (dict(vars(self)), dict(vars(self.memory)))
         self._grad_dtype = inp.dtype
         if not self.memory.bound:
             if self._device is None:
                 self._use_device(inp.device)
             self.memory.bind(self.ops, compute_dtype(inp.dtype))
         self._wire = self._wire_format(inp.dtype)
+        return undo
+
+    def _unbind(self, undo):
+        """Take back the binding of a step that was refused or skipped (``_bind``'s ``undo``):
+        every attribute of the sparsifier and of its memory as it was before the step."""
+        if undo is None:
+            return
+        attrs, memory = undo
+        _restore(vars(self), attrs, self._UNBIND_KEEPS)
+        _restore(vars(self.memory), memory, frozenset())
 
     def _wire_format(self, grad_dtype):
         """The 16-bit format this sparsifier's values travel in for gradients of ``grad_dtype``, or
@@ -315,6 +351,10 @@ class Sparsifier(Selector):
 
         ``out`` (optional): a buffer of the same kind, dtype and device to write the result into
         (it may be ``grad`` itself). Collective over ``comm``.
+
+        Raises ``StepError`` on every rank (state unchanged) for bad input on any rank, for ranks
+        that step different sparsifiers or iterations, and (``nonfinite="raise"``) for non-finite
+        values or a sum over ranks that is not finite; ``nonfinite="skip"`` skips the last two.
         """
         t_start = time.perf_counter()
         self.exchange.reset_counters()
@@ -326,26 +366,31 @@ class Sparsifier(Selector):
         g = inp.array
         step = Step(self.iteration, dtype, out)
         sec = step.sec
+        tag = (self.ident, step.t)
         sel: Any = None   # the Selection, whenever err is None
+        undo = None       # what takes back a binding this step made, if it is not agreed
         if err is None:
-            self._bind(inp)
+            undo = self._bind(inp)
             with timed(sec, "select"):
                 if half:
                     g, step.out = self._widen(inp)
                 sel = self.select(step, g, self.memory.take())
             if sel.nonfinite:
                 err = (InputCode.NONFINITE, sel.nonfinite)
+            elif sel.overflow:
+                err = (InputCode.OVERFLOW, sel.overflow)
         acc = sel.acc if sel is not None else None
         n_sum = self.sum_size(step)
         if n_sum:   # a summed first collective: measure, agree, then choose (roles.Selector.sum_size)
             with timed(sec, "sum_words"):
                 sums = sel.sums if err is None else np.zeros(n_sum, np.int64)
-                summed = self.exchange.sum_words(np.concatenate((StepWords.flags(err, code), sums)),
-                                                 self._word_dtype())
+                wd = self._word_dtype()
+                tag_word = StepWords.tag_word(self.ident, step.t, StepWords.tag_modulus(self.nranks, wd))
+                summed = self.exchange.sum_words(np.concatenate((StepWords.flags(err, code, tag_word), sums)), wd)
             if not StepWords.flags_ok(summed, self.nranks):
-                words = self.exchange.agree(StepWords.make(0, err, code))   # the error path: details
-                if self._refused(words, acc):
-                    return self._skip(inp, out)
+                words = self.exchange.agree(StepWords.make(0, err, code, tag))   # the error path: details
+                if self._refused(words, acc, undo):
+                    return self._skip(inp, out, undo)
                 raise AssertionError("summed flags and gathered words disagree")  # pragma: no cover
             with timed(sec, "choose"):
                 sel = self.choose(step, sel, summed[3:])
@@ -354,11 +399,15 @@ class Sparsifier(Selector):
         else:
             with timed(sec, "counts"):
                 report = list(sel.words) if err is None else [0] * self.report_size(step)
-                words = self.exchange.agree(StepWords.make(sel.count if err is None else 0, err, code) + report)
-            if self._refused(words, acc):
-                return self._skip(inp, out)
+                words = self.exchange.agree(StepWords.make(sel.count if err is None else 0, err, code, tag)
+                                            + report)
+            if self._refused(words, acc, undo):
+                return self._skip(inp, out, undo)
             gathered = RankWords.gathered(words, StepWords.N)
-        res, st = self.combine(step, sel, gathered)
+        try:
+            res, st = self.combine(step, sel, gathered)
+        except SumNotFinite as e:   # raised on every rank alike, before any commit
+            return self._not_finite(str(e), inp, out, acc, undo)
         loads = st.pop("loads", st["counts"])
         self.stats = Stats(iteration=step.t, bytes_sent=self.exchange.bytes_sent,
                            bytes_received=self.exchange.bytes_received, seconds=sec, skipped=False,
@@ -370,24 +419,51 @@ class Sparsifier(Selector):
         sec["total"] = time.perf_counter() - t_start
         return inp.wrap(res)
 
-    def _refused(self, words, acc):
+    def _refused(self, words, acc, undo=None):
         """Raise the same StepError on every rank, or return True for a step skipped everywhere,
-        with the state untouched (``acc`` kept for reuse); False: the step goes on."""
+        with the state untouched (``acc`` kept for reuse, the binding taken back); False: the step
+        goes on."""
         try:
+            if StepWords.mismatch(words):
+                self._order_error()
             skip = StepWords.check(words, self.name, self.numel, self.nonfinite)
         except Exception:
             self.memory.keep(acc)
+            self._unbind(undo)
             raise
         if skip:
             self.memory.keep(acc)
         return skip
 
+    def _order_error(self):
+        """The ranks' first words name different sparsifiers or iterations: every rank has seen the
+        same words, so each gathers the others' descriptions and raises the same ``StepError``."""
+        mine = f"{self.name} #{self.serial} at iteration {self.iteration}"
+        parts = "; ".join(f"rank {r}: {d}" for r, d in enumerate(self.exchange.gather_objects(mine)))
+        raise StepError(f"step refused on all ranks, state unchanged: the ranks step different sparsifiers or "
+                        f"iterations ({parts}); every rank must step the same sparsifiers in the same order")
+
+    def _not_finite(self, cause, inp, out, acc, undo):
+        """A step whose sum over ranks is not finite (``SumNotFinite``, on every rank alike): refused
+        (``nonfinite="raise"``) or skipped, as a non-finite gradient is; nothing was committed."""
+        self._undo_exchange()
+        self.memory.keep(acc)
+        if self.nonfinite == "skip":
+            return self._skip(inp, out, undo)
+        self._unbind(undo)
+        raise StepError(f"{self.name}: step refused on all ranks, state unchanged: {cause}")
+
+    def _undo_exchange(self):
+        """Take back what this step's exchange recorded for later steps (a deadline exchange's
+        history) when the step is refused after it ran; nothing here."""
+
     def _word_dtype(self):
         """int32 for summed words while any sum of per-element counts fits (numel < 2**31)."""
         return np.int32 if self.numel < 2**31 else np.int64
 
-    def _skip(self, inp, out):
-        """A step skipped on every rank: zero update, nothing else changes."""
+    def _skip(self, inp, out, undo=None):
+        """A step skipped on every rank: zero update, nothing else changes (a binding it made is
+        taken back, after its output and stats are made where the step ran)."""
         if self.ops is None:
             res = np.zeros(self.numel, dtype=inp.array.dtype) if inp.array is not None else None
         else:
@@ -397,7 +473,41 @@ class Sparsifier(Selector):
                            density=0.0, threshold=None, bounds=None, owned=None,
                            bytes_sent=self.exchange.bytes_sent, bytes_received=self.exchange.bytes_received,
                            seconds={}, skipped=True)
+        self._unbind(undo)
         return inp.wrap(res)
+
+    def check_sums(self, sums: Any, p: int | None = None) -> None:
+        """Before anything is committed: raise ``SumNotFinite`` unless every value in ``sums`` (values
+        summed over ranks, the same bits on every rank, on the device where they are) is finite, and,
+        for a half gradient whose output is rounded from the computing dtype, unless every average
+        ``sums / p`` rounds to a finite half value. Every rank reaches the same verdict with no
+        further collective; an O(len(sums)) read."""
+        xp = self.ops.xp
+        n = int(sums.shape[0])
+        if not bool(xp.isfinite(sums).all()):
+            bad = n - int(xp.count_nonzero(xp.isfinite(sums)))
+            raise SumNotFinite(f"the sum over ranks is not finite at {bad} of the {n} values exchanged "
+                               f"(finite gradients whose sum overflows {self._dtype})")
+        limit = None
+        if p is not None and self._wire is None and self._grad_dtype is not None:
+            limit = _HALF_LIMIT.get(self._grad_dtype)
+        if limit is not None:
+            over = int(xp.count_nonzero(xp.abs(sums / self._dtype.type(p)) >= self._dtype.type(limit)))
+            if over:
+                raise SumNotFinite(f"the average over ranks overflows {self._grad_dtype} at {over} of the "
+                                   f"{n} values exchanged")
+
+    def check_wire(self, means: Any) -> None:
+        """``check_sums`` for averages that came back as 16-bit patterns (``Exchange.mean_wire``):
+        saturating rounding keeps finite sums finite there, so only a sum that overflowed the
+        computing dtype (inf or NaN) raises ``SumNotFinite``."""
+        xp, wire = self.ops.xp, self._wire
+        assert wire is not None   # (only a step whose values travel in 16 bits has such averages)
+        mask = xp.uint16(0x7F80 if wire.name == "bfloat16" else 0x7C00)
+        bad = int(xp.count_nonzero((means & mask) == mask))
+        if bad:
+            raise SumNotFinite(f"the sum over ranks is not finite at {bad} of the {int(means.shape[0])} values "
+                               f"exchanged (finite gradients whose sum overflows float32)")
 
     # ------------------------------------------------------------------ shared by selectors
     def gather_selection(self, idx: Any, counts: np.ndarray, spans: np.ndarray) -> Any:
@@ -441,6 +551,7 @@ class Sparsifier(Selector):
             # 16-bit values: vals becomes what this rank keeps (the rounding it did), means are shared
             with timed(sec, "reduce"):
                 means = self.exchange.mean_wire(vals, self._wire, signs=signs)
+                self.check_wire(means)
             with timed(sec, "scatter"):
                 res = self.memory.commit(acc, out)
                 ops.scatter_wire(res, self.memory.residual, union, means, vals, self._wire)
@@ -450,6 +561,7 @@ class Sparsifier(Selector):
                 self.exchange.sum_signs(vals)
             else:
                 self.exchange.sum_identical(vals)
+            self.check_sums(vals, 1 if signs else self.nranks)
         with timed(sec, "scatter"):
             res = self.memory.commit(acc, out)
             ops.scatter_mean_zero(res, self.memory.residual, union, vals, dtype.type(1 if signs else self.nranks))
@@ -539,6 +651,16 @@ class Sparsifier(Selector):
         # older dicts lack "grad_dtype": the residual's dtype then fixes what a gradient computes in
         self._grad_dtype = d.get("grad_dtype") if d["residual"] is not None else None
         self._load_extra_state(d)
+
+
+def _restore(now, then, keeps):
+    """Make the attribute dict ``now`` what ``then`` was, but for the names in ``keeps``; no name that
+    both hold is ever missing on the way (another thread may read one)."""
+    for k in [k for k in now if k not in then and k not in keeps]:
+        del now[k]
+    for k, v in then.items():
+        if k not in keeps:
+            now[k] = v
 
 
 def _names_where(flag):

@@ -45,6 +45,10 @@ max_loss=0.01)``):
    ``residual_before + grad == residual_after + where(i in A, acc, 0)``, and
    ``out[A] = sum_r acc_r[A] / P``, ``out = 0`` elsewhere.
 
+A step refused after its exchange (a sum that is not finite, ``Sparsifier.check_sums``) takes back
+what the exchange recorded (``DeadlineOption._undo_exchange``: the history the next deadline comes
+from, the last report), so the next step's deadline is the one it would have been.
+
 Late chunks: their receives stay posted under their own step's tag and complete (and are
 discarded) whenever they land; they can never match a later step's receive
 (``transport.deadline`` explains the tag window). ``close()`` completes everything
@@ -279,6 +283,8 @@ class DeadlineOption:
     #: the deadline exchange, built on the first step when ``deadline_ms`` is set
     deadline = None
     _deadline_state: dict = {"history": []}
+    #: (exchange, history, applied, last) before this step's exchange ran (``_undo_exchange``)
+    _deadline_undo: tuple | None = None
 
     def _deadline_mode(self):
         """The deadline exchange (built on first use, collectively), or None in exact mode."""
@@ -293,7 +299,16 @@ class DeadlineOption:
         dl = self._deadline_mode()
         if dl is None:
             return exact(), None
+        # the step may still be refused after the exchange (a sum that is not finite): _undo_exchange
+        self._deadline_undo = (dl, list(dl.history), dl.applied, dl.last)
         return dl.union_for(self, t, acc, idx, counts), dl.last
+
+    def _undo_exchange(self):
+        """A step refused after its deadline exchange ran: the exchange's history (what later
+        deadlines are computed from) and its last report are as they were before the step."""
+        undo, self._deadline_undo = self._deadline_undo, None
+        if undo is not None and undo[0] is self.deadline:
+            _, self.deadline.history, self.deadline.applied, self.deadline.last = undo
 
     def close(self):
         """Collective: complete the deadline exchange's late messages and free its communicator

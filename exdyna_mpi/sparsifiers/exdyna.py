@@ -287,6 +287,7 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
             union, report = self.gather_union(t, st.acc, idx, counts,
                                               lambda: self.gather_selection(idx, counts, spans))
         bal = self.rebalancing
+        blocks = None
         if bal is Rebalancing.BLOCKS and self.layout.moves_blocks():   # exact per-block counts of this step, from
             with timed(step.sec, "balance"):                  # the union, where it lives (KBs move, not k)
                 counts_blk = self.ops.to_host(self.layout.block_counts(union, self.ops.xp))
@@ -295,8 +296,12 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
                     num, den = np.zeros(self.nranks, np.int64), np.ones(self.nranks, np.int64)
                     num[own], den[own] = at_threshold, np.maximum(counts, 1)
                     scale = (num, den)
-                self.layout.rebalance_blocks(None, t + 1, counts=counts_blk, scale=scale)
+                blocks = (counts_blk, scale)
+        # the sum is checked in there before anything is committed: the layout and the controller move after it
         res = self.average_at(st.acc, union, step.out, step.sec, done=st.done)
+        if blocks is not None:
+            with timed(step.sec, "balance", add=True):
+                self.layout.rebalance_blocks(None, t + 1, counts=blocks[0], scale=blocks[1])
         selected = int(counts.sum())
         stats = dict(counts=counts, selected=selected, density=selected / self.numel, threshold=plan.threshold,
                      bounds=bounds, owned=np.array(owners(t, self.nranks)), quota_moved=moved)

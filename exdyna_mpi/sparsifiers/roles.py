@@ -17,12 +17,17 @@ split and the state object of PyTorch's PowerSGD hook:
   ``DeviceExchange`` on a CUDA device): every MPI call and the ``ByteCounter``.
 - **controller** (``algorithm.controllers.Controller``, ExDyna and MiCRO): the threshold.
 
-``StepWords`` is the error-word protocol of the first collective; ``RankWords`` what ``combine``
-gets of the gathered words; ``agree_arguments`` the collective check of constructor arguments.
+``StepWords`` is the error-word protocol of the first collective (it also names the sparsifier and
+the step, so ranks that step different sparsifiers or iterations are refused there); ``RankWords``
+what ``combine`` gets of the gathered words; ``agree_arguments`` the collective check of constructor
+arguments, which also agrees the sparsifier's ``serial``; ``SumNotFinite`` what a step whose sum over
+ranks is not finite raises before anything is committed.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
+import threading
 import zlib
 from typing import Any
 
@@ -151,8 +156,10 @@ class Selection:
     ``acc`` (``residual + grad``, this step's buffer); ``count`` (the first word); ``words`` (the
     ``report_size`` words it adds to the first collective); ``nonfinite`` (a refusal when > 0);
     ``sums`` (with ``sum_size`` > 0: this rank's words of the summed first collective); ``done``
-    (the device already wrote the output and the residual: ``Sparsifier.average_at``). A selector
-    whose later calls need more subclasses it (a dataclass with typed fields)."""
+    (the device already wrote the output and the residual: ``Sparsifier.average_at``);
+    ``overflow`` (> 0: that many sums of this rank's own finite values overflowed, e.g. a transform's
+    bins; a non-finite step, under the ``nonfinite`` policy). A selector whose later calls need more
+    subclasses it (a dataclass with typed fields)."""
 
     acc: Any
     count: int = 0
@@ -160,6 +167,7 @@ class Selection:
     nonfinite: int = 0
     sums: np.ndarray | None = None
     done: bool = False
+    overflow: int = 0
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -211,25 +219,50 @@ class Selector:
 
 class StepWords:
     """The error-word protocol: ``[count, InputCode, detail, dtype code]`` opens every rank's words
-    in the first collective, so a problem on any rank is seen by all before anyone moves on."""
+    in the first collective, so a problem on any rank is seen by all before anyone moves on.
+
+    The words also name the step: the iteration rides above the code's ``CODE_BITS`` in word 1, the
+    sparsifier's identity (``Sparsifier.ident``) above the dtype code's in word 3, so no word is
+    added and nothing more is sent. Ranks whose words name different sparsifiers or iterations (one
+    rank steps ``a`` then ``b``, another ``b`` then ``a``) are refused on every rank (``mismatch``).
+    A summed first collective carries a small hash of the same (``tag_word``) in its flags.
+    """
 
     N = 4
+    CODE_BITS = 8
+    #: the dtype codes are below this (``arrays.DTYPE_NAMES``): the span of the code in a flag word
+    CODE_SPAN = 32
 
     @staticmethod
-    def make(count, err, dtype_code):
+    def make(count, err, dtype_code, tag=(0, 0)):
+        """Words ``[count, code | t << 8, detail, dtype | ident << 8]``; ``tag``: ``(ident, t)``."""
         code, detail = err if err is not None else (InputCode.OK, 0)
-        return [count, int(code), int(detail), dtype_code]
+        ident, t = (int(x) for x in tag)
+        b = StepWords.CODE_BITS
+        return [count, int(code) | (t << b), int(detail), int(dtype_code) | (ident << b)]
+
+    @staticmethod
+    def fields(words):
+        """``(code, iteration, dtype code, ident)`` columns of gathered (P, >= 4) words."""
+        b, m = StepWords.CODE_BITS, (1 << StepWords.CODE_BITS) - 1
+        return words[:, 1] & m, words[:, 1] >> b, words[:, 3] & m, words[:, 3] >> b
+
+    @staticmethod
+    def mismatch(words):
+        """Whether the ranks' words name different sparsifiers or iterations."""
+        _, its, _, ids = StepWords.fields(words)
+        return bool((its != its[0]).any() or (ids != ids[0]).any())
 
     @staticmethod
     def check(words, name, numel, nonfinite):
         """Raise the same StepError on every rank if any rank reported a problem; return True when
         the step is skipped on every rank (only non-finite values, policy ``"skip"``)."""
-        if words[:, 1].any():
-            bad = [(r, int(words[r, 1]), int(words[r, 2])) for r in range(words.shape[0]) if words[r, 1]]
-            if nonfinite == "skip" and all(c == InputCode.NONFINITE for _, c, _ in bad):
+        codes, _, dts, _ = StepWords.fields(words)
+        if codes.any():
+            bad = [(r, int(codes[r]), int(words[r, 2])) for r in range(words.shape[0]) if codes[r]]
+            if nonfinite == "skip" and all(c in NONFINITE_CODES for _, c, _ in bad):
                 return True
             raise StepError(f"{name}: " + refusal(bad, numel, DTYPE_NAMES, accepted=ACCEPTED_DTYPES))
-        dts = words[:, 3]
         if (dts != dts[0]).any():
             names = ", ".join(f"rank {r}: {DTYPE_NAMES.get(int(d), '?')}" for r, d in enumerate(dts))
             raise StepError(f"{name}: step refused on all ranks, state unchanged: "
@@ -237,17 +270,44 @@ class StepWords:
         return False
 
     @staticmethod
-    def flags(err, dtype_code):
-        """The error words of a summed first collective: [refusing ranks, code, code squared]."""
-        c = int(dtype_code)
-        return [0 if err is None else 1, c, c * c]
+    def tag_modulus(nranks, word_dtype):
+        """How many values ``tag_word`` takes: the most for which P times the square of a flag word
+        (``flags``) still fits ``word_dtype`` (>= 1; 1024 at P = 2 in int32, 45 at P = 1024)."""
+        top = int(np.iinfo(word_dtype).max) // max(int(nranks), 1)
+        return max(1, math.isqrt(top) // StepWords.CODE_SPAN)
+
+    @staticmethod
+    def tag_word(ident, t, modulus):
+        """A small word for a summed first collective naming sparsifier ``ident`` at step ``t``:
+        the same sparsifier at steps less than ``modulus`` apart, or two sparsifiers at one step whose
+        serials are less than ``modulus`` apart, always get different words (2654435761 is a prime
+        larger than any modulus)."""
+        return (int(ident) * 2654435761 + int(t)) % int(modulus)
+
+    @staticmethod
+    def flags(err, dtype_code, tag_word=0):
+        """The error words of a summed first collective: ``[refusing ranks, y, y squared]`` with
+        ``y = dtype code + CODE_SPAN * tag_word``."""
+        y = int(dtype_code) + StepWords.CODE_SPAN * int(tag_word)
+        return [0 if err is None else 1, y, y * y]
 
     @staticmethod
     def flags_ok(summed, nranks):
-        """No rank refused and every rank passed the same dtype (P * sum c^2 == (sum c)^2 holds
-        exactly when all codes are equal)."""
+        """No rank refused and every rank passed the same dtype and tag word (P * sum y^2 ==
+        (sum y)^2 holds exactly when all the ``y`` are equal)."""
         n_bad, s1, s2 = (int(x) for x in summed[:3])
         return n_bad == 0 and nranks * s2 == s1 * s1
+
+
+#: the codes a ``nonfinite="skip"`` step skips (every other refusal raises)
+NONFINITE_CODES = (InputCode.NONFINITE, InputCode.OVERFLOW)
+
+
+class SumNotFinite(Exception):
+    """Raised inside ``combine`` (before anything is committed) when values summed over ranks, the
+    same on every rank, are not finite: every rank raises it at the same point, and the template
+    turns it into the ``nonfinite`` policy's refusal or skip. ``str()``: the cause, the same text on
+    every rank."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -274,15 +334,44 @@ def _fingerprint(text):
     return zlib.crc32(text.encode()) | (zlib.adler32(text.encode()) << 32)
 
 
-def agree_arguments(exchange, name, errors, config):
+class _Serials:
+    """This process's next sparsifier serial. Construction takes one (``take``), agrees the largest
+    taken on any rank and moves every rank past it (``passed``), so the sparsifiers built on one
+    communicator get increasing serials, the same on every rank."""
+
+    def __init__(self):
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def take(self):
+        with self._lock:
+            s, self._next = self._next, self._next + 1
+            return s
+
+    def passed(self, agreed):
+        with self._lock:
+            self._next = max(self._next, int(agreed) + 1)
+
+
+SERIALS = _Serials()
+
+
+def ident_of(serial, config):
+    """A sparsifier's identity on its communicator: its serial (low 24 bits) and a 31-bit
+    fingerprint of its agreed configuration above them (< 2**55: it fits above a dtype code)."""
+    return ((_fingerprint(config) & 0x7FFFFFFF) << 24) | (int(serial) & 0xFFFFFF)
+
+
+def agree_arguments(exchange, name, errors, config, serial=0):
     """Collective: raise the same ``ValueError`` on every rank when any rank has ``errors`` or the
-    ranks' ``config`` texts differ."""
+    ranks' ``config`` texts differ. Returns the largest of the ranks' ``serial``."""
     got = agree_problems(exchange, "; ".join(errors), f"{name}: bad arguments",
-                         [_fingerprint(config) & 0x7FFFFFFFFFFFFFFF])
+                         [_fingerprint(config) & 0x7FFFFFFFFFFFFFFF, int(serial)])
     if (got[:, 0] != got[0, 0]).any():
         configs = exchange.gather_objects(config)
         parts = [f"rank {r}: {c}" for r, c in enumerate(configs)]
         raise CollectiveError(f"{name}: ranks disagree on the arguments: " + "; ".join(parts))
+    return int(got[:, 1].max())
 
 
 def imbalance(counts):

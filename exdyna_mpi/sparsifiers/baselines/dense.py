@@ -32,12 +32,14 @@ class DenseAllreduce(Sparsifier):
         if self._wire is not None:
             with timed(step.sec, "reduce"):
                 means = self.exchange.mean_wire(acc, self._wire)   # acc becomes the rounding this rank kept
+                self.check_wire(means)
             res = self.memory.commit(acc, step.out)
             self.ops.widen_half(means, self._wire.name, res)
             return res, dict(counts=words.counts, selected=self.numel, density=1.0, threshold=0.0,
                              bounds=None, owned=None)
         with timed(step.sec, "reduce"):
             self.exchange.sum_identical(acc)
+            self.check_sums(acc, self.nranks)   # the exchanged values are all N here
         res = step.out if step.out is not None else self.ops.empty(self.numel, self._dtype)
         np.divide(acc, self._dtype.type(self.nranks), out=res)
         self.memory.keep(acc)   # the residual stays zero; acc is the next step's buffer

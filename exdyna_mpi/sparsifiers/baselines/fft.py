@@ -19,6 +19,11 @@ One step on rank r (B = ``block``, k = density * numel real coefficients per ran
 6. Error feedback on the reconstruction error: ``residual = acc - irfft(D_r)``, the part of acc
    this rank's message did not carry (dropped bins, quantisation, the padding of the last row).
 
+A transform that overflows is a non-finite step (the ``nonfinite`` policy, on every rank): a rank
+whose spectrum is not finite says so in the count exchange, and before the inverse transforms every
+rank bounds them from the decoded bins it holds (``_check_rows``), so no rank's output or residual
+takes an inf or a NaN.
+
 So ``residual_after + contribution == residual_before + grad`` holds to rounding for
 ``contribution = irfft(D_r)``, and ``out`` is the mean of the contributions to FFT round-off.
 ``stats.density`` is the fraction of reals each rank sends (``2 * bins / numel``, mean over ranks).
@@ -32,7 +37,9 @@ from typing import Any
 
 import numpy as np
 
+from ...arrays import HALF_DTYPES
 from ..base import Selection, Sparsifier
+from ..roles import SumNotFinite
 from ..timing import timed
 from . import rangefloat
 from ._common import float_to_word, kth_largest_magnitude, positive_int, target_count, word_to_float
@@ -108,6 +115,20 @@ class FFTSparsifier(Sparsifier):
         parts = parts.astype(np.dtype(cdtype).type(0).real.dtype)
         return parts[0::2] + 1j * parts[1::2]
 
+    def _check_rows(self, row_mass):
+        """Before the inverse transforms: every value of a row's inverse transform, and every partial
+        sum on the way, is at most 2 sqrt(2) times the row's sum of ``|bins|`` (Hermitian symmetry
+        doubles the bins, real and imaginary parts add). ``row_mass`` (every rank's decoded bins summed
+        per row, the same on every rank) bounds both the average's rows and each rank's own
+        contribution, whose residual is that rank's alone; so a row whose mass is not below a quarter
+        of the largest finite value makes the step non-finite on every rank together
+        (``SumNotFinite``) before a transform can overflow."""
+        limit = float(np.finfo(self._dtype).max) / 4
+        over = int(np.count_nonzero(~(row_mass <= limit)))
+        if over:
+            raise SumNotFinite(f"the sum over ranks is not finite: the spectra of {over} of the {self.rows} rows "
+                               f"overflow {self._dtype} in the inverse transform")
+
     # ------------------------------------------------------------------ the step
     def report_size(self, step):
         return 3   # tau (float64 bits), e_max, e_bits: the format header of this rank's codes
@@ -116,8 +137,12 @@ class FFTSparsifier(Sparsifier):
         bad = self.accumulate(grad, acc)
         if bad:
             return Selection(acc, 0, (), bad)
-        spec = self._spectrum(acc)
-        mag = np.abs(spec)
+        with np.errstate(over="ignore", invalid="ignore"):   # an overflow is this step's refusal, just below
+            spec = self._spectrum(acc)
+            mag = np.abs(spec)
+        over = mag.shape[0] - int(np.count_nonzero(np.isfinite(mag)))
+        if over:   # finite values whose transform overflows: a non-finite step (the nonfinite policy)
+            return Selection(acc, 0, (), 0, overflow=over)
         tau = kth_largest_magnitude(mag, self.k_bins) if self.k_bins < self.nbins else mag.dtype.type(0)
         kept = np.flatnonzero(mag >= tau).astype(self._pos_dtype)
         count = kept.shape[0]
@@ -138,17 +163,24 @@ class FFTSparsifier(Sparsifier):
             total = np.zeros(self.nbins, dtype=spec.dtype)
             offs = np.concatenate(([0], np.cumsum(counts)))
             own = None
-            for r in range(self.nranks):  # P small decodes; each is vectorised over its message
-                a, b = int(offs[r]), int(offs[r + 1])
-                vals = self._decode(all_codes[2 * a: 2 * b], int(header[r, 1]), int(header[r, 2]),
-                                    spec.dtype)
-                total[pos[a:b]] += vals
-                if r == self.rank:
-                    own = vals
+            row_mass = np.zeros(self.rows, dtype=np.float64)   # sum over ranks of each row's |bins|
+            row = self.block // 2 + 1
+            with np.errstate(over="ignore", invalid="ignore"):   # an overflow is refused below (_check_rows)
+                for r in range(self.nranks):  # P small decodes; each is vectorised over its message
+                    a, b = int(offs[r]), int(offs[r + 1])
+                    vals = self._decode(all_codes[2 * a: 2 * b], int(header[r, 1]), int(header[r, 2]),
+                                        spec.dtype)
+                    total[pos[a:b]] += vals
+                    row_mass += np.bincount(pos[a:b] // row, weights=np.abs(vals), minlength=self.rows)
+                    if r == self.rank:
+                        own = vals
+            self._check_rows(row_mass)
             mine = np.zeros(self.nbins, dtype=spec.dtype)
             mine[kept] = own
             contribution = self._signal(mine).astype(self._dtype, copy=False)
             avg = self._signal(total).astype(self._dtype, copy=False)
+            if self._grad_dtype in HALF_DTYPES:   # finite (the rows' bound); its half rounding may not be
+                self.check_sums(avg, self.nranks)
         norm = float(np.linalg.norm(acc))
         res = self.memory.commit(acc, step.out)
         np.divide(avg, self._dtype.type(self.nranks), out=res)

@@ -19,6 +19,9 @@ One step on rank r (t = step counter, k = density * numel):
    every rank takes the exact top-k of the gathered values (the global threshold is their k-th
    largest magnitude); otherwise each owner keeps ``|R| >= global_thr`` and the global threshold is
    adjusted /1.008 below 2k/3, x1.008 above 4k/3. Both by ``Allgatherv`` (indices, then values).
+   An owner whose region holds a sum that is not finite (finite values that overflow) sends its
+   count as ``-1 - count``: every rank sees it in the gathered counts, and the step is a non-finite
+   one on every rank (``nonfinite`` policy), before anything is committed.
 5. ``out[G] = value / P``; ``residual = acc`` zeroed on ``L_r ∩ G`` (only what entered the sum).
 
 ``out`` is bit-identical on every rank: each global value is summed on its owner alone and then
@@ -34,6 +37,7 @@ import numpy as np
 
 from ...arrays import threshold_for
 from ..base import Sparsifier
+from ..roles import SumNotFinite
 from ..timing import timed
 from ._common import (ThresholdSelection, float_to_word, kth_largest_magnitude, nonneg_int, positive_floor,
                       positive_int, target_count, word_to_float)
@@ -144,21 +148,30 @@ class OkTopk(Sparsifier):
 
         rounds = self.exchange.rotating_rounds(parts, recv_counts, (self._index_dtype, self._dtype),
                                                (_TAG_IDX, _TAG_VAL), bucket=_BUCKET)
-        for ri, rv in rounds:  # in rotation order; one sender's offsets are distinct, so += is a scatter-add
-            region[ri] += rv
-            touched[ri] = True
+        # a sum that overflows is found (and refused on every rank) in _global_select: no warning here
+        with np.errstate(over="ignore", invalid="ignore"):
+            for ri, rv in rounds:  # in rotation order; one sender's offsets are distinct, so += is a scatter-add
+                region[ri] += rv
+                touched[ri] = True
         return region, touched
 
     def _global_select(self, region, touched, lo, exact, dense):
         """(G indices, G values, global threshold used, owner counts), identical on every rank."""
         cand = np.flatnonzero(touched)
         cvals = region[cand]
+        # a region's sums live on its owner alone: a sum that is not finite travels as a negative
+        # count (-1 - count) in the count words every rank gathers next, so all ranks see it at once
+        overflow = not bool(np.isfinite(cvals).all())
         gthr = self.global_thr
         if not (exact or dense):
             keep = np.abs(cvals) >= threshold_for(gthr, self._dtype)
             cand, cvals = cand[keep], cvals[keep]
         mine = (cand + lo).astype(self._index_dtype)
-        counts = self.exchange.agree([mine.shape[0]])[:, 0].copy()
+        counts = self.exchange.agree([-1 - mine.shape[0] if overflow else mine.shape[0]])[:, 0].copy()
+        if (counts < 0).any():
+            owners = ", ".join(str(r) for r in np.flatnonzero(counts < 0))
+            raise SumNotFinite(f"the sum over ranks is not finite in the regions of ranks {owners} "
+                               f"(finite gradients whose sum overflows {self._dtype})")
         gi = self.exchange.allgatherv(mine, counts)
         gv = self.exchange.allgatherv(cvals, counts)
         if dense:
@@ -217,6 +230,7 @@ class OkTopk(Sparsifier):
         with timed(sec, "allgatherv"):
             lo = int(bounds[self.rank])
             gi, gv, gthr, owner_counts = self._global_select(region, touched, lo, exact, dense)
+            self.check_sums(gv, self.nranks)   # the global set's sums, the same on every rank
         with timed(sec, "scatter"):
             res = self.memory.commit(acc, step.out)
             self.ops.scatter(res, gi, gv / self._dtype.type(self.nranks))
