@@ -5,6 +5,7 @@ compute local checks, then call ``mpi_assert`` (an allreduce), which fails on ev
 """
 import importlib
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -89,6 +90,24 @@ def same_error_everywhere(call, comm=MPI.COMM_WORLD):
     msgs = comm.allgather(msg)
     mpi_assert(msgs[0] and all(m == msgs[0] for m in msgs), f"errors differ or missing: {msgs}", comm)
     return msgs[0]
+
+
+def state_content(d):
+    """A state dict as plain values and bytes, for comparing two of them (a pickled tensor also
+    holds its storage's address): tensors and arrays by dtype, shape and raw bytes."""
+    if isinstance(d, dict):
+        return {k: state_content(v) for k, v in d.items()}
+    if isinstance(d, (list, tuple)):
+        return [state_content(v) for v in d]
+    if isinstance(d, np.ndarray):
+        return ("ndarray", d.dtype.str, d.shape, np.ascontiguousarray(d).tobytes())
+    if isinstance(d, np.generic):
+        return d.item()
+    torch = sys.modules.get("torch")   # a tensor exists only where its test imported torch
+    if torch is not None and isinstance(d, torch.Tensor):
+        t = d.detach().cpu().contiguous().reshape(-1)
+        return ("tensor", str(d.dtype), tuple(d.shape), t.view(torch.uint8).numpy().tobytes())
+    return d
 
 
 def allgather_array(x, comm=MPI.COMM_WORLD):

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from tests.conftest import backward_error, init_gloo, mpi_assert, require, same_error_everywhere
+from tests.conftest import backward_error, init_gloo, mpi_assert, require, same_error_everywhere, state_content
 
 torch = require("torch")
 dist = pytest.importorskip("torch.distributed")
@@ -341,20 +341,9 @@ CORRUPTIONS = {
 }
 
 
-def _content(d):
-    """A state dict's values as plain bytes (a pickled tensor also holds its storage's address)."""
-    if isinstance(d, dict):
-        return {k: _content(v) for k, v in d.items()}
-    if isinstance(d, (list, tuple)):
-        return [_content(v) for v in d]
-    if isinstance(d, torch.Tensor):
-        return (str(d.dtype), tuple(d.shape), d.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return d
-
-
 def _bits(d):
     """The state dict's content as bytes (residuals included), for an unchanged-state check."""
-    return pickle.dumps(_content(d))
+    return pickle.dumps(state_content(d))
 
 
 @pytest.mark.parametrize("scope", ["model", "bucket"])

@@ -32,11 +32,10 @@ import io
 import pickle
 import re
 
-import numpy as np
 import pytest
 from mpi4py import MPI
 
-from tests.conftest import mpi_assert, require
+from tests.conftest import mpi_assert, require, state_content
 
 torch = require("torch")
 
@@ -63,19 +62,7 @@ def _bits(tensors):
     return b"".join(_raw(t) for t in tensors)
 
 
-def _content(d):
-    """A state dict as plain values and bytes (a pickled tensor also holds its storage's address)."""
-    if isinstance(d, dict):
-        return {k: _content(v) for k, v in d.items()}
-    if isinstance(d, (list, tuple)):
-        return [_content(v) for v in d]
-    if isinstance(d, torch.Tensor):
-        return ("tensor", str(d.dtype), tuple(d.shape), _raw(d))
-    if isinstance(d, np.ndarray):
-        return ("ndarray", d.dtype.str, d.shape, np.ascontiguousarray(d).tobytes())
-    if isinstance(d, np.generic):
-        return d.item()
-    return d
+_content = state_content
 
 
 def _digest(obj):

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from tests.conftest import backward_error, mpi_assert, require, same_error_everywhere
+from tests.conftest import backward_error, mpi_assert, require, same_error_everywhere, state_content
 
 torch = require("torch")
 
@@ -57,15 +57,7 @@ def _bits(model):
     return flat.view(torch.int16 if flat.element_size() == 2 else torch.int32).numpy().copy()
 
 
-def _content(d):
-    """A state dict as bytes of its values (a pickled tensor also holds its storage's address)."""
-    if isinstance(d, dict):
-        return {k: _content(v) for k, v in d.items()}
-    if isinstance(d, (list, tuple)):
-        return [_content(v) for v in d]
-    if isinstance(d, torch.Tensor):
-        return (str(d.dtype), tuple(d.shape), d.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return d
+_content = state_content
 
 
 #: name -> (optimizer factory, density, recipe options[, parameter dtype, sparsifier options])
