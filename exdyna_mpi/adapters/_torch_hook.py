@@ -42,7 +42,8 @@ from exdyna_mpi.transport.group import GroupTransport
 from ._torch_adam import AdamPath, check_mode as check_adam_mode, make_adam_path
 from ._torch_common import _flat_layout, _from_torch, _to_torch, _torch
 from ._torch_config import EntryConfig, agree_entry, layout_text, optimizer_items
-from ._torch_options import RECIPE_DEFAULTS, Recipe, TrainingOptions, check_state, recipe_for
+from ._torch_options import (RECIPE_DEFAULTS, Recipe, TrainingOptions, check_state, give_back_momentum, recipe_for,
+                             take_momentum)
 
 if TYPE_CHECKING:
     import torch
@@ -215,10 +216,11 @@ class ExDynaHookState:
                                    "see mpi4py.rc.thread_level): its exchanges run on a worker thread")
             return (opts, recipe, params, adam_path), EntryConfig.of(who, items)
 
+        self._user_comm = comm
         if getattr(self, "_unpickling", False):   # one rank's business: the first iteration's loads agree
             (options, recipe, params, adam_path), config = plan()
         else:
-            (options, recipe, params, adam_path), config = agree_entry(self.comm_of(comm), who, plan)
+            (options, recipe, params, adam_path), config = agree_entry(self.comm, who, plan)
         self._config = config
         self.sparsifier, self.density, self.scope, self.options = sparsifier, density, scope, dict(options)
         self.optimizer = optimizer
@@ -229,7 +231,6 @@ class ExDynaHookState:
         self._last_sp: Any = None   # the sparsifier of the last model-wide exchange (a warm-up's or the main one)
         self._stashed: list[tuple[torch.Tensor, torch.Tensor | None]] = []   # .grad held away from the optimizer
         self._momenta: list[Any] | None = None   # the groups' own momentum while the optimizer steps without it
-        self._user_comm = comm
         self.step = 0
         self.stats: Any = None
         self.error: BaseException | None = None
@@ -307,11 +308,7 @@ class ExDynaHookState:
         self._adam_due = False
         for p, _ in self._stashed:
             p.grad = None
-        recipe = self._recipe_config
-        if recipe is not None and recipe.moves_momentum:
-            self._momenta = [g.get("momentum", 0.0) for g in optimizer.param_groups]
-            for g in optimizer.param_groups:
-                g["momentum"] = 0.0
+        self._momenta = take_momentum(optimizer, self._recipe_config)
 
     def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """The optimizer's step post-hook: give the parameters their gradients and the param groups
@@ -323,13 +320,8 @@ class ExDynaHookState:
             p.grad = g
         self._stashed = []
         if self._momenta is not None and self.optimizer is not None:
-            for group, m in zip(self.optimizer.param_groups, self._momenta):
-                group["momentum"] = m
+            give_back_momentum(self.optimizer, self._momenta)
             self._momenta = None
-
-    @staticmethod
-    def comm_of(comm: MPI.Comm | None) -> MPI.Comm:
-        return transport.world() if comm is None else comm
 
     # ------------------------------------------------------------------ communicator and worker
     @property

@@ -97,23 +97,36 @@ def auto_options(options):
     return dict(options, max_imbalance=AUTO_MAX_IMBALANCE)
 
 
-@contextmanager
-def momentum_moved(optimizer, recipe: "Recipe | None"):
-    """Inside: the optimizer steps without its own momentum, which the recipe applies before the
-    exchange. Its param groups get their values back on exit, so the user's optimizer state (and
-    every checkpoint of it) keeps the user's momentum, and a run resumed in torch's usual order
-    (optimizer state loaded before the entry point is built) resolves ``"auto"`` as the first did."""
+def take_momentum(optimizer, recipe: "Recipe | None"):
+    """Take the momentum the recipe moved before the exchange out of the optimizer's param groups,
+    for its step; returns the groups' own values for ``give_back_momentum`` (None: nothing taken).
+    Only for the step: the user's optimizer state (and every checkpoint of it) keeps the user's
+    momentum, so a run resumed in torch's usual order (optimizer state loaded before the entry point
+    is built) resolves ``"auto"`` as the first did."""
     if recipe is None or not recipe.moves_momentum:
-        yield
-        return
+        return None
     saved = [g.get("momentum", 0.0) for g in optimizer.param_groups]
     for g in optimizer.param_groups:
         g["momentum"] = 0.0
+    return saved
+
+
+def give_back_momentum(optimizer, saved) -> None:
+    """The param groups' own momentum back (``take_momentum``'s return)."""
+    for g, m in zip(optimizer.param_groups, saved):
+        g["momentum"] = m
+
+
+@contextmanager
+def momentum_moved(optimizer, recipe: "Recipe | None"):
+    """Inside: the optimizer steps without the momentum the recipe moved (``take_momentum``); its
+    param groups get their values back on exit."""
+    saved = take_momentum(optimizer, recipe)
     try:
         yield
     finally:
-        for g, m in zip(optimizer.param_groups, saved):
-            g["momentum"] = m
+        if saved is not None:
+            give_back_momentum(optimizer, saved)
 
 
 @dataclass(frozen=True, eq=False)

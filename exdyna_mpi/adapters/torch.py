@@ -431,16 +431,17 @@ class _DistributedMixin(_OptimizerMixinBase):
         except exdyna_mpi.CollectiveError:
             super().load_state_dict(before)
             raise
-        sp_before = self.sparsifier.state_dict()
+        # the sparsifier's load is all or nothing; its old state is needed only should the recipe's refuse after it
         opts_before = self._exdyna_options.state_dict() if self._exdyna_options.active else None
+        sp_before = self.sparsifier.state_dict() if opts_before is not None else None
         try:
             self.sparsifier.load_state_dict(_from_torch(state_dict[_SPARSIFIER_KEY]))
             if opts_before is not None:   # its refusals are agreed: every rank rolls back together
                 self._exdyna_options.load_state_dict(_from_torch_keep_tensors(state_dict[OPTIONS_KEY]))
         except exdyna_mpi.CollectiveError:
-            if opts_before is not None:
+            if opts_before is not None and sp_before is not None:
                 self._exdyna_options.load_state_dict(opts_before)
-            self.sparsifier.load_state_dict(sp_before)
+                self.sparsifier.load_state_dict(sp_before)
             super().load_state_dict(before)
             raise
         adam = self._exdyna_adam
@@ -606,19 +607,20 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
 
     (params, adam_path, recipe, buffers), config = agree_entry(comm, who, plan)
     # agreed on every rank: from here on every collective meets the same sizes
-    grads = FlatGrad(params)
-    ov = OverlappedExchange(grads.numel, grads.flat.dtype, grads.flat.device) if overlap else None
+    numel = sum(p.numel() for p in params)
+    ov = OverlappedExchange(numel, params[0].dtype, params[0].device) if overlap else None
     # the exchanges' communicator: the worker's private duplicate with overlap, so that the caller's
     # own collectives on comm never meet the worker's
     xcomm = comm if ov is None else ov.open(comm)
-    opts = TrainingOptions(recipe, [p.shape for p in grads.params], grads.numel, xcomm)
+    opts = TrainingOptions(recipe, [p.shape for p in params], numel, xcomm)
     try:
-        sp = exdyna_mpi.make(sparsifier, grads.numel, density, xcomm, **recipe.options)
+        sp = exdyna_mpi.make(sparsifier, numel, density, xcomm, **recipe.options)
     except BaseException:
         opts.close()
         raise
     if broadcast:   # after the sparsifier agreed its options: a refusal leaves every model as it was
-        _broadcast_model(model, grads.params, comm)
+        _broadcast_model(model, params, comm)
+    grads = FlatGrad(params)   # last: its views and hooks go on the parameters only once nothing can refuse
     return _wrap(optimizer, _DistributedMixin, "Distributed", _exdyna_grads=grads, sparsifier=sp,
                  _exdyna_options=opts, _exdyna_adam=adam_path, _exdyna_overlap=ov, _exdyna_comm=comm,
                  _exdyna_config=config, _exdyna_buffers=buffers if broadcast_buffers else [], _exdyna_unused=[])

@@ -50,7 +50,7 @@ WORLD = MPI.COMM_WORLD
 BUCKET_MB = 0.001   # ~1 KB buckets: several per iteration, and DDP rebuilds them after the first
 
 
-# ------------------------------------------------------------------ helpers
+# ------------------------------------------------------------------ models, runs and comparisons
 
 
 def _raw(t):
@@ -389,6 +389,32 @@ def _fresh_sgd(model):
     return _sgd(model.parameters())
 
 
+def _resumed(ck, make_opt, at, steps, rank, *, opt_first, **hook_kw):
+    """A fresh model, optimizer and hook state resumed from ``ck`` (their state dicts) and trained
+    from step ``at`` to ``steps``: ``(parameters' bits, optimizer digest, hook digest)``.
+    ``opt_first``: the optimizer's state loaded before the hook state is built (torch's usual order)."""
+    model = em.mlp(seed=99)
+    model.load_state_dict(ck["model"])
+    opt = make_opt(model.parameters())
+    if opt_first:
+        opt.load_state_dict(ck["opt"])
+    ddp, state = _hook(model, opt, **hook_kw)
+    try:
+        if not opt_first:
+            opt.load_state_dict(ck["opt"])
+        state.load_state_dict(ck["hook"])
+        _train(ddp, opt, range(at, steps), rank)
+        return _bits(model.parameters()), _digest(opt.state_dict()), _digest(state.state_dict())
+    finally:
+        state.close()
+
+
+def _same_as_uninterrupted(got, want):
+    mpi_assert(got[0] == want[0], "resumed parameters differ from the uninterrupted run")
+    mpi_assert(got[1:] == want[1:], "resumed optimizer or hook state differs from the uninterrupted run")
+    _same_on_every_rank(got[0], "parameters")
+
+
 def test_the_hook_resumes_in_torchs_order_bit_exactly():
     """The optimizer's state loaded first, then the hook's state built with the optimizer, then its
     dict loaded: the same bits as the uninterrupted run (momentum included)."""
@@ -404,21 +430,7 @@ def test_the_hook_resumes_in_torchs_order_bit_exactly():
     finally:
         state.close()
 
-    ck = pickle.loads(ckpt)
-    model = em.mlp(seed=99)
-    model.load_state_dict(ck["model"])
-    opt = _fresh_sgd(model)
-    opt.load_state_dict(ck["opt"])
-    ddp, state = _hook(model, opt)
-    try:
-        state.load_state_dict(ck["hook"])
-        _train(ddp, opt, range(at, steps), rank)
-        got = (_bits(model.parameters()), _digest(opt.state_dict()), _digest(state.state_dict()))
-    finally:
-        state.close()
-    mpi_assert(got[0] == want[0], "resumed parameters differ from the uninterrupted run")
-    mpi_assert(got[1:] == want[1:], "resumed optimizer or hook state differs from the uninterrupted run")
-    _same_on_every_rank(got[0], "parameters")
+    _same_as_uninterrupted(_resumed(pickle.loads(ckpt), _sgd, at, steps, rank, opt_first=True), want)
 
 
 @pytest.mark.parametrize("entry", ["do", "hook"])
@@ -715,16 +727,4 @@ def test_the_hooks_state_dict_loads_with_weights_only_and_resumes(kind):
     except Exception as e:   # every outcome is reported on every rank
         err = e
     _no_errors(err, "torch.load(weights_only=True) of the hook's state_dict()")
-    model = em.mlp(seed=99)
-    model.load_state_dict(ck["model"])
-    opt = OPTIMIZERS[kind](model.parameters())
-    ddp, state = _hook(model, opt, density=density)
-    try:
-        opt.load_state_dict(ck["opt"])
-        state.load_state_dict(ck["hook"])
-        _train(ddp, opt, range(at, steps), rank)
-        got = (_bits(model.parameters()), _digest(opt.state_dict()), _digest(state.state_dict()))
-    finally:
-        state.close()
-    mpi_assert(got[0] == want[0], "resumed parameters differ from the uninterrupted run")
-    mpi_assert(got[1:] == want[1:], "resumed optimizer or hook state differs from the uninterrupted run")
+    _same_as_uninterrupted(_resumed(ck, OPTIMIZERS[kind], at, steps, rank, opt_first=False, density=density), want)

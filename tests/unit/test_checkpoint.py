@@ -208,6 +208,18 @@ def test_a_file_written_with_another_shared_part_is_passed_over(tmp_path):
     _falls_back(out, "is not the one it was written with", shared=None)
 
 
+def _two_generations_with_marker_edited(tmp_path, edit):
+    """``_two_generations``'s run folder, its ``COMPLETE`` marker rewritten after ``edit(marker)``."""
+    out, d = _two_generations(tmp_path)
+    path = os.path.join(d, checkpoint.MARKER)
+    with open(path) as f:
+        marker = json.load(f)
+    edit(marker)
+    with open(path, "w") as f:
+        json.dump(marker, f)
+    return out
+
+
 @pytest.mark.parametrize("edit,words", [
     (lambda m: m["generations"][0].update(files=[]), "lists 0 files for 1 ranks"),
     (lambda m: m["generations"][0].update(files="step00000012.rank0.pt"), "has no list of files"),
@@ -221,11 +233,7 @@ def test_a_file_written_with_another_shared_part_is_passed_over(tmp_path):
     (lambda m: m.update(files=[]), "its step and files disagree with its newest generation"),
 ])
 def test_a_malformed_marker_entry_refuses_that_generation_only(tmp_path, edit, words):
-    out, d = _two_generations(tmp_path)
-    path = os.path.join(d, checkpoint.MARKER)
-    marker = json.load(open(path))
-    edit(marker)
-    json.dump(marker, open(path, "w"))
+    out = _two_generations_with_marker_edited(tmp_path, edit)
     report = []
     got = checkpoint.load_latest(MPI.COMM_SELF, out, CONFIG, report=report, shared=_model)
     assert _same(got, _state(8))
@@ -241,11 +249,7 @@ def test_a_malformed_marker_entry_refuses_that_generation_only(tmp_path, edit, w
     (lambda m: m.clear(), "it has no number of ranks"),
 ])
 def test_a_marker_without_usable_generations_is_refused(tmp_path, edit, words):
-    out, d = _two_generations(tmp_path)
-    path = os.path.join(d, checkpoint.MARKER)
-    marker = json.load(open(path))
-    edit(marker)
-    json.dump(marker, open(path, "w"))
+    out = _two_generations_with_marker_edited(tmp_path, edit)
     with pytest.raises(checkpoint.CheckpointError, match=f"cannot resume from .*COMPLETE: rank 0: {words}"):
         checkpoint.load_latest(MPI.COMM_SELF, out, CONFIG, shared=_model)
 
