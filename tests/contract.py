@@ -21,10 +21,10 @@ N, DENSITY, STEPS = 240, 0.05, 3
 #: small, so the simulator (one OS thread per CUDA thread) stays quick
 OPTIONS = {"exdyna": dict(n_blocks=16, block_align=4), "fft": dict(block=64),
            "oktopk": dict(local_period=2, global_period=2, region_period=2)}
-#: the sparsifiers whose step runs on CUDA buffers on a real GPU (``DEVICE_STEP``); the others' step is
+#: the sparsifiers whose step runs on CUDA buffers on a real GPU (``CAPABILITIES.device_step``); the others' step is
 #: host NumPy code, refused there (tests/gpu checks the refusal). The simulator (NumPy device
 #: buffers) runs every sparsifier on the CUDA ops.
-GPU_NAMES = tuple(n for n in NAMES if REGISTRY[n].DEVICE_STEP)
+GPU_NAMES = tuple(n for n in NAMES if REGISTRY[n].CAPABILITIES.device_step)
 
 
 def _cuda_is_simulated():

@@ -70,6 +70,13 @@ MODES = ("live", "update", "frozen", "frozen-gradient", "demo", "demo-age")
 CHOICES = ("auto",) + MODES
 
 
+def tuned_defaults(sparsifier: str | None) -> bool:
+    """Whether the registered sparsifier ``sparsifier`` declares the tuned defaults
+    (``Capabilities.tuned_defaults``): where ``"auto"`` chooses the aged decoupled momentum."""
+    cls = REGISTRY.get(sparsifier) if isinstance(sparsifier, str) else None
+    return cls is not None and cls.CAPABILITIES.tuned_defaults
+
+
 def is_adam(optimizer) -> bool:
     """``torch.optim.Adam`` or ``AdamW`` (subclasses included)."""
     torch = _torch()
@@ -96,12 +103,13 @@ def make_adam_path(optimizer, params, mode: str, who: str = "DistributedOptimize
     ``LocalUpdateAdam``, ``DecoupledMomentum`` or ``FrozenVarianceAdam``.
 
     ``"auto"`` (``DistributedOptimizer``'s default) is ``"demo-age"`` where it runs and was measured
-    to win, a ``torch.optim.Adam``/``AdamW`` with ``sparsifier="exdyna"``, and ``"live"`` elsewhere:
+    to win, a ``torch.optim.Adam``/``AdamW`` with a sparsifier whose ``CAPABILITIES`` declare
+    ``tuned_defaults`` (ExDyna), and ``"live"`` elsewhere:
     for other optimizers and sparsifiers, and where ``AgedDecoupledMomentum`` refuses the optimizer
     (``amsgrad``, ``maximize``, complex parameters, more than one ``betas[0]`` or one outside
     ``[0, 1)``)."""
     if mode == "auto":
-        if not is_adam(optimizer) or sparsifier != "exdyna":
+        if not is_adam(optimizer) or not tuned_defaults(sparsifier):
             return None
         try:
             return AgedDecoupledMomentum(optimizer, params, who)
@@ -369,7 +377,7 @@ class DecoupledMomentum(AdamPath):
         gathering half of the value exchange (2 bits a value instead of 32; the same update to the
         bit, about 40 % fewer bytes at P = 4)."""
         cls = REGISTRY.get(sparsifier)
-        if "output" in options or cls is None or not cls.SIGN_OUTPUT:
+        if "output" in options or cls is None or not cls.CAPABILITIES.sign_output:
             return options
         return dict(options, output="sign")
 

@@ -65,6 +65,7 @@ import numpy as np
 import exdyna_mpi
 from exdyna_mpi import transport
 
+from ._torch_adam import tuned_defaults
 from ._torch_common import _torch
 
 OPTIONS_KEY = "exdyna_options"
@@ -79,7 +80,7 @@ def auto_momentum(optimizer, sparsifier, density):
     optimizer steps without its own momentum inside ``momentum_moved`` only."""
     groups = optimizer.param_groups
     momenta = {float(g.get("momentum", 0.0) or 0.0) for g in groups}
-    if (sparsifier != "exdyna" or not isinstance(optimizer, _torch().optim.SGD) or len(momenta) != 1
+    if (not tuned_defaults(sparsifier) or not isinstance(optimizer, _torch().optim.SGD) or len(momenta) != 1
             or any(g.get("nesterov") or g.get("dampening", 0) for g in groups) or not isinstance(density, Real)
             or density >= AUTO_OFF):
         return 0.0

@@ -39,6 +39,7 @@ from ..arrays.half import WireFormat
 from ..arrays.ops import cuda_available, cuda_simulated
 from .._errors import CollectiveError, InputCode, StepError
 from ..transport import Exchange, ExchangeProtocol, agree_problems, device_exchange, node_ranks, world
+from .capabilities import Capabilities
 from .roles import (SERIALS, ErrorFeedback, RankWords, Selection, Selector, Step, StepWords, SumNotFinite,
                     agree_arguments, ident_of, imbalance)
 from .timing import timed
@@ -131,17 +132,10 @@ class Sparsifier(Selector):
     name = "base"
     #: option name -> (default, validator returning an error text or None)
     OPTIONS: dict[str, tuple[Any, Callable[[Any], str | None]]] = {}
-    #: whether the values can travel in 16 bits (``wire_dtype``; a half gradient's default): the
-    #: sparsifiers whose step ends in ``average_at`` and dense
-    WIRE_HALF = False
-    #: whether the step runs on CUDA buffers (CuPy, torch CUDA tensors) on a real GPU; False: its step
-    #: is host NumPy code, so ``device="cuda"`` and CUDA gradients are refused with a clear error
-    #: (the Numba CUDA simulator, whose device buffers are NumPy arrays, runs it either way)
-    DEVICE_STEP = True
+    #: what this class can do (16-bit values, a CUDA step, sign output, the tuned defaults)
+    CAPABILITIES = Capabilities()
     #: indices in compact form on the wire (host); False sends int32/int64 indices (benchmarks)
     COMPACT_INDICES = True
-    #: whether ``output="sign"`` is offered: the sparsifiers whose step ends in ``average_at``
-    SIGN_OUTPUT = False
 
     iteration: int               # the next step's index
     stats: Stats | None          # what the last step did (None before the first)
@@ -169,21 +163,21 @@ class Sparsifier(Selector):
             errors.append(f"device must be one of {DEVICES}, got {device!r}")
         elif device == "cuda" and not cuda_available():
             errors.append("device='cuda' but no CUDA device is available to CuPy")
-        elif device == "cuda" and not self.DEVICE_STEP and not cuda_simulated():
+        elif device == "cuda" and not self.CAPABILITIES.device_step and not cuda_simulated():
             errors.append(f"device='cuda': {self.name}'s step is host NumPy code (no CUDA step); give it host "
                           f"gradients with device='cpu', or use one of {', '.join(_device_step_names())}")
         wire_dtype = options.pop("wire_dtype", None)
         if wire_dtype is not None and wire_dtype not in WIRE_DTYPES:
             errors.append(f"wire_dtype must be None or one of {WIRE_DTYPES}, got {wire_dtype!r}")
-        elif wire_dtype in HALF_DTYPES and not self.WIRE_HALF:
+        elif wire_dtype in HALF_DTYPES and not self.CAPABILITIES.wire_half:
             errors.append(f"{self.name} cannot send its values in {wire_dtype} (wire_dtype); the sparsifiers "
                           f"that can: {', '.join(_wire_half_names())}")
         output = options.pop("output", "mean")
         if output not in OUTPUTS:
             errors.append(f"output must be one of {OUTPUTS}, got {output!r}")
-        elif output == "sign" and not self.SIGN_OUTPUT:
+        elif output == "sign" and not self.CAPABILITIES.sign_output:
             errors.append(f"{self.name} cannot return the sign of its average (output='sign'); the sparsifiers "
-                          f"that can: {', '.join(_names_where('SIGN_OUTPUT'))}")
+                          f"that can: {', '.join(_names_where('sign_output'))}")
         opts = {}
         for key, (default, check) in self.OPTIONS.items():
             val = options.pop(key, default)
@@ -307,7 +301,7 @@ class Sparsifier(Selector):
         name = self.wire_dtype
         if name is None and grad_dtype in HALF_DTYPES:
             name = grad_dtype
-        if name not in HALF_DTYPES or not self.WIRE_HALF:
+        if name not in HALF_DTYPES or not self.CAPABILITIES.wire_half:
             return None
         return WireFormat.of(name)
 
@@ -315,7 +309,7 @@ class Sparsifier(Selector):
         """View ``grad`` (and ``out``) as backend arrays; the local problem, if any, as (code, detail)."""
         inp = as_input(grad)
         err = check_vector(inp, self.numel, self._grad_dtype, self._input_device, ACCEPTED_DTYPES)
-        if err is None and inp.device == "cuda" and not self.DEVICE_STEP:
+        if err is None and inp.device == "cuda" and not self.CAPABILITIES.device_step:
             err = (InputCode.HOST_STEP, 0)
         if err is None and self._grad_dtype is None and self._dtype is not None \
                 and compute_dtype(inp.dtype) != self._dtype:
@@ -663,22 +657,22 @@ def _restore(now, then, keeps):
             now[k] = v
 
 
-def _names_where(flag):
-    """The names of the sparsifier classes whose class attribute ``flag`` is true."""
+def _names_where(capability):
+    """The names of the sparsifier classes whose ``CAPABILITIES`` has ``capability`` true."""
     names, todo = set(), [Sparsifier]
     while todo:
         cls = todo.pop()
         todo.extend(cls.__subclasses__())
-        if getattr(cls, flag) and cls.name != "base":
+        if getattr(cls.CAPABILITIES, capability) and cls.name != "base":
             names.add(cls.name)
     return sorted(names)
 
 
 def _wire_half_names():
     """The names of the sparsifier classes whose values can travel in 16 bits."""
-    return _names_where("WIRE_HALF")
+    return _names_where("wire_half")
 
 
 def _device_step_names():
     """The names of the sparsifier classes with a CUDA step."""
-    return _names_where("DEVICE_STEP")
+    return _names_where("device_step")

@@ -15,6 +15,7 @@ from ..arrays import threshold_for
 from ..arrays.ops import Marks
 from . import deadline as _deadline
 from .base import Selection, Sparsifier
+from .capabilities import Capabilities
 from .timing import timed
 
 
@@ -152,8 +153,7 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
     """
 
     name = "exdyna"
-    WIRE_HALF = True
-    SIGN_OUTPUT = True
+    CAPABILITIES = Capabilities(wire_half=True, sign_output=True, tuned_defaults=True)
     OPTIONS = {
         "controller": ("measured", _controller_name),
         "balance": (True, _balance),
@@ -393,6 +393,7 @@ class MiCRO(ExDyna):
     """
 
     name = "micro"
+    CAPABILITIES = Capabilities(wire_half=True, sign_output=True)   # the defaults were tuned on ExDyna
     OPTIONS = {"controller": ("faithful", _controller_name), **_deadline.OPTIONS}
 
     def __init__(self, numel: int, density: float, comm: Any = None, *, controller: str = "faithful",

@@ -349,7 +349,7 @@ def test_every_exdyna_setting_on_cupy_matches_cpu_and_repeats(cp, name, options)
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("name", [n for n in exdyna_mpi.available() if not REGISTRY[n].DEVICE_STEP])
+@pytest.mark.parametrize("name", [n for n in exdyna_mpi.available() if not REGISTRY[n].CAPABILITIES.device_step])
 def test_host_step_sparsifiers_refuse_cuda_clearly(cp, name):
     """A sparsifier whose step is host NumPy code refuses ``device="cuda"`` at construction and a
     CuPy gradient at its first step, with the same clear error on every rank and no state changed;

@@ -1,6 +1,6 @@
 """``output="sign"``: the step returns the sign of the union average, and only signs are gathered.
 
-- Every sparsifier that offers it (``SIGN_OUTPUT``: the union-average ones) x {float32, float32 with
+- Every sparsifier that offers it (``CAPABILITIES.sign_output``: the union-average ones) x {float32, float32 with
   ``wire_dtype="bfloat16"``, bfloat16 gradients}, one to four ranks: the output is 1, -1 or 0 at the
   union and 0 elsewhere, equal to the sign of a reference mean computed here from every rank's
   accumulator (for 16-bit values, test_wire's rank-order reference, to the bit; for float32, where
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.mpi
 
 ml_dtypes = require("ml_dtypes")
 
-SIGN_NAMES = [n for n in exdyna_mpi.available() if REGISTRY[n].SIGN_OUTPUT]
+SIGN_NAMES = [n for n in exdyna_mpi.available() if REGISTRY[n].CAPABILITIES.sign_output]
 NUMEL, STEPS = 6000, 3
 CASES = [("float32", None), ("float32", "bfloat16"), ("bfloat16", None)]
 

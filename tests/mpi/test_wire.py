@@ -1,6 +1,6 @@
 """16-bit values and compact indices on the wire, against an independent reference.
 
-Every sparsifier that can send 16-bit values (``WIRE_HALF``: the union-average ones and dense) x
+Every sparsifier that can send 16-bit values (``CAPABILITIES.wire_half``: the union-average ones and dense) x
 {bfloat16, float16 gradients (16-bit values by default), float32 with ``wire_dtype="bfloat16"``},
 one to four ranks. At each step the test records every rank's accumulator and the step's union
 (from ``average_at``; all elements for dense) and recomputes in NumPy + ml_dtypes what the protocol
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.mpi
 
 ml_dtypes = require("ml_dtypes")
 
-WIRE_NAMES = [n for n in exdyna_mpi.available() if exdyna_mpi.sparsifiers.REGISTRY[n].WIRE_HALF]
+WIRE_NAMES = [n for n in exdyna_mpi.available() if exdyna_mpi.sparsifiers.REGISTRY[n].CAPABILITIES.wire_half]
 NUMEL, STEPS = 6000, 3
 CASES = [("bfloat16", None), ("float16", None), ("float32", "bfloat16"), ("float32", "float16")]
 
@@ -201,4 +201,4 @@ def test_wire_dtype_is_agreed(wcomm):
 
 
 def test_class_flags(wcomm):
-    assert Sparsifier.WIRE_HALF is False and "exdyna" in WIRE_NAMES and "dense" in WIRE_NAMES
+    assert Sparsifier.CAPABILITIES.wire_half is False and "exdyna" in WIRE_NAMES and "dense" in WIRE_NAMES

@@ -1,4 +1,4 @@
-"""Sparsifiers whose step is host NumPy code (``DEVICE_STEP = False``: fft, oktopk) refuse a real CUDA
+"""Sparsifiers whose step is host NumPy code (``CAPABILITIES.device_step`` False: fft, oktopk) refuse a real CUDA
 device clearly: ``device="cuda"`` at construction, and a CUDA gradient at a step (a collective
 ``StepError`` naming the cause, state unchanged). The real GPU's side runs in tests/gpu; here the
 checks themselves are exercised with the GPU's answers stood in."""
@@ -13,7 +13,7 @@ from exdyna_mpi.sparsifiers.registry import REGISTRY
 
 
 def test_the_host_step_sparsifiers_are_the_ones_with_numpy_steps():
-    host = sorted(n for n in exdyna_mpi.available() if not REGISTRY[n].DEVICE_STEP)
+    host = sorted(n for n in exdyna_mpi.available() if not REGISTRY[n].CAPABILITIES.device_step)
     assert host == ["fft", "oktopk"]
     assert "exdyna" in base._device_step_names() and "fft" not in base._device_step_names()
 

@@ -1,6 +1,7 @@
 """Dense allreduce: the average of every rank's gradient (the accuracy and bytes baseline)."""
 import numpy as np
 
+from ..capabilities import Capabilities
 from ..base import Selection, Sparsifier
 from ..timing import timed
 
@@ -21,7 +22,8 @@ class DenseAllreduce(Sparsifier):
 
     name = "dense"
     OPTIONS = {}
-    WIRE_HALF = True   # 16-bit values with error feedback: the residual keeps what rounding lost
+    # 16-bit values with error feedback: the residual keeps what rounding lost
+    CAPABILITIES = Capabilities(wire_half=True)
 
     def select(self, step, grad, acc):
         # residual is all zeros, so acc is a copy of grad with its non-finite values counted

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from ...arrays import HALF_DTYPES
+from ..capabilities import Capabilities
 from ..base import Selection, Sparsifier
 from ..roles import SumNotFinite
 from ..timing import timed
@@ -80,7 +81,7 @@ class FFTSparsifier(Sparsifier):
 
     name = "fft"
     #: host NumPy code in its step (numpy.fft, host sorts): refused on a real CUDA device
-    DEVICE_STEP = False
+    CAPABILITIES = Capabilities(device_step=False)
     OPTIONS = {"block": (4096, _block), "bits": (8, _bits)}
 
     def __init__(self, numel, density, comm=None, **kw):

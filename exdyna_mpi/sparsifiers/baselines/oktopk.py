@@ -36,6 +36,7 @@ import math
 import numpy as np
 
 from ...arrays import threshold_for
+from ..capabilities import Capabilities
 from ..base import Sparsifier
 from ..roles import SumNotFinite
 from ..timing import timed
@@ -91,7 +92,7 @@ class OkTopk(Sparsifier):
 
     name = "oktopk"
     #: host NumPy code in its step (region sorts and the sparse reduce-scatter): refused on a real CUDA device
-    DEVICE_STEP = False
+    CAPABILITIES = Capabilities(device_step=False)
     OPTIONS = {
         "local_period": (32, positive_int),
         "global_period": (32, positive_int),

@@ -26,6 +26,7 @@ import statistics
 import numpy as np
 
 from ...arrays import threshold_for
+from ..capabilities import Capabilities
 from ..base import Sparsifier
 from ..deadline import OPTIONS as DEADLINE_OPTIONS, DeadlineOption
 from ..timing import timed
@@ -36,8 +37,7 @@ from ._common import (ThresholdSelection, float_to_word, kth_largest_magnitude, 
 class UnionSparsifier(DeadlineOption, Sparsifier):
     """Base of the union-exchange methods; subclasses implement ``_threshold(acc)``."""
 
-    WIRE_HALF = True
-    SIGN_OUTPUT = True
+    CAPABILITIES = Capabilities(wire_half=True, sign_output=True)
 
     def __init__(self, numel, density, comm=None, **kw):
         super().__init__(numel, density, comm, **kw)
