@@ -43,7 +43,6 @@ from ._torch_options import OPTIONS_KEY, TrainingOptions, momentum_moved, recipe
 from ._torch_overlap import OVERLAP_KEY, OverlappedExchange
 from .torch_diloco import DiLoCo, nesterov_sgd, plain_sgd
 from .torch_wagma import FlatParams, GroupAveragingOptimizer
-from exdyna_mpi.transport.group import GroupTransport
 
 if TYPE_CHECKING:
     import torch
@@ -589,7 +588,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
         for name, flag in (("overlap", overlap), ("broadcast", broadcast), ("broadcast_buffers", broadcast_buffers)):
             if not isinstance(flag, bool):
                 raise ValueError(f"{who}: {name} must be True or False, got {flag!r}")
-        if overlap and not GroupTransport.thread_multiple():
+        if overlap and not transport.thread_multiple():
             raise RuntimeError(f"{who}: overlap=True needs MPI initialised with MPI_THREAD_MULTIPLE "
                                "(mpi4py's default, see mpi4py.rc.thread_level): its exchanges run on a worker thread")
         adam_path = make_adam_path(optimizer, params, adam, sparsifier=sparsifier)

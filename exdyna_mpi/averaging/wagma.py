@@ -176,7 +176,7 @@ class GroupAverager:
                           f"MPI_TAG_UB allows {self.tx.tag_window} tag versions), got {sync_every}")
         if mode not in MODES:
             errors.append(f"mode must be one of {MODES}, got {mode!r}")
-        elif mode == "wait_avoiding" and P > 1 and not GroupTransport.thread_multiple():
+        elif mode == "wait_avoiding" and P > 1 and not transport.thread_multiple():
             errors.append("mode='wait_avoiding' needs MPI initialised with MPI_THREAD_MULTIPLE")
         config = f"numel={numel!r} group_size={group_size!r} sync_every={sync_every!r} mode={mode!r}"
         got = transport.agree_problems(self.tx, "; ".join(errors), "GroupAverager: bad arguments",
@@ -321,8 +321,7 @@ class GroupAverager:
                 tmp = r.sum - r.own
                 tmp += a
                 np.divide(tmp, s, out=out_arr)
-            self.tx.bytes_sent += r.bytes_sent
-            self.tx.bytes_received += r.bytes_received
+            self.tx.bytes.add(r.bytes_sent, r.bytes_received)
             staleness = int(t - r.members.min())
             versions = {rk: int(r.members[member_index(rk, bits)]) for rk in group}
         self.iteration = t + 1

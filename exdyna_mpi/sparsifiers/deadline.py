@@ -255,7 +255,7 @@ class DeadlineExchange:
         vals = ops.empty(idx.shape[0], acc.dtype)
         ops.gather(acc, idx, vals)
         union = self.union(t, np.asarray(ops.to_host(idx)), np.asarray(ops.to_host(vals)), counts)
-        sp.exchange.bytes.add(self.transport.bytes_sent, self.transport.bytes_received)
+        sp.exchange.bytes.add_from(self.transport.bytes)
         return ops.from_host(union)
 
     # ------------------------------------------------------------------ state and teardown

@@ -1,10 +1,12 @@
 """Transport layer: every MPI call of the package and its adapters, with byte accounting.
 
-- ``ExchangeProtocol`` (``exchange.py``): the exchange role of every sparsifier, every member the
-  sparsifiers and adapters use (runtime-checkable).
-- ``Exchange`` (``exchange.py``): its host implementation; ``Exchange(comm)``.
-- ``ByteCounter`` (``exchange.py``): the bytes an exchange moved (``exchange.bytes``), one type for
-  host and device.
+- ``ExchangeProtocol`` (``protocols.py``): the exchange role of every sparsifier, the collectives
+  the sparsifiers and adapters use, typed (runtime-checkable); ``PointToPointProtocol``: Ok-Topk's
+  point-to-point rounds, which ``point_to_point(exchange)`` hands out.
+- ``Exchange`` (``exchange.py``): the host implementation of both; ``Exchange(comm)``.
+- ``ByteCounter`` (``accounting.py``): the bytes a transport moved, one per transport, as ``bytes``
+  (``Exchange``, ``DeviceExchange``, ``GroupTransport``, ``DeadlineTransport``), whose
+  ``bytes_sent``/``bytes_received`` read it (``CountsBytes``).
 - ``DeviceExchange`` (``device.py``, through ``device_exchange``): a subclass of ``Exchange`` whose
   array methods take CUDA buffers, direct (CUDA-aware MPI) or staged through pinned host memory; the
   CUDA-aware probe.
@@ -14,14 +16,16 @@
 - ``Worker`` (``worker.py``): a worker thread with a private communicator, for adapters that run
   collectives off the caller's thread (the DDP hook), and ``abort_job``.
 - ``agree_problems`` (``agreement.py``): one refusal on every rank, after each rank's own checks.
-- ``broadcast``, ``world``: the seams the adapters use.
+- ``broadcast``, ``world``, ``thread_multiple``: the seams the adapters use.
 
 Knows nothing of which sparsifier runs. Imports ``arrays`` (device buffers) and mpi4py only.
 """
 from .agreement import agree_problems
 from .binding import bind_local_gpu
 from .deadline import DeadlineTransport, SendDelay, set_send_delay
-from .exchange import WORD, ByteCounter, Exchange, ExchangeProtocol, broadcast, node_ranks, world
+from .accounting import ByteCounter, CountsBytes
+from .exchange import WORD, Exchange, broadcast, node_ranks, thread_multiple, world
+from .protocols import ExchangeProtocol, PointToPointProtocol, point_to_point
 from .worker import Worker, abort_job
 
 
@@ -33,6 +37,6 @@ def device_exchange(comm, cuda_aware=None):
     return DeviceExchange(comm, cuda_aware=cuda_aware)
 
 
-__all__ = ["WORD", "ByteCounter", "DeadlineTransport", "Exchange", "ExchangeProtocol", "SendDelay", "Worker",
-           "abort_job", "agree_problems", "bind_local_gpu", "broadcast", "device_exchange", "node_ranks",
-           "set_send_delay", "world"]
+__all__ = ["WORD", "ByteCounter", "CountsBytes", "DeadlineTransport", "Exchange", "ExchangeProtocol",
+           "PointToPointProtocol", "SendDelay", "Worker", "abort_job", "agree_problems", "bind_local_gpu", "broadcast",
+           "device_exchange", "node_ranks", "point_to_point", "set_send_delay", "thread_multiple", "world"]

@@ -42,6 +42,8 @@ import time
 
 import numpy as np
 from mpi4py import MPI
+
+from .accounting import ByteCounter, CountsBytes
 from .watchdog import waiting, watched
 
 WORD = np.int64
@@ -121,9 +123,10 @@ def _nap(k):
         time.sleep(1e-4)
 
 
-class DeadlineTransport:
+class DeadlineTransport(CountsBytes):
     """The MPI side of one deadline exchange: a private communicator, versioned point-to-point,
-    the agreement collective, byte counters. Host (NumPy) buffers only."""
+    the agreement collective, and the ``ByteCounter`` of what they moved (``bytes``; a receive
+    counts when it completes, a stale one too). Host (NumPy) buffers only."""
 
     def __init__(self, comm, n_chunks):
         with waiting("Comm.Dup (the deadline exchange's communicator)", comm):
@@ -135,8 +138,7 @@ class DeadlineTransport:
         self._pending = []     # [step, request, buffer, is_receive]
         self._scheduled = []   # [release time, step, dest, chunk, buffer]
         self.stale_received = 0
-        self.bytes_sent = 0
-        self.bytes_received = 0
+        self.bytes = ByteCounter(self.rank, self.size)
         self.delay = None
 
     # ------------------------------------------------------------------ bookkeeping
@@ -153,14 +155,10 @@ class DeadlineTransport:
     def tag(self, t, chunk):
         return (t % self.window) * self.n_chunks + chunk
 
-    def reset_counters(self):
-        self.bytes_sent = 0
-        self.bytes_received = 0
-
     def _isend(self, t, dest, chunk, buf):
         req = self.comm.Isend(buf, dest=dest, tag=self.tag(t, chunk))
         self._pending.append([t, req, buf, False])
-        self.bytes_sent += buf.nbytes
+        self.bytes.add(buf.nbytes, 0)
 
     def _post_due(self, now, upto_step=None):
         """Post the held-back sends whose time has come (all of steps <= ``upto_step`` if given)."""
@@ -186,7 +184,7 @@ class DeadlineTransport:
         for i in idx:
             if self._pending[i][3]:        # a stale receive completed: drained, data discarded
                 self.stale_received += 1
-                self.bytes_received += self._pending[i][2].nbytes
+                self.bytes.add(0, self._pending[i][2].nbytes)
         self._pending = [p for i, p in enumerate(self._pending) if i not in done]
 
     def progress(self, rnd=None):
@@ -200,7 +198,7 @@ class DeadlineTransport:
                 rnd.done[idx] = True
                 rnd.done_at[idx] = now - rnd.posted_at
                 for i in idx:
-                    self.bytes_received += rnd.bufs[i].nbytes
+                    self.bytes.add(0, rnd.bufs[i].nbytes)
 
     @watched
     def _retire(self, upto_step):
@@ -272,9 +270,7 @@ class DeadlineTransport:
         send = np.ascontiguousarray(words, dtype=WORD)
         recv = np.empty((self.size, send.shape[0]), dtype=WORD)
         self.comm.Allgather(send, recv)
-        n = (self.size - 1) * send.nbytes
-        self.bytes_sent += n
-        self.bytes_received += n
+        self.bytes.allgather(np.full(self.size, send.shape[0]), send.itemsize)
         return recv
 
     # ------------------------------------------------------------------ teardown

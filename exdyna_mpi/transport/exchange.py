@@ -1,12 +1,13 @@
-"""Transport layer: every MPI call of the package and its adapters, with byte accounting.
+"""Transport layer: the host exchange of a sparsifier, and the seams the adapters use.
 
-``ExchangeProtocol`` is the exchange role of a sparsifier, every member sparsifiers and adapters
-use: one communicator, its ``ByteCounter``, the word agreement of the first collective (``agree``,
-``sum_words``), the error texts behind a refusal (``gather_objects``), ``allgatherv``,
-bit-identical sums (``sum_identical``), broadcast (``bcast_from``) and the point-to-point calls of
-Ok-Topk's split-and-reduce (``alltoall_counts``, ``rotating_rounds``). ``Exchange`` implements it
-on host (NumPy) buffers; ``device.DeviceExchange`` subclasses it for CUDA buffers. ``broadcast`` is
-the seam the adapters use (rank 0's parameters at start-up).
+``Exchange`` implements both exchange roles (``protocols.py``) on host (NumPy) buffers: the
+collectives of ``ExchangeProtocol`` (the word agreement of the first collective, ``agree`` and
+``sum_words``; the error texts behind a refusal, ``gather_objects``; ``allgatherv``; bit-identical
+sums, ``sum_identical``; broadcast, ``bcast_from``) and the point-to-point calls of Ok-Topk's
+split-and-reduce (``PointToPointProtocol``: ``alltoall_counts``, ``rotating_rounds``), each counted
+into its ``ByteCounter`` (``accounting.py``). ``device.DeviceExchange`` subclasses it for CUDA
+buffers. ``broadcast`` (rank 0's parameters at start-up), ``world`` and ``thread_multiple`` are the
+seams the adapters use.
 
 ``allgather_indices`` sends each rank's selection in the smallest of three compact forms (uint32
 offsets, 16-bit offsets per 65,536-element segment, or a bitmap of the rank's span; chosen from the
@@ -20,21 +21,27 @@ receivers that use nothing else (``adam="demo"``): a quarter byte a value on the
 Vector collectives use exact counts (no padding; zero counts are legal). Sums that every rank must
 hold bit-identically are computed as Reduce_scatter + Allgatherv: each element is reduced on one
 rank only and then copied, so the bits cannot differ between ranks (MPI does not promise that for
-Allreduce). Byte counts follow the bandwidth-optimal ring algorithms (Thakur, Rabenseifner, Gropp
-2005): what crosses this rank's link in each direction, the same model for every sparsifier.
+Allreduce). Bytes are counted by the ring model (``ByteCounter``): what crosses this rank's link in
+each direction, the same model for every sparsifier.
 """
 from __future__ import annotations
 
 import os
-from typing import Any, Iterator, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import numpy as np
 from mpi4py import MPI
+from numpy.typing import DTypeLike
 
 from ..arrays.half import narrow, widen
 from ..kernels import cpu_half as _kh
 from . import signs as _signs
+from .accounting import ByteCounter, Counts, CountsBytes
+from .protocols import Buffer, Parts, Words
 from .watchdog import waiting, watched
+
+if TYPE_CHECKING:
+    from ..arrays.half import WireFormat
 
 WORD = np.int64
 
@@ -42,6 +49,12 @@ WORD = np.int64
 def world():
     """``MPI.COMM_WORLD``: the communicator a sparsifier uses when none is given."""
     return MPI.COMM_WORLD
+
+
+def thread_multiple() -> bool:
+    """Whether MPI was initialised with ``MPI_THREAD_MULTIPLE`` (mpi4py's default): what a worker or
+    progress thread that calls MPI beside the caller's thread needs."""
+    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
 
 
 def broadcast(buf, comm=None, root=0):
@@ -74,139 +87,37 @@ def node_ranks(comm):
         node.Free()
 
 
-class ByteCounter:
-    """The bytes one rank's exchange moved over its link since the last ``reset``, by the ring model.
-
-    ``sent`` and ``received`` (ints); ``allgather`` and ``reduce`` add a collective's bytes as the
-    bandwidth-optimal ring moves them, ``add`` what a point-to-point call moved. The host and device
-    exchanges own one each and count the same calls the same way, so a device step reports the
-    host step's bytes.
-
-    Args:
-        rank: this rank's index in the communicator.
-        size: the communicator's size (P).
-
-    Raises:
-        Nothing of its own.
-    """
-
-    __slots__ = ("rank", "size", "sent", "received")
-
-    def __init__(self, rank: int, size: int) -> None:
-        self.rank, self.size = int(rank), int(size)
-        self.sent = 0
-        self.received = 0
-
-    def reset(self) -> None:
-        """Start counting again from zero (the template does at the start of every step)."""
-        self.sent = 0
-        self.received = 0
-
-    def add(self, sent: int, received: int) -> None:
-        """Add ``sent`` and ``received`` bytes (point-to-point calls, another transport's bytes)."""
-        self.sent += int(sent)
-        self.received += int(received)
-
-    def allgather(self, counts: Any, itemsize: int) -> None:
-        """An ``Allgather(v)`` of ``counts[r]`` elements of ``itemsize`` bytes from each rank r: a
-        ring receives everything but its own and sends everything but its successor's."""
-        p = self.size
-        if p == 1:
-            return
-        total = int(np.sum(counts))
-        self.received += (total - int(counts[self.rank])) * itemsize
-        self.sent += (total - int(counts[(self.rank + 1) % p])) * itemsize
-
-    def reduce(self, n: int, itemsize: int) -> None:
-        """A sum of ``n`` elements over the ranks (Reduce_scatter + Allgatherv, or an Allreduce):
-        2 (P - 1) / P of the vector each way."""
-        p = self.size
-        if p == 1:
-            return
-        b = 2 * (p - 1) * n * itemsize // p
-        self.sent += b
-        self.received += b
-
-
-@runtime_checkable
-class ExchangeProtocol(Protocol):
-    """The exchange role: every member the sparsifiers and adapters use (``Exchange`` on host
-    buffers, ``DeviceExchange`` on CUDA buffers). Collective methods: every rank of ``comm`` calls
-    them, with the same sizes where the docstrings say so."""
-
-    comm: Any
-    rank: int
-    size: int
-    bytes: ByteCounter
-
-    @property
-    def bytes_sent(self) -> int: ...
-
-    @property
-    def bytes_received(self) -> int: ...
-
-    def reset_counters(self) -> None: ...
-
-    def agree(self, words: Any) -> np.ndarray: ...
-
-    def sum_words(self, words: Any, dtype: Any = np.int64) -> np.ndarray: ...
-
-    def gather_objects(self, obj: Any) -> list: ...
-
-    def allgatherv(self, send: Any, counts: Any, out: Any = None) -> Any: ...
-
-    def allgather_indices(self, idx: Any, counts: Any, spans: np.ndarray, out: Any = None) -> Any: ...
-
-    def sum_identical(self, vals: Any) -> Any: ...
-
-    def sum_signs(self, vals: Any) -> Any: ...
-
-    def mean_wire(self, vals: Any, fmt: Any, signs: bool = False) -> Any: ...
-
-    def bcast_from(self, buf: Any, root: int) -> Any: ...
-
-    def alltoall_counts(self, send_counts: Any) -> np.ndarray: ...
-
-    def rotating_rounds(self, parts: Any, recv_counts: Any, dtypes: Any, tags: Any,
-                        bucket: int = 4) -> Iterator[tuple]: ...
-
-
-class Exchange:
+class Exchange(CountsBytes):
     """The MPI side of one sparsifier on host (NumPy) buffers: one communicator and the
-    ``ByteCounter`` of what it moved (``ExchangeProtocol``).
+    ``ByteCounter`` of what it moved (``ExchangeProtocol`` and ``PointToPointProtocol``).
 
     ``device.DeviceExchange`` subclasses it for CUDA buffers: it inherits the host-word methods and
     overrides the array ones with staged or direct versions around these.
 
     Args:
         comm: the communicator (an ``mpi4py`` ``Comm``).
+        counter: the ``ByteCounter`` to count into: a transport that runs collectives through this
+            exchange passes its own, so one counter holds all it moved; a new one when None.
 
     Raises:
         Nothing of its own (MPI errors from ``Get_rank``/``Get_size``).
+
+    Example::
+
+        >>> xch = Exchange(MPI.COMM_WORLD)
+        >>> words = xch.agree([count, 7])          # (P, 2) int64, the same on every rank
+        >>> xch.sum_identical(vals)                # in place, the same bits on every rank
+        >>> xch.bytes_sent, xch.bytes_received     # by the ring model, since reset_counters()
     """
 
-    def __init__(self, comm):
+    def __init__(self, comm: MPI.Comm, counter: ByteCounter | None = None) -> None:
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
-        self.bytes = ByteCounter(self.rank, self.size)
-
-    @property
-    def bytes_sent(self):
-        """Bytes this rank sent since the last ``reset_counters`` (``bytes.sent``)."""
-        return self.bytes.sent
-
-    @property
-    def bytes_received(self):
-        """Bytes this rank received since the last ``reset_counters`` (``bytes.received``)."""
-        return self.bytes.received
-
-    def reset_counters(self):
-        """Zero the byte counter."""
-        self.bytes.reset()
+        self.bytes = ByteCounter(self.rank, self.size) if counter is None else counter
 
     @watched
-    def agree(self, words):
+    def agree(self, words: Words) -> np.ndarray:
         """Allgather a few int64 words per rank; returns a (P, len(words)) array, same on every rank."""
         send = np.ascontiguousarray(words, dtype=WORD)
         if self.size == 1:
@@ -217,7 +128,7 @@ class Exchange:
         return recv
 
     @watched
-    def sum_words(self, words, dtype=np.int64):
+    def sum_words(self, words: Words, dtype: DTypeLike = np.int64) -> np.ndarray:
         """Allreduce (sum) of a fixed number of integer words: the same exact sum on every rank
         (integer addition is associative). ``dtype`` int32 where the sums fit. Returns a 1-D array."""
         send = np.ascontiguousarray(words, dtype=dtype)
@@ -230,12 +141,12 @@ class Exchange:
         return recv
 
     @watched
-    def gather_objects(self, obj):
+    def gather_objects(self, obj: object) -> list[Any]:
         """Every rank's picklable ``obj`` as a list in rank order (error texts; not on the hot path)."""
         return self.comm.allgather(obj)
 
     @watched
-    def allgatherv(self, send, counts, out=None):
+    def allgatherv(self, send: Buffer, counts: Counts, out: Buffer | None = None) -> Buffer:
         """Concatenate every rank's ``send[:counts[r]]`` in rank order into one array."""
         counts = np.asarray(counts, dtype=np.int64)
         total = int(counts.sum())
@@ -252,7 +163,7 @@ class Exchange:
         return out
 
     @watched
-    def sum_identical(self, vals):
+    def sum_identical(self, vals: np.ndarray) -> np.ndarray:
         """Elementwise sum of ``vals`` over ranks, in place, identical to the bit on every rank."""
         n = vals.shape[0]
         p = self.size
@@ -266,7 +177,7 @@ class Exchange:
         return vals
 
     @watched
-    def sum_signs(self, vals):
+    def sum_signs(self, vals: np.ndarray) -> np.ndarray:
         """``sign(sum over ranks / P)`` of ``vals`` elementwise, in place (1, -1, 0 or NaN in
         ``vals``' dtype), identical on every rank; the sign of ``sum_identical``'s result / P to the bit
         (but a negative zero, which comes back as +0).
@@ -327,7 +238,8 @@ class Exchange:
         self.bytes.add(int(scounts.sum()) * sent.itemsize, int(rcounts.sum()) * sent.itemsize)
 
     @watched
-    def allgather_indices(self, idx, counts, spans, out=None):
+    def allgather_indices(self, idx: np.ndarray, counts: Counts, spans: np.ndarray,
+                          out: np.ndarray | None = None) -> np.ndarray:
         """Every rank's selection in rank order, as ``allgatherv(idx, counts)`` gives it, sent in
         compact form. ``spans`` (P, 2): each rank's ``[lo, hi)``, which holds all its indices (the
         same on every rank); ``idx[:counts[rank]]`` ascending. Spans below 2**32 elements."""
@@ -358,7 +270,7 @@ class Exchange:
         return out
 
     @watched
-    def mean_wire(self, vals, fmt, signs=False):
+    def mean_wire(self, vals: np.ndarray, fmt: WireFormat, signs: bool = False) -> np.ndarray:
         """The mean over ranks of float32 ``vals`` (n,), its values travelling in the 16-bit
         ``fmt`` (``arrays.half.WireFormat``); returns the means' 16-bit patterns (n,), the same on
         every rank. ``vals`` becomes what this rank's residual keeps: outside its own share, what
@@ -404,7 +316,7 @@ class Exchange:
         return narrow(_signs.sign_table(np.float32), fmt.name).view(np.uint16)
 
     @watched
-    def bcast_from(self, buf, root):
+    def bcast_from(self, buf: Buffer, root: int) -> Buffer:
         """Broadcast ``buf`` in place from ``root``."""
         if self.size > 1:
             self.comm.Bcast(buf, root=root)
@@ -415,7 +327,7 @@ class Exchange:
 
     # ------------------------------------------------------------------ point-to-point (Ok-Topk)
     @watched
-    def alltoall_counts(self, send_counts):
+    def alltoall_counts(self, send_counts: Counts) -> np.ndarray:
         """``recv[s]`` = what rank s sends this rank: an int64 ``Alltoall`` of one word per pair."""
         send = np.ascontiguousarray(send_counts, dtype=np.int64)
         recv = np.empty(self.size, dtype=np.int64)
@@ -424,7 +336,8 @@ class Exchange:
         return recv
 
     @watched
-    def rotating_rounds(self, parts, recv_counts, dtypes, tags, bucket=4):
+    def rotating_rounds(self, parts: Parts, recv_counts: Counts, dtypes: Sequence[DTypeLike],
+                        tags: Sequence[int], bucket: int = 4) -> Iterator[tuple[np.ndarray, ...]]:
         """P-1 rounds of point-to-point with destination rotation; yields what arrives, in round order.
 
         Round s (1..P-1) sends ``parts(dst)`` (a tuple of arrays, one per ``dtypes``/``tags`` entry)

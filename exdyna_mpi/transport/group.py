@@ -1,6 +1,7 @@
 """Transport for WAGMA-SGD group model averaging: every MPI call ``GroupAverager`` makes.
 
-Three kinds of exchange, each with byte accounting (what crosses this rank's link):
+Three kinds of exchange, each counted into the transport's one ``ByteCounter`` (``bytes``: what
+crosses this rank's link):
 
 - ``group_sum``: a blocking recursive-doubling sum over a set of rank bits (sync mode), on the
   averager's private communicator. One message per bit, sent with ``Sendrecv``; each message
@@ -11,7 +12,8 @@ Three kinds of exchange, each with byte accounting (what crosses this rank's lin
 - ``global_sum``: the sum over all ranks, bit-identical everywhere (Reduce_scatter + Allgatherv,
   ``Exchange.sum_identical``), and ``agree`` (Allgather of a few words).
 - ``AsyncRounds``: wait-avoiding group rounds run by a progress thread on a second private
-  communicator. See its docstring.
+  communicator. See its docstring. A round's bytes travel in its ``RoundResult``: the main thread
+  that takes the result adds them to the transport's counter (``bytes.add``).
 """
 import threading
 import time
@@ -19,7 +21,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from .exchange import Exchange
+from .accounting import ByteCounter, CountsBytes
+from .exchange import Exchange, thread_multiple
 from .watchdog import waiting, watched
 
 WORD = np.int64
@@ -84,8 +87,9 @@ def _combine(mine, other, rank, partner):
     np.maximum(mine.head[1:], other.head[1:], out=other.head[1:])
 
 
-class GroupTransport:
-    """The MPI side of one ``GroupAverager``: private communicators, counters of bytes moved."""
+class GroupTransport(CountsBytes):
+    """The MPI side of one ``GroupAverager``: private communicators and the ``ByteCounter`` of what
+    they moved (``bytes``; its collectives run through an ``Exchange`` that counts into it)."""
 
     def __init__(self, comm):
         self.comm = comm
@@ -93,9 +97,8 @@ class GroupTransport:
         self.max_sync_every = self.tag_window // 4
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
-        self.xch = Exchange(comm)  # for the argument check, before any Dup
-        self.bytes_sent = 0
-        self.bytes_received = 0
+        self.bytes = ByteCounter(self.rank, self.size)
+        self.xch = Exchange(comm, self.bytes)  # for the argument check, before any Dup
         self.private = None
         self.async_comm = None
 
@@ -103,11 +106,7 @@ class GroupTransport:
     @watched
     def agree(self, words):
         """Allgather a few int64 words per rank: a (P, len(words)) array, the same on every rank."""
-        got = self.xch.agree(words)
-        self.bytes_sent, self.bytes_received = self.bytes_sent + self.xch.bytes_sent, \
-            self.bytes_received + self.xch.bytes_received
-        self.xch.reset_counters()
-        return got
+        return self.xch.agree(words)
 
     @watched
     def gather_objects(self, obj):
@@ -119,13 +118,14 @@ class GroupTransport:
         exchanges, one for the progress thread's wait-avoiding rounds."""
         with waiting("Comm.Dup (private communicators)", self.comm):
             self.private = self.comm.Dup()
-            self.xch = Exchange(self.private)
+            self.xch = Exchange(self.private, self.bytes)
             if need_async:
                 self.async_comm = self.comm.Dup()
 
     @staticmethod
-    def thread_multiple():
-        return MPI.Query_thread() == MPI.THREAD_MULTIPLE
+    def thread_multiple() -> bool:
+        """Whether MPI runs with ``MPI_THREAD_MULTIPLE``: ``transport.thread_multiple()``."""
+        return thread_multiple()
 
     def free(self):
         """Free the private communicators (collective; call only when nothing is in flight)."""
@@ -133,10 +133,6 @@ class GroupTransport:
             if c is not None and c != MPI.COMM_NULL:
                 c.Free()
         self.private = self.async_comm = None
-
-    def reset_counters(self):
-        self.bytes_sent = 0
-        self.bytes_received = 0
 
     # -------------------------------------------------------------- blocking exchanges
     @watched
@@ -149,20 +145,14 @@ class GroupTransport:
             partner = self.rank ^ (1 << b)
             tag = (rnd % self.tag_window) * TAG_STEPS + j
             comm.Sendrecv(msg.buf, partner, tag, spare.buf, partner, tag)
-            self.bytes_sent += msg.buf.nbytes
-            self.bytes_received += spare.buf.nbytes
+            self.bytes.add(msg.buf.nbytes, spare.buf.nbytes)
             _combine(msg, spare, self.rank, partner)
             msg, spare = spare, msg
         return msg
 
     def global_sum(self, vec):
         """Sum of ``vec`` over all ranks, in place, bit-identical on every rank."""
-        self.xch.reset_counters()
-        self.xch.sum_identical(vec)
-        self.bytes_sent += self.xch.bytes_sent
-        self.bytes_received += self.xch.bytes_received
-        self.xch.reset_counters()
-        return vec
+        return self.xch.sum_identical(vec)
 
 
 class RoundResult:

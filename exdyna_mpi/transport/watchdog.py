@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Concatenate, Iterator, ParamSpec, Protocol, TypeVar
 
 from mpi4py import MPI
 
@@ -225,12 +225,22 @@ def waiting(what: str, comm: Any) -> Iterator[None]:
             _waits.pop(me, None)
 
 
-def watched(fn: Callable) -> Callable:
-    """Decorate a method of an object with ``.comm``: its call is a bounded wait."""
+class _HasComm(Protocol):
+    comm: Any
+
+
+_Owner = TypeVar("_Owner", bound=_HasComm)
+_Params = ParamSpec("_Params")
+_Result = TypeVar("_Result")
+
+
+def watched(fn: Callable[Concatenate[_Owner, _Params], _Result]) -> Callable[Concatenate[_Owner, _Params], _Result]:
+    """Decorate a method of an object with ``.comm``: its call is a bounded wait (the method's
+    signature is kept, for the type checker too)."""
     name = fn.__qualname__
 
     @functools.wraps(fn)
-    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def wrapper(self: _Owner, *args: _Params.args, **kwargs: _Params.kwargs) -> _Result:
         with waiting(name, self.comm):
             return fn(self, *args, **kwargs)
     return wrapper

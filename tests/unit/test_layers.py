@@ -3,12 +3,29 @@
 Static checks over the source (ast), so they cost nothing at run time and fail on the offending line:
 an upward import, ``mpi4py`` imported outside ``transport/``, an MPI call anywhere else, or a cycle in
 the package's import graph (imports inside functions included).
+
+An MPI call is a call ``x.name(...)`` whose ``name`` is a method of mpi4py's communicators, requests,
+windows, statuses or groups (``dir()`` of ``MPI.Comm`` and its subclasses, ``MPI.Request`` and its
+subclasses, ``MPI.Win``, ``MPI.Status``, ``MPI.Group``), or a call ``MPI.name(...)`` of a callable of
+the ``MPI`` module itself (``MPI.Wtime``, ``MPI.Query_thread``, ...). A method name that everyday
+objects share (``wait``, ``cancel``, ``gather``, ``scatter``, ``reduce``, ``free``, ``Lock``, ...: the
+overlap with ``dir()`` of threading and its ``Event``, ``concurrent.futures.Future``,
+``torch.futures.Future``, ``list``, ``dict``, ``set``, ``numpy.ndarray``, ``numpy.ufunc``,
+``torch.Tensor``, ``queue.Queue``, ``str``, ``bytes``, the arrays layer's ``Ops`` and the transport
+objects the layers above call) counts only when the receiver's name says it is an MPI object: its
+text contains ``comm``, ``req``, ``win``, ``status``, ``group`` or ``mpi``, in any case.
 """
 import ast
+import concurrent.futures
+import importlib.util
 import pathlib
+import queue
 import re
+import threading
 
+import numpy as np
 import pytest
+from mpi4py import MPI
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -17,13 +34,58 @@ RANK = {"kernels": 0, "_errors": 0, "arrays": 1, "transport": 2, "algorithm": 3,
         "sparsifiers": 4, "averaging": 5, "__init__": 6, "adapters": 7}
 #: the algorithm layer is pure host logic: it imports nothing else of the package
 ONLY = {"algorithm": {"algorithm"}, "kernels": {"kernels"}, "_errors": set()}
-#: a method call on an MPI communicator, request or status: the collectives and point-to-point calls,
-#: and every other capitalised mpi4py method (``Dup``, ``Free``, ``Abort``, ``Get_rank``, ``Wait``, ...)
-MPI_CALL = re.compile(r"\.(Allgatherv?|allgather|Bcast|bcast|Alltoallv?|alltoall|Isend|Irecv|Send|Recv|"
-                      r"Sendrecv|Reduce_scatter|Allreduce|allreduce|Reduce|Barrier|Waitall|Split_type|"
-                      r"Dup|Free|Abort|Split|Create\w*|Get_\w+|Set_\w+|Is_\w+|Wait\w*|Test\w*|Cancel|"
-                      r"I?[Pp]robe|I(?:allgatherv?|allreduce|alltoall[vw]?|barrier|bcast|reduce\w*|[sbr]?send|recv|"
-                      r"scatterv?|gatherv?|scan|exscan|mprobe)|Compare|Clone|Start\w*)\(")
+
+#: the mpi4py classes whose methods are MPI calls, by the receiver name a planted call uses
+MPI_CLASSES = {"comm": (MPI.Comm, MPI.Intracomm, MPI.Intercomm, MPI.Topocomm, MPI.Cartcomm, MPI.Graphcomm,
+                        MPI.Distgraphcomm),
+               "req": (MPI.Request, MPI.Prequest, MPI.Grequest),
+               "win": (MPI.Win,), "status": (MPI.Status,), "group": (MPI.Group,)}
+#: a receiver whose name says it is an MPI object
+MPI_RECEIVER = re.compile(r"comm|req|win|status|group|mpi", re.IGNORECASE)
+
+
+def _callables(obj):
+    return {n for n in dir(obj) if not n.startswith("_") and callable(getattr(obj, n, None))}
+
+
+#: the method names of each kind of MPI object, and the callables of the MPI module
+MPI_METHODS = {kind: set().union(*map(_callables, classes)) for kind, classes in MPI_CLASSES.items()}
+MPI_FUNCTIONS = _callables(MPI)
+
+
+def _everyday_objects():
+    """The objects whose method names are not MPI calls on their own (see the module docstring)."""
+    from exdyna_mpi.arrays import Ops
+    from exdyna_mpi.transport import DeadlineTransport, Exchange, Worker
+    from exdyna_mpi.transport.group import AsyncRounds, GroupTransport
+
+    objs = [threading, threading.Event, concurrent.futures.Future, list, dict, set, np.ndarray, np.ufunc,
+            queue.Queue, str, bytes, Ops, Exchange, GroupTransport, AsyncRounds, DeadlineTransport, Worker]
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+        import torch.futures
+
+        objs += [torch.Tensor, torch.futures.Future]
+    return objs
+
+
+#: MPI method names that everyday objects have too: MPI calls only on an MPI-named receiver
+SHARED = set().union(*MPI_METHODS.values()) & set().union(*(dir(o) for o in _everyday_objects()))
+
+
+def mpi_calls(source):
+    """(line, call) for every MPI call in ``source`` (the rule of the module docstring)."""
+    methods = set().union(*MPI_METHODS.values())
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        name, receiver = node.func.attr, ast.unparse(node.func.value)
+        mpi_named = MPI_RECEIVER.search(receiver) is not None
+        if ((name in methods and (name not in SHARED or mpi_named))
+                or (name in MPI_FUNCTIONS and receiver.split(".")[-1] == "MPI")):
+            out.append((node.lineno, f"{receiver}.{name}(...)"))
+    return sorted(out)
 
 
 def _modules():
@@ -89,10 +151,7 @@ def violations(source, mod):
         if RANK[other] > RANK[me] or (me in ONLY and other not in ONLY[me]):
             bad.append(f"line {line}: {me} imports {raw} ({other}): upward")
     if me != "transport":
-        for i, text in enumerate(source.splitlines(), 1):
-            code = text.split("#", 1)[0]
-            if MPI_CALL.search(code) and not code.lstrip().startswith(('"', "'")):
-                bad.append(f"line {i}: MPI call outside transport/: {text.strip()}")
+        bad += [f"line {line}: MPI call outside transport/: {call}" for line, call in mpi_calls(source)]
     return bad
 
 
@@ -115,10 +174,40 @@ def test_the_check_catches_an_upward_import_and_a_stray_mpi_call():
                  "req.Wait()", "MPI.Request.Waitall(reqs)", "comm.Iallreduce(a, b)", "req.Test()"):
         assert violations(call + "\n", ("exdyna_mpi", "adapters", "_torch_hook")), call
     assert not violations("done.wait()\nx.get_rank()\n", ("exdyna_mpi", "adapters", "_torch_hook"))
+    assert not violations("x = comm.Bcast(buf, root=0)\n", ("exdyna_mpi", "transport", "exchange"))
     assert violations("from ..arrays import ops_for\n", ("exdyna_mpi", "algorithm", "layout"))
     assert not violations("from ..kernels import cpu\nfrom .dlpack import Input\n", mod)
     assert not violations("from ..arrays import ops_for\n", ("exdyna_mpi", "sparsifiers", "base"))
 
+
+def test_the_check_catches_every_mpi_call_of_mpi4py():
+    """Every method of mpi4py's MPI objects, called on a receiver named for its kind, and every
+    callable of the MPI module, called as ``MPI.name(...)``, outside transport/: each is caught."""
+    planted = [f"{kind}.{name}()" for kind, names in MPI_METHODS.items() for name in sorted(names)]
+    planted += [f"MPI.{name}()" for name in sorted(MPI_FUNCTIONS)]
+    assert len(planted) > 300 and {"Allreduce", "send", "isend", "Sendrecv", "Scan", "wait"} <= MPI_METHODS["comm"] | \
+        MPI_METHODS["req"], "mpi4py's lists look empty: the check would be blind"
+    for mod in (("exdyna_mpi", "adapters", "_torch_hook"), ("exdyna_mpi", "sparsifiers", "base")):
+        bad = violations("\n".join(planted) + "\n", mod)
+        caught = {int(b.split()[1].rstrip(":")) for b in bad}
+        missed = [call for line, call in enumerate(planted, 1) if line not in caught]
+        assert not missed, f"MPI calls not caught: {missed}"
+    assert not violations("\n".join(planted) + "\n", ("exdyna_mpi", "transport", "exchange"))
+
+
+def test_the_check_reads_shared_names_by_their_receiver():
+    """A name everyday objects share is an MPI call on an MPI-named receiver only; any other MPI
+    name is one on any receiver."""
+    mod = ("exdyna_mpi", "averaging", "wagma")
+    assert {"wait", "cancel", "gather", "scatter", "free"} <= SHARED
+    for fine in ("done.wait()", "fut.wait()", "x.get_rank()", "d.copy()", "q.get()", "np.bitwise_and.reduce(a)",
+                 "lock = threading.Lock()", "self._worker.free()", "self.ops.gather(acc, idx, vals)",
+                 "text = 'comm.Allreduce(a, b)'  # comm.Barrier()"):
+        assert not violations(fine + "\n", mod), fine
+    for call in ("req.wait()", "self.status.cancel()", "self.comm.gather(x)", "mpi_group.free()",
+                 "self._private.Sendrecv(a, 1, 0, b, 1, 0)", "self.tx.xch.comm.send(x, 1)", "peer.isend(x, 1)",
+                 "f(self.link.Scan(a, b))", "x = MPI.Wtime()", "MPI.COMM_WORLD.Get_rank()"):
+        assert violations(call + "\n", mod), call
 
 
 def _dotted(mod):

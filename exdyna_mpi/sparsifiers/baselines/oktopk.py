@@ -36,6 +36,7 @@ import math
 import numpy as np
 
 from ...arrays import threshold_for
+from ...transport import point_to_point
 from ..capabilities import Capabilities
 from ..base import Sparsifier
 from ..roles import SumNotFinite
@@ -142,13 +143,14 @@ class OkTopk(Sparsifier):
         touched[local[a:b]] = True
         if p == 1:
             return region, touched
-        recv_counts = self.exchange.alltoall_counts(send_counts)
+        p2p = point_to_point(self.exchange)
+        recv_counts = p2p.alltoall_counts(send_counts)
 
         def parts(dst):
             return local[cut[dst]:cut[dst + 1]], vals[cut[dst]:cut[dst + 1]]
 
-        rounds = self.exchange.rotating_rounds(parts, recv_counts, (self._index_dtype, self._dtype),
-                                               (_TAG_IDX, _TAG_VAL), bucket=_BUCKET)
+        rounds = p2p.rotating_rounds(parts, recv_counts, (self._index_dtype, self._dtype), (_TAG_IDX, _TAG_VAL),
+                                     bucket=_BUCKET)
         # a sum that overflows is found (and refused on every rank) in _global_select: no warning here
         with np.errstate(over="ignore", invalid="ignore"):
             for ri, rv in rounds:  # in rotation order; one sender's offsets are distinct, so += is a scatter-add
