@@ -39,11 +39,12 @@ import exdyna_mpi
 from exdyna_mpi import transport
 from exdyna_mpi.transport.group import GroupTransport
 
-from ._torch_adam import AdamPath, check_mode as check_adam_mode, make_adam_path
 from ._torch_common import _flat_layout, _from_torch, _to_torch, _torch
 from ._torch_config import EntryConfig, agree_entry, layout_text, optimizer_items
 from ._torch_options import (RECIPE_DEFAULTS, Recipe, TrainingOptions, check_state, give_back_momentum, recipe_for,
                              take_momentum)
+from .torch_adam import AdamPath, make_adam_path
+from .torch_adam import check_mode as check_adam_mode
 
 if TYPE_CHECKING:
     import torch

@@ -20,20 +20,18 @@ of them off nothing here runs: the optimizer steps exactly as before, bit for bi
   nonzero (the selected set, DGC's momentum-factor masking) so stale momentum does not push
   coordinates that were just sent. During a dense warm-up nothing is masked: averaging ``u`` densely
   is exactly momentum SGD on the averaged gradient.
-  ``momentum_correction="auto"`` (the default) applies the density rule the digits CNN's fidelity
-  sweep chose, for ExDyna: the wrapped ``torch.optim.SGD``'s own momentum ``m`` moves before the
-  exchange (the optimizer steps without it, inside ``momentum_moved``), as ``m`` for
-  ``0.01 <= density < 0.02`` and ``min(m, 0.8)`` below (0.9 diverged on 4 of 12 seeds at d = 0.0034), and
-  with it ExDyna's per-rank quotas ``max_imbalance=0.2`` unless ``max_imbalance`` is given (the
-  combination that reached the network testbed's LM targets soonest and kept the digits CNN within
-  0.6 pp of top-k at the same count).
-  From ``density >= 0.02`` it is off: there the SGD's own momentum trained the digits CNN better
-  (masking resets the velocity of every coordinate sent, and at high density most useful ones are
-  sent every step, so they would step without momentum). It is also off (as 0) for every other
-  sparsifier (the baselines stay as their papers run them), for another optimizer, SGD without
-  momentum, with Nesterov or dampening, and param groups of different momenta.
-  ``momentum_correction=0`` keeps the optimizer's own momentum after the exchange (the byte-level
-  LSTM of jobs/fidelity.py trains better that way: docs/controller.md).
+  ``momentum_correction="auto"`` (the default) applies a density rule for a sparsifier that
+  declares the tuned defaults (ExDyna): the wrapped ``torch.optim.SGD``'s own momentum ``m`` moves
+  before the exchange (the optimizer steps without it, inside ``momentum_moved``), as ``m`` for
+  ``0.01 <= density < 0.02`` and ``min(m, 0.8)`` below (a high momentum before the exchange is less
+  stable at the lowest densities), and with it ExDyna's per-rank quotas ``max_imbalance=0.2``
+  unless ``max_imbalance`` is given. From ``density >= 0.02`` it is off: masking resets the velocity
+  of every coordinate sent, and at high density most useful ones are sent every step, so they would
+  step without momentum. It is also off (as 0) for every other sparsifier (the baselines stay as
+  their papers run them), for another optimizer, SGD without momentum, with Nesterov or dampening,
+  and param groups of different momenta. ``momentum_correction=0`` keeps the optimizer's own
+  momentum after the exchange. The measurements behind the rule and its thresholds:
+  docs/controller.md and docs/training.md.
 - ``density_warmup=(d1, d2, ...)`` with ``density_warmup_steps=n``: DGC's decaying-density warm-up
   (25 %, 6.25 %, 1.5625 %, 0.4 % over the first epochs, then the target). After any dense warm-up,
   stage ``i`` runs ``n`` steps with a sparsifier of the configured kind and options at density
@@ -65,8 +63,8 @@ import numpy as np
 import exdyna_mpi
 from exdyna_mpi import transport
 
-from ._torch_adam import tuned_defaults
 from ._torch_common import _torch
+from .torch_adam import tuned_defaults
 
 OPTIONS_KEY = "exdyna_options"
 #: ``momentum_correction="auto"``: below ``AUTO_DENSITY`` the moved momentum is at most ``AUTO_LOW``;
@@ -91,8 +89,7 @@ def auto_momentum(optimizer, sparsifier, density):
 def auto_options(options):
     """ExDyna's options once ``momentum_correction="auto"`` moved the momentum: its quotas
     (``max_imbalance=0.2``) unless ``max_imbalance`` is given or the controller is not the measured
-    one (quotas need it). Together they reached the testbed's targets soonest; quotas alone cost the
-    LM steps (docs/controller.md, "The defaults")."""
+    one (quotas need it). The evidence for the pair: docs/controller.md, "The defaults"."""
     if "max_imbalance" in options or options.get("controller", "measured") != "measured":
         return options
     return dict(options, max_imbalance=AUTO_MAX_IMBALANCE)

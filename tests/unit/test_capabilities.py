@@ -8,7 +8,7 @@ from exdyna_mpi.sparsifiers import REGISTRY
 from exdyna_mpi.sparsifiers.capabilities import Capabilities
 
 torch = pytest.importorskip("torch")
-from exdyna_mpi.adapters._torch_adam import AgedDecoupledMomentum, make_adam_path, tuned_defaults  # noqa: E402
+from exdyna_mpi.adapters.torch_adam import AgedDecoupledMomentum, make_adam_path, tuned_defaults  # noqa: E402
 from exdyna_mpi.adapters._torch_options import auto_momentum  # noqa: E402
 
 
