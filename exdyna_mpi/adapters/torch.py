@@ -37,7 +37,7 @@ from ._torch_common import (_broadcast_model, _flat_layout, _from_torch, _Optimi
                             _wrapped_params, broadcast_parameters)
 from ._torch_adam import ADAM_KEY, AdamPath, make_adam_path
 from ._torch_adam import check_mode as check_adam_mode
-from ._torch_hook import ExDynaHookState, exdyna_hook
+from .torch_hook import ExDynaHookState, exdyna_hook
 from ._torch_config import CONFIG_KEY, EntryConfig, agree_entry, layout_text, optimizer_items
 from ._torch_options import OPTIONS_KEY, TrainingOptions, momentum_moved, recipe_for
 from ._torch_overlap import OVERLAP_KEY, OverlappedExchange
