@@ -6,7 +6,7 @@ never pulls in torch, JAX or TensorFlow:
 - ``exdyna_mpi.adapters.torch``: the public torch API. ``DistributedOptimizer`` (one flat gradient
   buffer, sparsified in place before ``optimizer.step()``; the methods it adds are in
   ``_torch_distributed.py``), ``broadcast_parameters``, ``FlatGrad`` (``_torch_flat.py``);
-  ``ExDynaHookState`` / ``exdyna_hook`` (the DDP communication hook, ``_torch_hook.py``); and
+  ``ExDynaHookState`` / ``exdyna_hook`` (the DDP communication hook, the ``torch_hook`` package); and
   ``GroupAveragingOptimizer`` / ``FlatParams`` (WAGMA-SGD model averaging), defined in
   ``torch_wagma.py``; ``DiLoCo`` (local steps, then a sparse outer step on the parameter delta),
   in ``torch_diloco.py``. What they share (parameter checks, rank 0's broadcast, the wrapped optimizer

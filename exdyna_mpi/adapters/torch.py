@@ -20,7 +20,7 @@ This module builds ``DistributedOptimizer`` (the checks, the agreement, the cons
 the wrapped optimizer gains are ``_torch_distributed.py``'s, ``FlatGrad`` is ``_torch_flat.py``'s and
 the ``adam=`` paths are ``torch_adam``'s.
 
-For ``DistributedDataParallel``, a communication hook instead (``_torch_hook.py``)::
+For ``DistributedDataParallel``, a communication hook instead (the ``torch_hook`` package)::
 
     ddp.register_comm_hook(exdyna_mpi.adapters.torch.ExDynaHookState("exdyna", density=0.01),
                            exdyna_mpi.adapters.torch.exdyna_hook)
@@ -31,17 +31,16 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import exdyna_mpi
 from exdyna_mpi import transport
-from exdyna_mpi.transport.group import GroupTransport
 
 from ._torch_common import _broadcast_model, _flat_layout, _wrap, _wrapped_params, broadcast_parameters
 from ._torch_config import EntryConfig, agree_entry, layout_text, optimizer_items
 from ._torch_distributed import _DistributedMixin
 from ._torch_flat import FlatGrad
-from ._torch_hook import ExDynaHookState, exdyna_hook
 from ._torch_options import TrainingOptions, recipe_for
 from ._torch_overlap import OverlappedExchange
 from .torch_adam import AdamPath, make_adam_path
 from .torch_adam import check_mode as check_adam_mode
+from .torch_hook import ExDynaHookState, exdyna_hook
 from .torch_diloco import DiLoCo, nesterov_sgd, plain_sgd
 from .torch_wagma import FlatParams, GroupAveragingOptimizer
 

@@ -22,7 +22,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .accounting import ByteCounter, CountsBytes
-from .exchange import Exchange, thread_multiple
+from .exchange import Exchange
 from .watchdog import waiting, watched
 
 WORD = np.int64
@@ -121,11 +121,6 @@ class GroupTransport(CountsBytes):
             self.xch = Exchange(self.private, self.bytes)
             if need_async:
                 self.async_comm = self.comm.Dup()
-
-    @staticmethod
-    def thread_multiple() -> bool:
-        """Whether MPI runs with ``MPI_THREAD_MULTIPLE``: ``transport.thread_multiple()``."""
-        return thread_multiple()
 
     def free(self):
         """Free the private communicators (collective; call only when nothing is in flight)."""

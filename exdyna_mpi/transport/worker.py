@@ -1,6 +1,6 @@
 """A worker thread with a private communicator: where an adapter runs collectives off the caller's thread.
 
-The DDP hook (``adapters/_torch_hook.py``) queues one exchange per bucket from the backward thread
+The DDP hook (``adapters/torch_hook/``) queues one exchange per bucket from the backward thread
 and lets ``Worker`` run them in FIFO order, so every rank issues its collectives in the same order
 while backward goes on. The collectives run on a private duplicate of the user's communicator, so
 the user's own calls on it never meet them. The MPI calls of that arrangement (``Dup``, ``Free``,

@@ -402,6 +402,29 @@ def test_load_before_the_first_iteration_then_close_without_training():
 
 
 @pytest.mark.parametrize("scope", ["model", "bucket"])
+def test_training_goes_on_after_close_with_the_same_bits(scope):
+    """close() between iterations keeps the state: training on afterwards (the worker restarted, the
+    sparsifiers rebuilt from what close() kept) gives the bits of a run that never closed."""
+    digests = []
+    for closing in (False, True):
+        model = _model(seed=5)
+        ddp, opt = _ddp(model), _opt(model)
+        state = ExDynaHookState("exdyna", DENSITY, scope=scope)
+        ddp.register_comm_hook(state, exdyna_hook)
+        try:
+            _train(ddp, opt, 3)
+            if closing:
+                state.close()
+            _train(ddp, opt, 3, start=3)
+        finally:
+            state.close()
+        digests.append(_digest(model))
+    everyone = MPI.COMM_WORLD.allgather(digests)
+    mpi_assert(all(d == everyone[0] for d in everyone) and digests[0] == digests[1],
+               f"closed and unclosed runs differ: {digests}")
+
+
+@pytest.mark.parametrize("scope", ["model", "bucket"])
 def test_nan_on_one_rank_raises_step_error_on_every_rank(scope):
     comm = MPI.COMM_WORLD
     bad = comm.Get_size() - 1
