@@ -30,8 +30,10 @@ import torch
 from mpi4py import MPI
 
 import models  # jobs/common.py, jobs/models.py: beside this script
-from common import SendDelay, abort_on_exception, markdown_table, set_send_delay, write_json
+from common import abort_on_exception, markdown_table, write_json
 from exdyna_mpi.adapters.torch import DistributedOptimizer
+# the deadline transport's test hook: this benchmark slows one link with it
+from exdyna_mpi.transport import SendDelay, set_send_delay
 
 
 def parse():

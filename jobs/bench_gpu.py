@@ -28,7 +28,7 @@ import platform
 import sys
 import time
 
-from common import command, cuda_kernels, parser, write_json
+from common import command, parser, write_json
 
 def parse_args(argv=None):
     p = parser(__doc__, json_path="out/bench_gpu.json", threads=False)
@@ -166,8 +166,8 @@ def measure(numel, density, reps, warmup, topk=True, profile=False, controller="
     import numpy as np
 
     import exdyna_mpi
-
-    kc = cuda_kernels()
+    # the CUDA kernels themselves are what this benchmark times (it needs numba-cuda: loaded here)
+    import exdyna_mpi.kernels.cuda as kc
 
     n = int(numel)
     rng = cp.random.default_rng(0)
@@ -352,7 +352,8 @@ def main(argv=None):
     else:
         import cupy as cp
 
-        from common import gpu_available
+        # whether CuPy sees a device, asked before the CUDA kernels load
+        from exdyna_mpi.arrays import gpu_available
 
         if "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ:   # under mpiexec: rank 0 reports
             from mpi4py import MPI
@@ -369,7 +370,8 @@ def main(argv=None):
         print(f"DRAM: datasheet-style peak {spec:.0f} GB/s (from device properties), "
               f"measured device-to-device copy {copy:.0f} GB/s (read + write); fractions use the copy")
         peak = copy
-        kc = cuda_kernels()
+        # the CUDA kernels themselves are what this benchmark times
+        import exdyna_mpi.kernels.cuda as kc
 
         launch_us = (launch_costs(cp, kc, kc.cuda.external_stream(cp.cuda.get_current_stream().ptr))
                      if hasattr(kc, "configured") else None)   # (an older exdyna_mpi on PYTHONPATH: before/after runs)

@@ -1,5 +1,4 @@
-"""What the jobs share: the common flags, MPI and thread setup, JSON and table output, and the few
-library internals some jobs need.
+"""What the jobs share: the common flags, MPI and thread setup, JSON and table output.
 
 How jobs import each other: every job under jobs/ is a script (``python jobs/X.py`` or ``mpiexec -n P
 python -m mpi4py jobs/X.py``), and Python puts a script's own folder first on ``sys.path``, so a job
@@ -7,17 +6,12 @@ imports its siblings by plain name: ``import common``, ``import models``, ``impo
 import them the same way: pytest.ini's ``pythonpath = jobs`` puts this folder on the path under
 pytest, so ``import fidelity`` in a test is the module the script runs. Nothing edits ``sys.path``.
 
-What jobs import from the library: the public API (``exdyna_mpi``, ``exdyna_mpi.adapters.torch``),
-and, for the internals a job measures or drives directly, this module and nothing else:
-
-- ``from common import HostOps, make_controller, ...``: the names of ``INTERNALS`` below, each with
-  the module it comes from and the job that needs it (loaded on first use, so ``import common``
-  imports no part of the library);
-- ``cuda_kernels()``: ``exdyna_mpi.kernels.cuda`` for the GPU kernel benchmarks (bench_gpu.py,
-  gpu_static.py), whose subject is the kernels themselves.
-
-tests/unit/test_layers.py checks both: no other job imports a library module beyond the public API,
-and every name listed here still exists.
+What jobs import from the library: the public API (``exdyna_mpi``, ``exdyna_mpi.adapters.torch``).
+A job whose subject is an internal (simulate.py runs the algorithm layer and the host ops without
+MPI, bench_deadline.py drives the deadline transport's send delay, bench_gpu.py and gpu_static.py
+time and budget the CUDA kernels) imports it from the library module that defines or exports it,
+the subpackage where it exports the name, with a comment on why it reaches past the public API;
+tests/unit/test_layers.py checks both.
 
 Example::
 
@@ -29,7 +23,6 @@ Example::
 """
 import argparse
 import ast
-import importlib
 import json
 import os
 import sys
@@ -210,44 +203,3 @@ def abort_on_exception(comm, grace=0.5):
         comm.Abort(1)
 
     sys.excepthook = hook
-
-
-# ---------------------------------------------------------------------- library internals
-#: The library internals that jobs use, by name: ``from common import NAME``. Everything else a job
-#: needs comes from the public API. name -> the module that defines it (or re-exports it).
-INTERNALS = {
-    # simulate.py runs ExDyna's and MiCRO's algorithm layer on one process, without MPI: block and
-    # equal layouts, the threshold controllers, the partition rotation and the target count ...
-    "BlockLayout": "exdyna_mpi.algorithm",
-    "EqualLayout": "exdyna_mpi.algorithm",
-    "make_controller": "exdyna_mpi.algorithm",
-    "partition_of": "exdyna_mpi.algorithm",
-    "target_count": "exdyna_mpi.algorithm",
-    # ... the host array operations the sparsifiers use (accumulate, histogram, select), with the
-    # marks the measuring pass leaves for the select ...
-    "HostOps": "exdyna_mpi.arrays.ops",
-    "Marks": "exdyna_mpi.arrays.ops",
-    # ... and TopK's exact threshold, for the Top-k rows
-    "kth_largest_magnitude": "exdyna_mpi.sparsifiers.baselines.topk",
-    # bench_deadline.py delays chosen ranks' sends: the deadline transport's test hook
-    "SendDelay": "exdyna_mpi.transport",
-    "set_send_delay": "exdyna_mpi.transport",
-    # bench_gpu.py: whether a CUDA device is usable, before it loads the CUDA kernels
-    "gpu_available": "exdyna_mpi.arrays",
-}
-
-
-def __getattr__(name):
-    """``common.NAME`` / ``from common import NAME`` for the names of ``INTERNALS``, imported on first use."""
-    if name in INTERNALS:
-        value = getattr(importlib.import_module(INTERNALS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'common' has no attribute {name!r}")
-
-
-def cuda_kernels():
-    """``exdyna_mpi.kernels.cuda``: the CUDA kernels themselves, for the jobs that time them
-    (bench_gpu.py) or compile and budget them (gpu_static.py). Kernel internals are what those two
-    measure, so they reach past the public API here. Needs numba-cuda (a GPU, or the simulator)."""
-    return importlib.import_module("exdyna_mpi.kernels.cuda")

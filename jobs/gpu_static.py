@@ -231,9 +231,10 @@ def _load(kernels_file):
     """The kernels package, or ``kernels_file``: a module file or a package folder (an older or
     edited copy, checked with its own --budgets)."""
     if kernels_file is None:
-        from common import cuda_kernels   # jobs/common.py: the one place jobs reach library internals
+        # the kernels' compiled code is what this job budgets (it needs numba-cuda: loaded here)
+        import exdyna_mpi.kernels.cuda as kc
 
-        return cuda_kernels()
+        return kc
     import importlib.util
 
     path = os.path.abspath(kernels_file)

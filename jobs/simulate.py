@@ -44,9 +44,16 @@ import time
 
 import numpy as np
 
-from common import (BlockLayout, EqualLayout, HostOps, command, kth_largest_magnitude, log, make_controller, parser,
-                    partition_of, target_count, write_json)
+from common import command, log, parser, write_json
 from exdyna_mpi import ExDyna
+# the algorithm layer is what this job measures at scale, on one process without MPI
+from exdyna_mpi.algorithm import BlockLayout, EqualLayout, make_controller, partition_of, target_count
+# the host ops the sparsifiers run (accumulate, histogram, select), driven here directly
+from exdyna_mpi.arrays import HostOps
+# the marks the measuring pass leaves for the select, as ExDyna's step keeps them
+from exdyna_mpi.arrays.ops import Marks
+# TopK's exact threshold, for the Top-k rows
+from exdyna_mpi.sparsifiers.baselines.topk import kth_largest_magnitude
 
 ALPHA = 2e-6
 RD_LIMIT = 512 * 1024
@@ -160,7 +167,6 @@ def local_compute(P, args):
     ctl.threshold, ctl.seen = 3.0, True
     plan = ctl.plan(1, np.float32)
     k = target_count(args.density, n)
-    from common import Marks
     marks = Marks()   # where the pass keeps its marks for the select (as ExDyna's step does)
 
     def exdyna():

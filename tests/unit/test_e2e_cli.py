@@ -61,6 +61,29 @@ def test_every_method_writes_a_record(every_method):
         assert r["params_identical"], r["method"]
         assert r["step_s"] > 0 and 0 <= r["comm_share"] < 1
         assert r["evals"][0][2] == runs[0]["evals"][0][2]        # same initial weights everywhere
+        assert r["method_spec"]["name"] == r["method"] and r["resolved"]["entry"], r["method"]
+
+
+def test_each_record_carries_the_method_s_row_and_what_its_entry_point_resolved(every_method):
+    """``method_spec``: the method's row of the table; ``resolved``: the options the harness passed (the
+    recipe's from the run's arguments) and, for the library's entry points, the configuration they
+    resolved; torch's own methods have none."""
+    _, recs = every_method
+    runs = {r["method"]: r for r in recs if r["kind"] == "run"}
+    mc = runs["exdyna-mc"]
+    assert mc["method_spec"]["recipe"] == "momentum-correction" and mc["method_spec"]["kind"] == "library"
+    assert mc["resolved"]["options"] == {"max_imbalance": None, "momentum_correction": 0.9}
+    assert mc["resolved"]["optimizer_momentum"] == 0.0       # the recipe moved SGD's momentum
+    assert mc["resolved"]["config"]["recipe.momentum_correction"] == "0.9"
+    assert mc["resolved"]["sparsifier_options"]["max_imbalance"] is None
+    # the default's "auto" resolves to momentum correction with the 0.2 quotas: exdyna-mcq02's options
+    auto = runs["exdyna"]["resolved"]
+    assert auto["config"]["recipe.momentum_correction"] == "0.9" and auto["sparsifier_options"]["max_imbalance"] == 0.2
+    assert runs["exdyna-dw"]["resolved"]["options"]["density_warmup_steps"] == 1   # an eighth of 3 steps, at least 1
+    assert runs["ddp-exdyna"]["resolved"]["config"]["scope"] == "model"
+    assert runs["ddp"]["resolved"] == {"entry": "DistributedDataParallel", "optimizer_momentum": None, "config": None,
+                                       "options": {"gradient_as_bucket_view": False}}
+    assert runs["ddp-bv"]["method_spec"]["same_arithmetic"] == "ddp"
 
 
 def test_the_hook_trains_as_the_optimizer(every_method):

@@ -271,12 +271,13 @@ def test_tuned_rates_must_come_from_the_method_s_budget(tmp_path):
     assert "expected METHOD=D" in refused("--density-of", "sloco-h16=x")
     assert "--steps-of with --tune-lrs" in refused("--steps-of", "sloco-h16=20", "--tune-lrs", "1e-3")
     import e2e as job                # parse_args only: no MPI, no torch
+    from e2e_train import method_args
 
     args = job.parse_args(["--methods", "ddp,sloco-h16", "--tuned", str(a), "--tuned", str(b),
                            "--steps-of", "sloco-h16=2400", "--density-of", "sloco-h16=0.03", "--density", "0.05",
                            "--out", str(tmp_path)])
     assert args.lr_of == {"ddp": 1e-3, "ddp-bv": 1e-3, "sloco-h16": 2e-3} and args.steps_of == {"sloco-h16": 2400}
-    own, ddp = job.method_args(args, "sloco-h16"), job.method_args(args, "ddp")
+    own, ddp = method_args(args, "sloco-h16"), method_args(args, "ddp")
     assert (own.steps, own.max_steps, own.density, own.eval_every) == (2400, 2400, 0.03, 60)
     assert (ddp.steps, ddp.max_steps, ddp.density, ddp.eval_every) == (600, 1200, 0.05, 60)
 

@@ -1,6 +1,6 @@
-"""jobs/e2e_report.py on synthetic records (no MPI, no torch): the learning-rate choice, the summary's
-ratios within each launch, the alpha-beta model and its break-even rate (hand-computed cases), the
-results page and the README block, and report()'s files."""
+"""jobs/e2e_records.py and jobs/e2e_report.py on synthetic records (no MPI, no torch): the learning-rate
+choice, the summary's ratios within each launch, the alpha-beta model and its break-even rate
+(hand-computed cases), the results page and the README block, and report()'s files."""
 import json
 import math
 import os
@@ -11,6 +11,7 @@ import pytest
 from tests.launch import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "jobs"))
+import e2e_records as rd  # noqa: E402
 import e2e_report as er  # noqa: E402
 
 
@@ -68,8 +69,8 @@ def _tunes():
 
 
 def test_choose_lrs_mean_over_seeds_diverged_edge_and_ties(tmp_path):
-    recs = er.read_records([_write(tmp_path / "tune.jsonl", _tunes() + [_tune("ddp", 1e-3, 11, 1.0, workload="cnn")])])
-    tuned = er.choose_lrs(recs, "lm")
+    recs = rd.read_records([_write(tmp_path / "tune.jsonl", _tunes() + [_tune("ddp", 1e-3, 11, 1.0, workload="cnn")])])
+    tuned = rd.choose_lrs(recs, "lm")
     assert tuned["kind"] == "tuned" and tuned["workload"] == "lm"
     assert tuned["grid"] == list(GRID) and tuned["seeds"] == [11, 12] and tuned["steps"] == 50
     assert tuned["lr_of"] == {"ddp": 3e-4, "exdyna": 3e-4, "ddp-bf16": 1e-4, "topk": 1e-4}
@@ -88,15 +89,15 @@ def test_choose_lrs_mean_over_seeds_diverged_edge_and_ties(tmp_path):
 def test_choose_lrs_refuses_unequal_or_short_grids():
     two = [_tune(m, lr, 1, 3.0) for m in ("ddp", "exdyna") for lr in (1e-4, 3e-4)]
     with pytest.raises(ValueError, match="at least 3"):
-        er.choose_lrs(two, "lm")
+        rd.choose_lrs(two, "lm")
     unequal = [_tune("ddp", lr, 1, 3.0) for lr in GRID] + [_tune("exdyna", lr, 1, 3.0) for lr in GRID + (3e-3,)]
     with pytest.raises(ValueError, match="same size"):
-        er.choose_lrs(unequal, "lm")
+        rd.choose_lrs(unequal, "lm")
     seeds = [_tune(m, lr, 1, 3.0) for m in ("ddp", "exdyna") for lr in GRID] + [_tune("exdyna", 1e-4, 2, 3.0)]
     with pytest.raises(ValueError, match="same tuning seeds"):
-        er.choose_lrs(seeds, "lm")
+        rd.choose_lrs(seeds, "lm")
     with pytest.raises(ValueError, match="no tune records"):
-        er.choose_lrs(seeds, "cnn")
+        rd.choose_lrs(seeds, "cnn")
 
 
 def _two_launches(rate=1000.0):
@@ -124,7 +125,7 @@ def _two_launches(rate=1000.0):
 def _check_two_launches(rows):
     by = {r["method"]: r for r in rows}
     assert [r["method"] for r in rows] == ["ddp", "ddp-bf16", "exdyna", "topk", "micro", "diloco-h16", "diloco-h64",
-                                           er.BEST_DILOCO]
+                                           rd.BEST_DILOCO]
     ex = by["exdyna"]
     # per launch: A 110 / 55 = 2.0 (ddp's passes 100 and 120), B 200 / 400 = 0.5. Mixing launches would
     # give 155 / 227.5 = 0.68; ddp's first pass only, (100 / 55 + 0.5) / 2 = 1.16.
@@ -133,8 +134,8 @@ def _check_two_launches(rows):
     assert ex["vs"]["ddp"]["values"] == [("A", pytest.approx(2.0)), ("B", pytest.approx(0.5))]
     assert ex["vs"]["ddp-bf16"]["values"] == [("A", pytest.approx(88 / 55))]      # bf16 ran in A only
     # the better DiLoCo per launch: A h64 (40 s), B h16 (100 s)
-    assert ex["vs"][er.BEST_DILOCO]["values"] == [("A", pytest.approx(40 / 55)), ("B", pytest.approx(0.25))]
-    best = by[er.BEST_DILOCO]
+    assert ex["vs"][rd.BEST_DILOCO]["values"] == [("A", pytest.approx(40 / 55)), ("B", pytest.approx(0.25))]
+    best = by[rd.BEST_DILOCO]
     assert best["chosen"] == ["diloco-h64", "diloco-h16"]
     assert best["vs"]["ddp"]["mean"] == pytest.approx((110 / 40 + 200 / 100) / 2)
     assert ex["steps_to_target"] == pytest.approx(750) and ex["time_to_target_s"] == pytest.approx(227.5)
@@ -152,7 +153,7 @@ def _check_two_launches(rows):
 
 def test_summary_ratios_within_each_launch(tmp_path):
     a, b = _two_launches()
-    recs = er.read_records([_write(tmp_path / "a.jsonl", a), _write(tmp_path / "b.jsonl", b)])
+    recs = rd.read_records([_write(tmp_path / "a.jsonl", a), _write(tmp_path / "b.jsonl", b)])
     rows, text = er.summary(recs, "lm", 1000)
     _check_two_launches(rows)
     assert rows[2]["records"] == ["a.jsonl", "b.jsonl"] and rows[1]["records"] == ["a.jsonl"]
@@ -170,7 +171,7 @@ def test_summary_flags_a_target_above_the_trigram(tmp_path):
     for target, flagged in ((2.5, True), (2.0, False)):
         a, _ = _two_launches()
         a[0] = dict(a[0], target=target, ngram={"unigram": 3.2, "bigram": 2.4, "trigram": 2.2})
-        recs = er.read_records([_write(tmp_path / f"t{target}.jsonl", a)])
+        recs = rd.read_records([_write(tmp_path / f"t{target}.jsonl", a)])
         _, text = er.summary(recs, "lm", 1000)
         assert "n-gram baselines unigram 3.2000, bigram 2.4000, trigram 2.2000" in text
         assert ("the target lies above the trigram (2.2000)" in text) == flagged, text.splitlines()[0]
@@ -182,11 +183,11 @@ def test_a_method_with_its_own_budget_is_named_with_it(tmp_path):
     recs = _launch("A", 1000, 1, [("ddp", 100.0, {}), ("sloco-h16", 60.0, {"steps": 150}),
                                   ("exdyna", 80.0, {})])
     recs[2] = dict(recs[2], steps=400, steps_run=400)
-    recs = er.read_records([_write(tmp_path / "own.jsonl", recs)])
+    recs = rd.read_records([_write(tmp_path / "own.jsonl", recs)])
     _, text = er.summary(recs, "lm", 1000)
     names = [line.split(" | ")[0][2:] for line in text.splitlines() if line.startswith("| ")]
     assert "sloco-h16 (budget 400 batches)" in names and "exdyna" in names and "ddp" in names
-    setup, runs = er.groups(recs)[0]
+    setup, runs = rd.groups(recs)[0]
     rows = er.table(setup, runs).splitlines()
     assert any(r.startswith("| sloco-h16 (budget 400 batches) |") for r in rows)
     assert any(r.startswith("| exdyna |") for r in rows)
@@ -197,7 +198,7 @@ def test_a_run_stopped_at_target_is_not_counted_as_diverged(tmp_path):
     recs = _launch("A", 1000, 1, [("ddp", 100.0, {}), ("sloco-h16", 60.0, {}), ("exdyna", None, {})])
     recs[2] = dict(recs[2], loss_at_steps=None, steps_run=60)
     recs[3] = dict(recs[3], loss_at_steps=float("nan"), steps_run=30, diverged=True)
-    rows, text = er.summary(er.read_records([_write(tmp_path / "stop.jsonl", recs)]), "lm", 1000)
+    rows, text = er.summary(rd.read_records([_write(tmp_path / "stop.jsonl", recs)]), "lm", 1000)
     by = {r["method"]: r for r in rows}
     assert by["sloco-h16"]["nonfinite"] == 0 and by["exdyna"]["nonfinite"] == 1
     lines = {line.split(" | ")[0][2:]: line for line in text.splitlines() if line.startswith("| ")}
@@ -208,20 +209,20 @@ def test_summary_groups_interleaved_launches_by_id(tmp_path):
     """Both launches' records interleaved in one file: runs still join their own launch."""
     a, b = _two_launches()
     mixed = [a[0], b[0]] + [r for pair in zip(a[1:], b[1:]) for r in pair] + a[1 + len(b[1:]):]
-    recs = er.read_records([_write(tmp_path / "mixed.jsonl", mixed)])
+    recs = rd.read_records([_write(tmp_path / "mixed.jsonl", mixed)])
     rows, _ = er.summary(recs, "lm", 1000.0)
     _check_two_launches(rows)
 
 
 def test_predict_step_s_and_model_check(tmp_path):
     # 0.1 s compute + 2 calls x 1 ms + 8 x 1.25 MB over 100 Mbit/s (0.1 s)
-    assert er.predict_step_s(0.1, 1.25e6, 100, collectives=2) == pytest.approx(0.202)
-    assert er.predict_step_s(0.1, 1.25e6, 100, collectives=2, alpha_s=0.0) == pytest.approx(0.2)
-    assert er.predict_step_s(0.1, 1.25e6, [100, 1000]) == pytest.approx([0.201, 0.111])
+    assert rd.predict_step_s(0.1, 1.25e6, 100, collectives=2) == pytest.approx(0.202)
+    assert rd.predict_step_s(0.1, 1.25e6, 100, collectives=2, alpha_s=0.0) == pytest.approx(0.2)
+    assert rd.predict_step_s(0.1, 1.25e6, [100, 1000]) == pytest.approx([0.201, 0.111])
     recs = _launch("A", 100.0, 1, [("ddp", 10.0, dict(nbytes=1.25e6, collectives=2.0, step_s=0.25)),
                                    ("ddp", 10.0, dict(nbytes=1.25e6, collectives=2.0, step_s=0.2))])
     recs += _launch("U", None, 1, [("ddp", 10.0, {})])         # no link shaping: nothing to predict
-    rows = er.model_check(recs)
+    rows = rd.model_check(recs)
     assert [(r["method"], r["rate_mbit"]) for r in rows] == [("ddp", 100.0), ("ddp (again)", 100.0)]
     assert rows[0]["predicted"] == pytest.approx(0.202) and rows[0]["ratio"] == pytest.approx(0.202 / 0.25)
     assert "predicted step s (modelled)" in er.model_check_table(rows)
@@ -240,7 +241,7 @@ def _regime_records():
 
 
 def test_regime_break_even_by_hand():
-    rows = {r["method"]: r for r in er.regime(_regime_records(), "lm")}
+    rows = {r["method"]: r for r in rd.regime(_regime_records(), "lm")}
     ex, bf, mi = rows["exdyna"], rows["ddp-bf16"], rows["micro"]
     assert ex["steps"] == pytest.approx(200) and ex["bytes_per_step"] == pytest.approx(1.25e4)
     # 100 (0.101 + 10 / R) = 200 (0.101 + 0.1 / R)  =>  R = 9.8 / 0.101; fewer bytes to target: pays below
@@ -268,7 +269,7 @@ def _docs_records(tmp_path):
                 runs += [("ddp", 110.0, dict(steps=400))]
                 paths.append(_write(tmp_path / f"{lid}.jsonl", _launch(lid, rate, seed, runs, workload=wl)))
     paths.append(_write(tmp_path / "tune.jsonl", _tunes()))
-    return er.read_records(paths)
+    return rd.read_records(paths)
 
 
 def test_write_docs_page_and_readme_block(tmp_path):
@@ -341,7 +342,7 @@ def test_readme_rows_name_the_adamw_default_and_the_sparse_outer_exchange(tmp_pa
         paths.append(_write(tmp_path / f"{lid}.jsonl", _launch(lid, 200.0, seed, runs)))
     readme = tmp_path / "README.md"
     readme.write_text(f"{er.README_BEGIN}\n{er.README_END}\n")
-    er.write_docs(er.read_records(paths), str(tmp_path / "page.md"), readme=str(readme), plot=False)
+    er.write_docs(rd.read_records(paths), str(tmp_path / "page.md"), readme=str(readme), plot=False)
     rows = [line.split(" | ") for line in readme.read_text().splitlines() if line.startswith("| lm |")]
     assert [r[1] for r in rows] == ["exdyna-demoage999", "diloco (best) (diloco-h64)", "sloco-h16"]
     mean = sum((100.0 + s) / (40.0 + s) for s in (1, 2, 3)) / 3
@@ -366,7 +367,7 @@ def test_learning_rates_one_table_per_budget():
     short = [r for r in recs if not (r["method"] == "sloco-h16" and r["lr"] == GRID[0])]
     text = "\n".join(er._tuning_section(short, "lm", None))
     assert text.count("| method | loss at lr") == 1 and "at least 3 values" in text.split("200 batches")[1]
-    stored = er.choose_lrs([r for r in recs if r["steps"] == 200], "lm")   # a stored choice alone: its table
+    stored = rd.choose_lrs([r for r in recs if r["steps"] == 200], "lm")   # a stored choice alone: its table
     text = "\n".join(er._tuning_section([dict(stored, _source="tuned.json")], "lm", None))
     assert text.count("| method | loss at lr") == 1 and "sloco-h16" in text and "budget" not in text
 

@@ -340,41 +340,93 @@ def test_the_cycle_check_sees_imports_inside_functions_and_through_packages():
     up = {"p": ("from .a import f\nX = 1\n", True), "p.a": ("from . import X\n", False)}
     assert cycles(graph(up))
 
-#: what jobs/ may import of the library: the public API. Internals go through jobs/common.py.
-PUBLIC = {("exdyna_mpi",), ("exdyna_mpi", "adapters", "torch")}
+#: what jobs/ import of the library without a word: the public API
+PUBLIC = {"exdyna_mpi", "exdyna_mpi.adapters.torch"}
 
 
-def job_import_problems(source, name):
-    """``line N: import`` for every import of ``exdyna_mpi`` in a job's ``source`` beyond ``PUBLIC``
-    (imports inside functions included)."""
-    return [f"line {line}: {raw}" for line, target, raw in imports_of(source, ("jobs", name))
-            if target[0] == "exdyna_mpi" and target not in PUBLIC]
+def internal_imports(source):
+    """``(line, module, names)`` for every import in a job's ``source`` of a library module beyond
+    ``PUBLIC`` (imports inside functions included); ``names``: what ``from module import ...`` takes,
+    empty for ``import module``."""
+    def internal(module):
+        return module.split(".")[0] == "exdyna_mpi" and module not in PUBLIC
+
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name, ()) for a in node.names if internal(a.name)]
+        elif isinstance(node, ast.ImportFrom) and not node.level and internal(node.module):
+            out.append((node.lineno, node.module, tuple(a.name for a in node.names)))
+    return sorted(out)
 
 
-def test_jobs_import_the_public_api_or_common():
-    """jobs/ import the public API (``exdyna_mpi``, ``exdyna_mpi.adapters.torch``); the internals a
-    job measures come through jobs/common.py, the one file that names them (``INTERNALS``)."""
+def exported(package):
+    """The names of ``package``'s ``__all__`` (``"exdyna_mpi.arrays"``), read from its source."""
+    parts = package.split(".")[1:]
+    if parts[:1] == ["kernels"]:    # kernels/ is installed as exdyna_mpi.kernels
+        init = ROOT.joinpath("kernels", *parts[1:], "__init__.py")
+    else:
+        init = ROOT.joinpath("exdyna_mpi", *parts, "__init__.py")
+    if not init.exists():
+        return set()
+    for node in ast.parse(init.read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    return set()
+
+
+def job_import_problems(source):
+    """``line N: ...`` for every internal import of a job (``internal_imports``) with no comment, on the
+    line above or at the end of its own line, saying why the job reaches past the public API; and for a
+    name taken from below a package that exports it itself (``from exdyna_mpi.arrays.ops import
+    HostOps``: ``exdyna_mpi.arrays`` exports ``HostOps``)."""
+    lines = source.splitlines()
+    bad = []
+    for line, module, names in internal_imports(source):
+        above = lines[line - 2].strip() if line > 1 else ""
+        if not above.startswith("#") and "#" not in lines[line - 1]:
+            bad.append(f"line {line}: {module}: no comment on why it reaches past the public API")
+        parts = module.split(".")
+        for i in range(1, len(parts)):
+            package = ".".join(parts[:i])
+            shown = sorted(set(names) & exported(package))
+            if shown:
+                bad.append(f"line {line}: {module}: import {', '.join(shown)} from {package}, which exports it")
+    return bad
+
+
+def test_jobs_import_the_public_api_or_say_why():
+    """jobs/ import the public API (``exdyna_mpi``, ``exdyna_mpi.adapters.torch``); a job whose subject is
+    a library internal imports it from the module that exports it, with a comment on why."""
     bad = []
     for path in sorted((ROOT / "jobs").rglob("*.py")):
-        if path != ROOT / "jobs" / "common.py":
-            bad += [f"{path.relative_to(ROOT)}: {p}" for p in job_import_problems(path.read_text(), path.stem)]
-    assert not bad, "import these through jobs/common.py (INTERNALS):\n" + "\n".join(bad)
-    assert job_import_problems("from exdyna_mpi.transport import SendDelay\n", "x")
-    assert job_import_problems("def f():\n    import exdyna_mpi.kernels.cuda as kc\n", "x")
-    assert not job_import_problems("import exdyna_mpi\nfrom exdyna_mpi.adapters.torch import FlatGrad\n", "x")
+        bad += [f"{path.relative_to(ROOT)}: {p}" for p in job_import_problems(path.read_text())]
+    assert not bad, "\n".join(bad)
+    assert job_import_problems("from exdyna_mpi.transport import SendDelay\n")
+    assert job_import_problems("def f():\n    import exdyna_mpi.kernels.cuda as kc\n")
+    assert not job_import_problems("def f():\n    # what it times\n    import exdyna_mpi.kernels.cuda\n")
+    assert not job_import_problems("from exdyna_mpi.transport import SendDelay  # the hook it drives\n")
+    assert job_import_problems("# the host ops\nfrom exdyna_mpi.arrays.ops import HostOps\n")
+    assert job_import_problems("# a sparsifier\nfrom exdyna_mpi.sparsifiers.exdyna import ExDyna\n")
+    assert not job_import_problems("# the marks\nfrom exdyna_mpi.arrays.ops import Marks\n")
+    assert not job_import_problems("import exdyna_mpi\nfrom exdyna_mpi.adapters.torch import FlatGrad\n")
 
 
-def test_jobs_common_internals_exist():
-    """Every internal jobs/common.py hands out still exists where it says (a library refactor that
-    moves one fails here, not in a job run)."""
+def test_jobs_internal_imports_exist():
+    """Every library internal a job imports still exists where the job takes it from (a library
+    refactor that moves one fails here, not in a job run)."""
     import importlib
+    import importlib.util
 
-    import common   # jobs/common.py: pytest.ini puts jobs/ on the path
-
-    missing = [f"{name} (from {mod})" for name, mod in common.INTERNALS.items()
-               if not hasattr(importlib.import_module(mod), name)]
+    missing = []
+    for path in sorted((ROOT / "jobs").rglob("*.py")):
+        for line, module, names in internal_imports(path.read_text()):
+            where = f"{path.relative_to(ROOT)} line {line}: {module}"
+            if importlib.util.find_spec(module) is None:
+                missing.append(where)
+                continue
+            missing += [f"{where}.{n}" for n in names if not hasattr(importlib.import_module(module), n)]
     assert not missing, missing
-    assert common.HostOps is importlib.import_module("exdyna_mpi.arrays.ops").HostOps
 
 
 def ops_signature_problems(impl):
