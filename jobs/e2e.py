@@ -424,8 +424,8 @@ sooner on my network than with what I already run? `jobs/e2e.py` answers it on o
 same initial weights, on the same batches, with the same optimiser, clipping and schedule for every
 method, and every method at its own tuned learning rate. `jobs/testbed.py` gives it a real network
 on one machine. This page is generated from the records (`python jobs/e2e.py --report RECORDS --docs
-docs/e2e.md --readme README.md`); the earlier, withdrawn protocol (momentum SGD without clipping,
-untuned baselines) is kept as history in `results/e2e/2026-11-25-sgd-protocol.md`.
+docs/e2e.md --readme README.md`); a withdrawn protocol (momentum SGD without clipping, untuned
+baselines) is recorded in `results/e2e/2026-11-25-sgd-protocol.md`.
 
 ```bash
 bash jobs/run_e2e.sh --no-testbed --tune-lrs 1e-3,2e-3,4e-3 --seed 100 --out out/tune  # the search
@@ -456,19 +456,18 @@ bash jobs/run_e2e.sh --workload cnn --rate 20 --tuned out/cnn_tune/tuned.json --
   given link rate is lower than the 10.8M model's; the links were set to 200 Mbit/s, where this
   model's ratio on the AMD EPYC VM (1.12) matched the 10.8M model's at 1 Gbit/s (0.95, 2026-11-25).
   On the Intel Xeon VM, whose compute is faster, it is 3.2–3.3 at 200 Mbit/s: a more link-bound
-  regime than 1 Gbit/s, which favours the compressed methods against DDP. Launches at 700 Mbit/s
-  (ratio 1.8: latency keeps the allreduce from scaling with the rate) are in
-  `results/e2e/2026-11-29-regimes.md`. The LM's
-  tables below are the 2026-11-29 launches at 200 Mbit/s, three held-out seeds, every method in
-  each launch (`results/e2e/2026-11-29-regimes.md`). The slow end (20 and 2 Mbit/s) was timed
-  without DDP, whose 600 batches take about 22 minutes at 20 Mbit/s here; those launches, against
-  DDP's loss on the same seed, are in that narrative and in `docs/results.md`.
+  regime than 1 Gbit/s, which favours the compressed methods against DDP. The LM's tables below
+  are the 2026-11-29 launches at 200 Mbit/s, three held-out seeds, every method in each launch
+  (`results/e2e/2026-11-29-regimes.md`, which also holds launches at 700 Mbit/s, ratio 1.8: latency
+  keeps the allreduce from scaling with the rate). The slow end (20 and 2 Mbit/s) was timed without
+  DDP, whose 600 batches take about 22 minutes at 20 Mbit/s here; those launches, against DDP's loss
+  on the same seed, are in that narrative and in `docs/results.md`.
 - **The CNN as CNNs are trained.** The digits CNN at width 48 (141,066 parameters), momentum SGD
   (0.9, weight decay 1e-4, no clipping, constant learning rate), 264 batches of 32 per rank at P = 4
   (24 epochs). The target is DDP's test cross-entropy at the budget on the 360 held-out images
-  (accuracy beside in the records). At 8 epochs, the earlier budget, DDP's test loss is still
-  falling by half and every sparsifier is in its transient (ExDyna 0.27 against DDP's 0.05 on the
-  tuning seed: `results/e2e/2026-11-26-cnn-8-epochs/`), so the budget is 24 epochs. 360 images make
+  (accuracy beside in the records). At 8 epochs DDP's test loss is still falling by half and every
+  sparsifier is in its transient (ExDyna 0.27 against DDP's 0.05 on the tuning seed:
+  `results/e2e/2026-11-26-cnn-8-epochs/`), so the budget is 24 epochs. 360 images make
   the test loss near 0.05 noisy (one image moves it by several per cent), so the spread over
   seeds is wide: on the Intel VM `exdyna` reaches the target on seeds 1 and 2, on the AMD VM on
   seed 2 only, with the same rates and batches (the CPUs' last bits differ). Links at 20, 200 and
@@ -508,19 +507,16 @@ bash jobs/run_e2e.sh --workload cnn --rate 20 --tuned out/cnn_tune/tuned.json --
   launch, and every run records `compute_s` (a step without communication, measured just before
   it) so drift is visible.
 - **The link's bucket.** tbf lets what its bucket holds cross at the veth's speed after an idle
-  moment, which a real link never does. Until 2026-11-28 the bucket was at least 256 KiB: 256 KiB
-  of each rank's exchange a step crossed unshaped (0.1 s of link time at 20 Mbit/s, 10 ms at 200;
-  the dense allreduce probe at 20 Mbit/s took 2.10 s, 2.44 s with a smaller bucket). Launches
-  with it flattered a method by the share of its step the gain was, most for a few hundred kB a step
-  on little compute (`adam="demo"` at 20 Mbit/s needed 1.9x its time once re-measured), little for
-  DDP. A 16 KiB
-  bucket followed, which still let a 15 kB exchange (ExDyna's on the CNN) cross in 0.4 ms instead
-  of 6; the bucket is now 2 KiB, or a quarter millisecond of the rate where that is more. The CNN's
-  tables come from launches re-measured on 2026-11-28 on the Intel Xeon VM: at 20 Mbit/s with the
-  2 KiB bucket, at 200 and 2000 Mbit/s with 16 KiB (at 200 Mbit/s a 45 kB exchange gained 0.5 ms
-  of a 30 ms step; at 2000 Mbit/s the bucket is the quarter millisecond either way). Narrative:
-  `results/e2e/2026-11-28-rebucket.md`. The LM's launches ran on 2026-11-29 with a 6.1 KiB bucket
-  at 200 Mbit/s (a quarter millisecond).
+  moment, which a real link never does, so the testbed's bucket is 2 KiB, or a quarter millisecond
+  of the rate where that is more (`testbed.burst_bytes`; the links record it). A 256 KiB bucket let
+  256 KiB of each rank's exchange a step cross unshaped (0.1 s of link time at 20 Mbit/s; the dense
+  allreduce probe at 20 Mbit/s took 2.10 s against 2.44 s), flattering most a few hundred kB a step
+  on little compute (`adam="demo"` at 20 Mbit/s needed 1.9x its time once re-measured); a 16 KiB
+  one let a 15 kB exchange (ExDyna's on the CNN) cross in 0.4 ms instead of 6. The CNN's tables
+  are launches of 2026-11-28 on the Intel Xeon VM, 2 KiB at 20 Mbit/s and 16 KiB at 200 and 2000
+  (at 200 Mbit/s a 45 kB exchange gained 0.5 ms of a 30 ms step; at 2000 the bucket is the quarter
+  millisecond either way; `results/e2e/2026-11-28-rebucket.md`); the LM's ran on 2026-11-29 with a
+  6.1 KiB bucket (a quarter millisecond) at 200 Mbit/s.
 
 Machine: the 2-core Intel Xeon VM (every launch below; the LM's search on seed 100 partly on a
 2-core AMD EPYC VM, as its records' `cpu` says), no GPU, Python 3.11, torch 2.13.0 (CPU), MPICH 5.0.2 wheel,

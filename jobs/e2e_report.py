@@ -446,7 +446,7 @@ def _readme_block(records, workloads, page, readme):
                             "records"], body))
 
 
-def write_docs(records, path, readme=None, header="", plot=True, max_lines=400):
+def write_docs(records, path, readme=None, header="", plot=True, max_lines=300):
     """The results page: per workload the tuning, the summary at each rate, the model check and the
     regime, then the record files. Each table row names its record files; every column that is not a
     measurement says "modelled".
