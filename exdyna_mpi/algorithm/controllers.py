@@ -27,7 +27,7 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 
-from .layout import Rebalancing
+from .layout import Balance
 
 
 def target_count(density, numel):
@@ -98,7 +98,7 @@ class Controller:
     implement ``update``; the defaults suit controllers that need only the counts."""
 
     name = "base"
-    balance_rule = Rebalancing.FAITHFUL   # what balance=True means with this controller
+    balance_rule = Balance.FAITHFUL   # what balance=True means with this controller
     threshold = 0.0
     picks_fine = False           # has fine_pick/fine_tol: picks the threshold from a fine window's words
 
@@ -239,13 +239,13 @@ class MeasuredController(Controller):
     the one whose count is nearer to k in ratio, never one that selects nothing while the
     accumulator holds a value above 2**-40.
 
-    ``balance_rule`` is ``Rebalancing.BLOCKS``: exact per-block counts of this step, taken from the gathered
+    ``balance_rule`` is ``Balance.BLOCKS``: exact per-block counts of this step, taken from the gathered
     union of indices (no extra words), set next step's partition boundaries.
     """
 
     picks_fine = True
     name = "measured"
-    balance_rule = Rebalancing.BLOCKS
+    balance_rule = Balance.BLOCKS
     N_COARSE, COARSE_BITS = 64, 3     # 8 octaves around the previous threshold
     N_FINE, FINE_BITS = 64, 8         # +-8.8 % around it, 0.27 % per bucket (at least; see __init__)
     FINE_MORE = 2                     # up to 4x as many fine buckets, as fine, where k is large

@@ -5,32 +5,86 @@ counts), so every rank computes the same bounds with no communication. Faithful 
 code (kljp/exdyna, cnn-lstm/gradient_reducers.py) except where their code crashes (P = 1, a zero mean count).
 """
 import enum
+from typing import Any, NamedTuple
 
 import numpy as np
 
 
-class Rebalancing(enum.Enum):
-    """How the partition boundaries move after a step: ``ExDyna(balance=...)`` resolved once, at
-    construction, against the controller (``balance=True`` means the controller's ``balance_rule``).
+class Balance(enum.Enum):
+    """How ExDyna's partition boundaries move after a step (``ExDyna(balance=...)``).
 
-    - ``OFF``: the boundaries stay (``balance=False``).
+    ``ExDyna`` accepts a member or today's spellings, normalised by ``Balance.of``: ``True``
+    (``AUTO``), ``False`` (``OFF``) and the names ``"faithful"``, ``"adaptive"``, ``"blocks"``.
+    ``AUTO`` is resolved once, at construction, to the controller's ``balance_rule``
+    (``resolve``); the rule then moves the boundaries every step (``rebalance``):
+
+    - ``OFF``: the boundaries stay.
     - ``FAITHFUL``: the authors' one-block neighbour moves from the gathered counts
-      (``BlockLayout.rebalance_faithful``), after the controller's update.
-    - ``ADAPTIVE``: moves sized by the imbalance (``rebalance_adaptive``), after the update.
-    - ``BLOCKS``: boundaries set from exact per-block counts of this step's union
-      (``rebalance_blocks``), before the average; the measured controller's rule.
+      (``BlockLayout.rebalance_faithful``).
+    - ``ADAPTIVE``: moves sized by the imbalance (``rebalance_adaptive``).
+    - ``BLOCKS``: boundaries set from exact per-block counts of the step's union
+      (``rebalance_blocks``, given ``BlockLoad``); the measured controller's rule.
     """
+    AUTO = "auto"
     OFF = "off"
     FAITHFUL = "faithful"
     ADAPTIVE = "adaptive"
     BLOCKS = "blocks"
 
     @classmethod
-    def of(cls, balance, rule: "Rebalancing") -> "Rebalancing":
-        """``balance`` as ``ExDyna`` takes it (``True``, ``False`` or a name), ``True`` meaning ``rule``."""
-        if isinstance(balance, (bool, np.bool_)):
-            return rule if balance else cls.OFF
-        return cls(balance)
+    def of(cls, value: "Balance | bool | str", rule: "Balance | None" = None) -> "Balance":
+        """``value`` as a member: a member as is, ``True`` as ``AUTO``, ``False`` as ``OFF``, a name
+        of ``FAITHFUL``, ``ADAPTIVE`` or ``BLOCKS`` as that member; ``AUTO`` resolved to ``rule``
+        when one is given. Raises ``ValueError`` ("must be ...", an ``Option`` check's text) for
+        anything else."""
+        if isinstance(value, (bool, np.bool_)):
+            value = bool(value)
+        member = value if isinstance(value, cls) else (
+            _SPELLINGS.get(value) if isinstance(value, (bool, str)) else None)
+        if member is None:
+            raise ValueError("must be True, False, " + ", ".join(repr(n) for n in _NAMES))
+        return member.resolve(rule) if rule is not None else member
+
+    def resolve(self, rule: "Balance") -> "Balance":
+        """The rule this member means with a controller whose ``balance_rule`` is ``rule``."""
+        return rule if self is Balance.AUTO else self
+
+    @property
+    def needs_load(self) -> bool:
+        """The rule moves from the step's per-block load (a ``BlockLoad``, counted before the
+        average from the union), not from the gathered counts alone."""
+        return self is Balance.BLOCKS
+
+    def rebalance(self, layout, counts, t, load: "BlockLoad | None" = None) -> None:
+        """Move ``layout``'s boundaries for step ``t`` after step ``t - 1``, whose gathered counts
+        are ``counts`` (``BLOCKS``: whose per-block ``load``; None: nothing to move)."""
+        _MOVES[self](layout, counts, t, load)
+
+
+class BlockLoad(NamedTuple):
+    """A step's selections per block (``BlockLayout.block_counts``) and the per-partition ``scale``
+    ``(num, den)`` that weighs them (``rebalance_blocks``; None: as counted)."""
+
+    counts: Any
+    scale: Any = None
+
+
+#: the names ``Balance.of`` accepts, besides True and False
+_NAMES = ("faithful", "adaptive", "blocks")
+
+
+#: ``Balance.of``'s table of the spellings ``ExDyna(balance=...)`` accepts
+_SPELLINGS: dict[bool | str, Balance] = {True: Balance.AUTO, False: Balance.OFF, **{n: Balance(n) for n in _NAMES}}
+
+#: what each rule does to the layout at the end of a step
+_MOVES = {
+    Balance.AUTO: lambda layout, counts, t, load: None,   # resolved at construction, never stepped
+    Balance.OFF: lambda layout, counts, t, load: None,
+    Balance.FAITHFUL: lambda layout, counts, t, load: layout.rebalance_faithful(counts, t),
+    Balance.ADAPTIVE: lambda layout, counts, t, load: layout.rebalance_adaptive(counts, t),
+    Balance.BLOCKS: lambda layout, counts, t, load: (
+        None if load is None else layout.rebalance_blocks(None, t, counts=load.counts, scale=load.scale)),
+}
 
 
 def block_size(numel, n_blocks, block_align):

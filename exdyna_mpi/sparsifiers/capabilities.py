@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Capabilities"]
+__all__ = ["Capabilities", "names_where"]
 
 
 @dataclass(frozen=True)
@@ -36,3 +36,23 @@ class Capabilities:
     device_step: bool = True
     sign_output: bool = False
     tuned_defaults: bool = False
+
+
+def names_where(family: type, capability: str) -> list[str]:
+    """The names of ``family`` and its subclasses whose ``CAPABILITIES`` has ``capability`` true
+    (the base class, named ``"base"``, aside), sorted: the alternatives an error text offers.
+
+    Args:
+        family: the root class (``Sparsifier``).
+        capability: a field of ``Capabilities``, e.g. ``"wire_half"``.
+
+    Returns:
+        The sorted names.
+    """
+    names, todo = set(), [family]
+    while todo:
+        cls = todo.pop()
+        todo.extend(cls.__subclasses__())
+        if getattr(cls.CAPABILITIES, capability) and cls.name != "base":   # type: ignore[attr-defined]
+            names.add(cls.name)   # type: ignore[attr-defined]
+    return sorted(names)

@@ -66,6 +66,7 @@ import time
 import numpy as np
 
 from ..transport.deadline import DeadlineTransport
+from .config import Option
 
 CHUNKS = 16
 AUTO_START_MS = 100.0
@@ -76,25 +77,30 @@ AUTO_FACTOR = 3.0
 AUTO_MIN_MS = 2.0
 AUTO_MAX_MS = 2000.0
 
-#: the options a sparsifier gains, with their defaults (``deadline_ms=None``: the exact exchange)
-DEFAULTS = {"deadline_ms": None, "max_loss": 0.01}
-
 
 def check_deadline_ms(v):
+    """``deadline_ms``'s ``Option.check``: None, ``"auto"`` or a positive finite number of ms."""
     if v is None or v == "auto":
-        return None
-    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
-        return "must be None, 'auto' or a positive number of milliseconds"
-    return None if np.isfinite(v) and v > 0 else "must be None, 'auto' or a positive number of milliseconds"
+        return
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)) \
+            or not (np.isfinite(v) and v > 0):
+        raise ValueError("must be None, 'auto' or a positive number of milliseconds")
 
 
 def check_max_loss(v):
-    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
-        return "must be a number in [0, 1]"
-    return None if 0.0 <= float(v) <= 1.0 else "must be a number in [0, 1]"
+    """``max_loss``'s ``Option.check``: a number in [0, 1]."""
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)) \
+            or not 0.0 <= float(v) <= 1.0:
+        raise ValueError("must be a number in [0, 1]")
 
 
-OPTIONS = {"deadline_ms": (None, check_deadline_ms), "max_loss": (0.01, check_max_loss)}
+#: the options a sparsifier gains (``deadline_ms=None``: the exact exchange)
+OPTIONS = {
+    "deadline_ms": Option(None, check_deadline_ms, "a number of ms or 'auto': the deadline-bounded index exchange"),
+    "max_loss": Option(0.01, check_max_loss, "with deadline_ms: the largest share of a step's selected mass deferred"),
+}
+#: their defaults
+DEFAULTS = {k: o.default for k, o in OPTIONS.items()}
 
 
 def public_options(options):

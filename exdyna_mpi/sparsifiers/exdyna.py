@@ -1,6 +1,7 @@
 """ExDyna and MiCRO: exclusive partitions, one owner per partition per step, a global threshold."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from typing import Any, NamedTuple
@@ -9,37 +10,23 @@ import numpy as np
 
 from .._errors import CollectiveError
 from ..algorithm.controllers import CONTROLLERS, PassPlan, Window, make_controller
-from ..algorithm.layout import BlockLayout, EqualLayout, Rebalancing, owners, partition_of
+from ..algorithm.layout import Balance, BlockLayout, BlockLoad, EqualLayout, owners, partition_of
 from ..algorithm.quota import quotas
 from ..arrays import threshold_for
 from ..arrays.ops import Marks
 from . import deadline as _deadline
 from .base import Selection, Sparsifier
 from .capabilities import Capabilities
+from .config import Option, positive_int
 from .timing import timed
-
-
-def _positive_int(v):
-    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v <= 0:
-        return "must be a positive integer"
-    return None
-
-
-def _is_bool(v):
-    return None if isinstance(v, (bool, np.bool_)) else "must be True or False"
-
-
-def _balance(v):
-    names = [r.value for r in Rebalancing if r is not Rebalancing.OFF]
-    ok = isinstance(v, (bool, np.bool_)) or (isinstance(v, str) and v in names)
-    return None if ok else "must be True, False, " + ", ".join(repr(n) for n in names)
 
 
 def _max_imbalance(v):
     if v is None:
-        return None
+        return
     ok = isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
-    return None if ok and 0.0 <= float(v) < math.inf else "must be None or a number >= 0"
+    if not (ok and 0.0 <= float(v) < math.inf):
+        raise ValueError("must be None or a number >= 0")
 
 
 #: controllers that were removed, and why 'measured' replaces them (asking for one is a bad argument)
@@ -50,8 +37,13 @@ REMOVED_CONTROLLERS = {
 
 def _controller_name(v):
     if isinstance(v, str) and v in REMOVED_CONTROLLERS:
-        return f"{v!r} was removed ({REMOVED_CONTROLLERS[v]}); use controller='measured' (the default)"
-    return None if v in CONTROLLERS else f"must be one of {sorted(CONTROLLERS)}"
+        raise ValueError(f"{v!r} was removed ({REMOVED_CONTROLLERS[v]}); use controller='measured' (the default)")
+    if v not in CONTROLLERS:
+        raise ValueError(f"must be one of {sorted(CONTROLLERS)}")
+
+
+#: ``controller``'s line, ExDyna's and MiCRO's (their defaults differ)
+_CONTROLLER_DOC = "the threshold controller: 'measured', 'faithful' or 'symmetric' (docs/controller.md)"
 
 
 class FinishAhead(NamedTuple):
@@ -70,7 +62,7 @@ class FinishAhead(NamedTuple):
 class ExDynaStep(Selection):
     """One ExDyna step's state on this rank, from ``select`` through ``choose`` to ``combine`` (the
     template passes it on as the step's ``Selection``; ``count`` is this rank's selection in the
-    index buffer ``_idx``).
+    ``index_buffer``).
 
     ``lo``, ``hi``: the range this rank owns this step. ``plan``: the controller's plan of the pass;
     from ``choose`` on, the resolved one (the step's threshold). ``local``: this rank's own words of
@@ -142,11 +134,14 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
     Args:
         numel, density, comm, device, nonfinite: as for ``Sparsifier``.
         controller: the threshold controller, ``"measured"`` (default), ``"faithful"``, ``"symmetric"``.
-        balance: how the partition boundaries move (``algorithm.Rebalancing``): ``True`` (the
-            controller's rule), ``False``, ``"faithful"``, ``"adaptive"``, ``"blocks"``.
+        balance: how the partition boundaries move, a ``Balance`` (``exdyna_mpi.sparsifiers``) or its
+            spelling: ``True`` (``Balance.AUTO``, the controller's rule), ``False`` (``OFF``),
+            ``"faithful"``, ``"adaptive"``, ``"blocks"``; kept as given in ``options`` (and the
+            agreed ``config.text``), resolved once into ``rebalancing``.
         n_blocks, block_align: the fine-grained blocks the partitions are made of.
         max_imbalance: the per-rank quotas' bound (above), None for off.
-        **unknown: ``deadline_ms``, ``max_loss``, ``wire_dtype`` (docs/reference.md).
+        **unknown: ``deadline_ms``, ``max_loss``, ``wire_dtype``, ``output``, ``memory``, ``exchange``
+            (docs/reference.md).
 
     Raises:
         CollectiveError: bad or disagreeing arguments on any rank (on every rank).
@@ -155,16 +150,16 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
     name = "exdyna"
     CAPABILITIES = Capabilities(wire_half=True, sign_output=True, tuned_defaults=True)
     OPTIONS = {
-        "controller": ("measured", _controller_name),
-        "balance": (True, _balance),
-        "n_blocks": (1024, _positive_int),
-        "block_align": (32, _positive_int),
-        "max_imbalance": (None, _max_imbalance),
+        "controller": Option("measured", _controller_name, _CONTROLLER_DOC),
+        "balance": Option(True, Balance.of, "how the partition boundaries follow the load (a Balance)"),
+        "n_blocks": Option(1024, positive_int, "fine-grained blocks the partitions are made of"),
+        "block_align": Option(32, positive_int, "block boundaries are multiples of this many elements"),
+        "max_imbalance": Option(None, _max_imbalance, "per-rank quotas' bound over the mean count (None: off)"),
         **_deadline.OPTIONS,
     }
 
     def __init__(self, numel: int, density: float, comm: Any = None, *, controller: str = "measured",
-                 balance: bool | str = True, n_blocks: int = 1024, block_align: int = 32,
+                 balance: Balance | bool | str = True, n_blocks: int = 1024, block_align: int = 32,
                  max_imbalance: float | None = None, device: str = "auto", nonfinite: str = "raise",
                  **unknown: Any) -> None:
         super().__init__(numel, density, comm, device=device, nonfinite=nonfinite, controller=controller,
@@ -179,9 +174,7 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
         """What the selector keeps across steps (after the arguments were agreed)."""
         self.layout = self._make_layout()
         self.controller = make_controller(self.options["controller"], self.numel, self.density, self.nranks)
-        self.rebalancing = Rebalancing.of(self.options.get("balance", False), self.controller.balance_rule)
-        self._index_dtype = np.dtype(np.int32) if self.numel < 2**31 else np.dtype(np.int64)
-        self._idx = None
+        self.rebalancing = Balance.of(self.options.get("balance", False), self.controller.balance_rule)
         self._marks = Marks()   # the host's marks of each measuring pass, passed to the select and zooms
 
     def _make_layout(self):
@@ -198,11 +191,6 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
         """The element range this rank owns at step ``t`` (with today's bounds)."""
         return self.layout.range_of(partition_of(self.rank, t, self.nranks))
 
-    def _idx_buffer(self, n):
-        if self._idx is None or self._idx.shape[0] < n:
-            self._idx = self.ops.empty(max(n, 1), self._index_dtype)
-        return self._idx
-
     # ------------------------------------------------------------------ the selector
     def sum_size(self, step):
         """A measuring controller's histograms, summed over ranks in the first collective (a
@@ -218,7 +206,7 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
         plan = self.controller.plan(step.t, step.dtype)
         st = ExDynaStep(acc, lo=lo, hi=hi, plan=plan)
         ops, residual = self.ops, self.memory.residual
-        idx = self._idx_buffer(hi - lo)
+        idx = self.index_buffer(hi - lo)
         if not plan.measure:
             count, st.nonfinite = ops.accumulate_select(residual, grad, acc, lo, hi,
                                                         threshold_for(plan.threshold, plan.dtype), idx)
@@ -255,7 +243,7 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
             return st
         with timed(step.sec, "select_range"):
             thr = threshold_for(plan.threshold, plan.dtype)
-            idx = self._idx_buffer(st.hi - st.lo)
+            idx = self.index_buffer(st.hi - st.lo)
             expect = self.controller.local_count(plan, st.local) if st.mark is not None else None
             st.count = self.ops.select_marked(st.acc, st.lo, st.hi, thr, idx, expect,
                                               keep=self._quota_bound() is not None, marks=st.marks)
@@ -281,37 +269,30 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
                 counts = self._meet_quota(step, st, counts, bound, bounds)
                 moved = int(np.abs(counts - at_threshold).sum()) // 2
         with timed(step.sec, "indices"):
-            idx = self._idx[:st.count]
+            idx = self.index_buffer(st.hi - st.lo)[:st.count]
             own = np.asarray(owners(t, self.nranks))
             spans = np.stack((bounds[own], bounds[own + 1]), axis=1)
             union, report = self.gather_union(t, st.acc, idx, counts,
                                               lambda: self.gather_selection(idx, counts, spans))
-        bal = self.rebalancing
-        blocks = None
-        if bal is Rebalancing.BLOCKS and self.layout.moves_blocks():   # exact per-block counts of this step, from
-            with timed(step.sec, "balance"):                  # the union, where it lives (KBs move, not k)
-                counts_blk = self.ops.to_host(self.layout.block_counts(union, self.ops.xp))
+        load = None
+        if self.rebalancing.needs_load and self.layout.moves_blocks():   # exact per-block counts of this
+            with timed(step.sec, "balance"):   # step, from the union, where it lives (KBs move, not k)
                 scale = None
                 if moved:   # the load at the threshold, not the quotas' equal shares (docs/controller.md)
                     num, den = np.zeros(self.nranks, np.int64), np.ones(self.nranks, np.int64)
                     num[own], den[own] = at_threshold, np.maximum(counts, 1)
                     scale = (num, den)
-                blocks = (counts_blk, scale)
+                load = BlockLoad(self.ops.to_host(self.layout.block_counts(union, self.ops.xp)), scale)
         # the sum is checked in there before anything is committed: the layout and the controller move after it
         res = self.average_at(st.acc, union, step.out, step.sec, done=st.done)
-        if blocks is not None:
-            with timed(step.sec, "balance", add=True):
-                self.layout.rebalance_blocks(None, t + 1, counts=blocks[0], scale=blocks[1])
         selected = int(counts.sum())
         stats = dict(counts=counts, selected=selected, density=selected / self.numel, threshold=plan.threshold,
                      bounds=bounds, owned=np.array(owners(t, self.nranks)), quota_moved=moved)
         if report is not None:
             stats["deadline"] = report
         self.controller.update(counts, plan)
-        if bal is Rebalancing.FAITHFUL:
-            self.layout.rebalance_faithful(counts, t + 1)
-        elif bal is Rebalancing.ADAPTIVE:
-            self.layout.rebalance_adaptive(counts, t + 1)
+        with timed(step.sec, "balance", add=True) if load is not None else contextlib.nullcontext():
+            self.rebalancing.rebalance(self.layout, counts, t + 1, load)
         return res, stats
 
     def _finish_ahead(self, plan, st, out):
@@ -326,7 +307,7 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
                 or self._deadline_mode() is not None or self.numel >= 2**31):
             return None
         out = out if out is not None else ops.empty(self.numel, plan.dtype)
-        return FinishAhead(self._idx_buffer(st.hi - st.lo), out, 1, self.controller.k, self.controller.fine_tol(plan))
+        return FinishAhead(self.index_buffer(st.hi - st.lo), out, 1, self.controller.k, self.controller.fine_tol(plan))
 
     def _quota_bound(self):
         """The ``max_imbalance`` in force (None: off, or one rank)."""
@@ -339,7 +320,7 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
         capacity = np.diff(bounds)[owners(step.t, self.nranks)]
         want = quotas(counts, capacity, bound)
         mine, have = int(want[self.rank]), int(counts[self.rank])
-        ops, acc, idx = self.ops, st.acc, self._idx
+        ops, acc, idx = self.ops, st.acc, self.index_buffer(st.hi - st.lo)
         if mine > have:   # a lower threshold from this rank's own words, then its `mine` largest
             plan = st.plan
             for edge, exact in self.controller.edges_below(plan, st.local, mine):
@@ -386,7 +367,8 @@ class MiCRO(ExDyna):
     Args:
         numel, density, comm, device, nonfinite: as for ``Sparsifier``.
         controller: the threshold controller (``"faithful"``, MiCRO's own rule, by default).
-        **unknown: ``deadline_ms``, ``max_loss``, ``wire_dtype`` (docs/reference.md).
+        **unknown: ``deadline_ms``, ``max_loss``, ``wire_dtype``, ``output``, ``memory``, ``exchange``
+            (docs/reference.md).
 
     Raises:
         CollectiveError: bad or disagreeing arguments on any rank (on every rank).
@@ -394,7 +376,7 @@ class MiCRO(ExDyna):
 
     name = "micro"
     CAPABILITIES = Capabilities(wire_half=True, sign_output=True)   # the defaults were tuned on ExDyna
-    OPTIONS = {"controller": ("faithful", _controller_name), **_deadline.OPTIONS}
+    OPTIONS = {"controller": Option("faithful", _controller_name, _CONTROLLER_DOC), **_deadline.OPTIONS}
 
     def __init__(self, numel: int, density: float, comm: Any = None, *, controller: str = "faithful",
                  device: str = "auto", nonfinite: str = "raise", **unknown: Any) -> None:

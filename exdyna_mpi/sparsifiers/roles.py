@@ -17,25 +17,24 @@ split and the state object of PyTorch's PowerSGD hook:
   ``DeviceExchange`` on a CUDA device): every MPI call and the ``ByteCounter``.
 - **controller** (``algorithm.controllers.Controller``, ExDyna and MiCRO): the threshold.
 
-``StepWords`` is the error-word protocol of the first collective (it also names the sparsifier and
-the step, so ranks that step different sparsifiers or iterations are refused there); ``RankWords``
-what ``combine`` gets of the gathered words; ``agree_arguments`` the collective check of constructor
-arguments, which also agrees the sparsifier's ``serial``; ``SumNotFinite`` what a step whose sum over
-ranks is not finite raises before anything is committed.
+The memory and the exchange can be given to ``Sparsifier(..., memory=, exchange=)``; the words of
+the first collective (``StepWords``, ``RankWords``) are in ``step_words.py``. Here besides:
+``agree_arguments``, the collective check of constructor arguments, which also agrees the
+sparsifier's ``serial``; ``SumNotFinite``, what a step whose sum over ranks is not finite raises
+before anything is committed.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 import threading
 import zlib
 from typing import Any
 
 import numpy as np
 
-from .._errors import CollectiveError, InputCode, StepError, refusal
-from ..arrays import ACCEPTED_DTYPES, DTYPE_NAMES
+from .._errors import CollectiveError, InputCode
 from ..transport import agree_problems
+from .step_words import RankWords
 
 
 class ErrorFeedback:
@@ -43,6 +42,9 @@ class ErrorFeedback:
 
     Buffers live on the bound ``ops``' device; two of them rotate (``acc`` becomes the residual, the
     old residual the next step's ``acc``); the output is a fresh zero buffer (or the caller's ``out``).
+
+    ``Sparsifier(..., memory=)`` takes one (or a subclass: one that counts or observes its calls);
+    a step that is refused or skipped restores its attributes as they were before the step.
 
     Example::
 
@@ -169,6 +171,15 @@ class Selection:
     done: bool = False
     overflow: int = 0
 
+    def problem(self) -> tuple[InputCode, int] | None:
+        """This rank's refusal of the step, as the first collective carries it: non-finite values
+        (``nonfinite``), else sums of finite values that overflowed (``overflow``), else None."""
+        if self.nonfinite:
+            return InputCode.NONFINITE, self.nonfinite
+        if self.overflow:
+            return InputCode.OVERFLOW, self.overflow
+        return None
+
 
 @dataclasses.dataclass(eq=False, slots=True)
 class Step:
@@ -217,117 +228,11 @@ class Selector:
         raise NotImplementedError
 
 
-class StepWords:
-    """The error-word protocol: ``[count, InputCode, detail, dtype code]`` opens every rank's words
-    in the first collective, so a problem on any rank is seen by all before anyone moves on.
-
-    The words also name the step: the iteration rides above the code's ``CODE_BITS`` in word 1, the
-    sparsifier's identity (``Sparsifier.ident``) above the dtype code's in word 3, so no word is
-    added and nothing more is sent. Ranks whose words name different sparsifiers or iterations (one
-    rank steps ``a`` then ``b``, another ``b`` then ``a``) are refused on every rank (``mismatch``).
-    A summed first collective carries a small hash of the same (``tag_word``) in its flags.
-    """
-
-    N = 4
-    CODE_BITS = 8
-    #: the dtype codes are below this (``arrays.DTYPE_NAMES``): the span of the code in a flag word
-    CODE_SPAN = 32
-
-    @staticmethod
-    def make(count, err, dtype_code, tag=(0, 0)):
-        """Words ``[count, code | t << 8, detail, dtype | ident << 8]``; ``tag``: ``(ident, t)``."""
-        code, detail = err if err is not None else (InputCode.OK, 0)
-        ident, t = (int(x) for x in tag)
-        b = StepWords.CODE_BITS
-        return [count, int(code) | (t << b), int(detail), int(dtype_code) | (ident << b)]
-
-    @staticmethod
-    def fields(words):
-        """``(code, iteration, dtype code, ident)`` columns of gathered (P, >= 4) words."""
-        b, m = StepWords.CODE_BITS, (1 << StepWords.CODE_BITS) - 1
-        return words[:, 1] & m, words[:, 1] >> b, words[:, 3] & m, words[:, 3] >> b
-
-    @staticmethod
-    def mismatch(words):
-        """Whether the ranks' words name different sparsifiers or iterations."""
-        _, its, _, ids = StepWords.fields(words)
-        return bool((its != its[0]).any() or (ids != ids[0]).any())
-
-    @staticmethod
-    def check(words, name, numel, nonfinite):
-        """Raise the same StepError on every rank if any rank reported a problem; return True when
-        the step is skipped on every rank (only non-finite values, policy ``"skip"``)."""
-        codes, _, dts, _ = StepWords.fields(words)
-        if codes.any():
-            bad = [(r, int(codes[r]), int(words[r, 2])) for r in range(words.shape[0]) if codes[r]]
-            if nonfinite == "skip" and all(c in NONFINITE_CODES for _, c, _ in bad):
-                return True
-            raise StepError(f"{name}: " + refusal(bad, numel, DTYPE_NAMES, accepted=ACCEPTED_DTYPES))
-        if (dts != dts[0]).any():
-            names = ", ".join(f"rank {r}: {DTYPE_NAMES.get(int(d), '?')}" for r, d in enumerate(dts))
-            raise StepError(f"{name}: step refused on all ranks, state unchanged: "
-                            f"ranks pass different dtypes ({names})")
-        return False
-
-    @staticmethod
-    def tag_modulus(nranks, word_dtype):
-        """How many values ``tag_word`` takes: the most for which P times the square of a flag word
-        (``flags``) still fits ``word_dtype`` (>= 1; 1024 at P = 2 in int32, 45 at P = 1024)."""
-        top = int(np.iinfo(word_dtype).max) // max(int(nranks), 1)
-        return max(1, math.isqrt(top) // StepWords.CODE_SPAN)
-
-    @staticmethod
-    def tag_word(ident, t, modulus):
-        """A small word for a summed first collective naming sparsifier ``ident`` at step ``t``:
-        the same sparsifier at steps less than ``modulus`` apart, or two sparsifiers at one step whose
-        serials are less than ``modulus`` apart, always get different words (2654435761 is a prime
-        larger than any modulus)."""
-        return (int(ident) * 2654435761 + int(t)) % int(modulus)
-
-    @staticmethod
-    def flags(err, dtype_code, tag_word=0):
-        """The error words of a summed first collective: ``[refusing ranks, y, y squared]`` with
-        ``y = dtype code + CODE_SPAN * tag_word``."""
-        y = int(dtype_code) + StepWords.CODE_SPAN * int(tag_word)
-        return [0 if err is None else 1, y, y * y]
-
-    @staticmethod
-    def flags_ok(summed, nranks):
-        """No rank refused and every rank passed the same dtype and tag word (P * sum y^2 ==
-        (sum y)^2 holds exactly when all the ``y`` are equal)."""
-        n_bad, s1, s2 = (int(x) for x in summed[:3])
-        return n_bad == 0 and nranks * s2 == s1 * s1
-
-
-#: the codes a ``nonfinite="skip"`` step skips (every other refusal raises)
-NONFINITE_CODES = (InputCode.NONFINITE, InputCode.OVERFLOW)
-
-
 class SumNotFinite(Exception):
     """Raised inside ``combine`` (before anything is committed) when values summed over ranks, the
     same on every rank, are not finite: every rank raises it at the same point, and the template
     turns it into the ``nonfinite`` policy's refusal or skip. ``str()``: the cause, the same text on
     every rank."""
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class RankWords:
-    """Every rank's words of the step as ``combine`` receives them, one layout on every path.
-
-    ``counts`` (P,) int64: each rank's ``Selection.count`` (its own array). ``report`` (P, R) int64:
-    each rank's ``Selection.words`` (R = ``report_size``; a view of the gathered words; R may be 0).
-    Row r is rank r's. ``gathered`` builds it from either first collective's words.
-    """
-
-    counts: np.ndarray
-    report: np.ndarray
-
-    @classmethod
-    def gathered(cls, words: np.ndarray, head: int) -> RankWords:
-        """From gathered (P, head + R) int64 words: column 0 each rank's count, then ``head - 1``
-        protocol words the template has read (``StepWords.N``: the ``StepWords`` Allgather; 1: the
-        count gathered after a summed first collective, whose flags the sum agreed), then the report."""
-        return cls(np.array(words[:, 0], dtype=np.int64), words[:, head:])
 
 
 def _fingerprint(text):

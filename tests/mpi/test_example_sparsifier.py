@@ -5,6 +5,8 @@
 - The first step equals a reference computed here from the gathered gradients: each rank's k
   largest ``|g|``, their union, the mean over ranks there.
 - ``exdyna_mpi.register`` puts it in ``make()``; bad input is refused on every rank.
+- Registered, it passes the shared contract (tests/contract.py) on every backend, as the library's
+  own sparsifiers do (tests/mpi/test_contract.py).
 """
 import importlib.util
 from pathlib import Path
@@ -13,12 +15,16 @@ import numpy as np
 import pytest
 
 import exdyna_mpi
+from exdyna_mpi.arrays import cuda_available
 from exdyna_mpi.sparsifiers.registry import REGISTRY
 from tests.conftest import allgather_array, mpi_assert
+from tests.contract import check_bad_input, check_bad_state, check_round_trip, check_same_output
 
 pytestmark = pytest.mark.mpi
 N, DENSITY = 4096, 0.01
 PATH = Path(__file__).resolve().parents[2] / "examples" / "topk_sparsifier.py"
+#: the CUDA path joins where device="cuda" can run (a GPU, or NUMBA_ENABLE_CUDASIM=1)
+BACKENDS = ["cpu", "cuda"] if cuda_available() else ["cpu"]
 
 
 def _example():
@@ -71,3 +77,32 @@ def test_registered_it_is_made_by_name_and_refuses_bad_input_everywhere(wcomm):
         mpi_assert(sp.iteration == 0 and not sp.residual.any(), "a refused step changed the state", wcomm)
     finally:
         REGISTRY.pop("example_topk", None)
+
+
+@pytest.fixture
+def registered():
+    """The example, registered under its name for the contract's ``make`` (and taken out after)."""
+    cls = _example()
+    exdyna_mpi.register(cls)
+    try:
+        yield cls.name
+    finally:
+        REGISTRY.pop(cls.name, None)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_contract_same_output_and_round_trip(wcomm, registered, backend):
+    check_same_output(wcomm, backend, registered)
+    check_round_trip(wcomm, backend, registered)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["length", "nan-skip"])
+def test_contract_bad_input_on_one_rank(wcomm, registered, backend, kind):
+    check_bad_input(wcomm, backend, registered, kind)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["residual-length", "residual-nan"])
+def test_contract_corrupt_state_on_one_rank(wcomm, registered, backend, kind):
+    check_bad_state(wcomm, backend, registered, kind)

@@ -1,4 +1,4 @@
-"""``combine`` gets one layout of the gathered words (``roles.RankWords``) whichever first collective
+"""``combine`` gets one layout of the gathered words (``step_words.RankWords``) whichever first collective
 the step ran: the ``StepWords`` Allgather, or a summed Allreduce followed by the count gather.
 
 A small selector runs both ways with the same per-rank selection and records what ``combine`` got;
@@ -9,8 +9,8 @@ in the sum), so only the words are compared.
 import numpy as np
 import pytest
 
-from exdyna_mpi.sparsifiers.base import Selection, Sparsifier
-from exdyna_mpi.sparsifiers.roles import RankWords, StepWords
+from exdyna_mpi.sparsifiers.base import Option, Selection, Sparsifier
+from exdyna_mpi.sparsifiers.step_words import RankWords, StepWords
 from tests.conftest import mpi_assert
 
 pytestmark = pytest.mark.mpi
@@ -26,12 +26,17 @@ def _report(rank, t):
     return [100 * rank + t, -(rank + 1), 2**40 + rank]
 
 
+def _is_bool(v):
+    if not isinstance(v, bool):
+        raise ValueError("must be a bool")
+
+
 class _Recorder(Sparsifier):
     """Selects nothing; reports a count and ``REPORT`` words that name the rank and step, through
     the ``StepWords`` Allgather (``summed=False``) or a summed first collective (``summed=True``)."""
 
     name = "rank_words_recorder"
-    OPTIONS = {"summed": (False, lambda v: None if isinstance(v, bool) else "must be a bool")}
+    OPTIONS = {"summed": Option(False, _is_bool, "the summed first collective instead of the gathered one")}
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)

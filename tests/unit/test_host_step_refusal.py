@@ -8,7 +8,7 @@ from mpi4py import MPI
 
 import exdyna_mpi
 from exdyna_mpi._errors import InputCode, describe
-from exdyna_mpi.sparsifiers import base
+from exdyna_mpi.sparsifiers import base, config
 from exdyna_mpi.sparsifiers.registry import REGISTRY
 
 
@@ -20,8 +20,8 @@ def test_the_host_step_sparsifiers_are_the_ones_with_numpy_steps():
 
 @pytest.mark.parametrize("name", ["fft", "oktopk"])
 def test_device_cuda_refused_at_construction_on_a_real_gpu(monkeypatch, name):
-    monkeypatch.setattr(base, "cuda_available", lambda: True)
-    monkeypatch.setattr(base, "cuda_simulated", lambda: False)
+    monkeypatch.setattr(config, "cuda_available", lambda: True)
+    monkeypatch.setattr(config, "cuda_simulated", lambda: False)
     with pytest.raises(exdyna_mpi.CollectiveError, match=rf"device='cuda': {name}'s step is host NumPy code"):
         exdyna_mpi.make(name, 1000, 0.05, MPI.COMM_SELF, device="cuda")
 

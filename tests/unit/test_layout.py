@@ -140,21 +140,21 @@ def test_rebalancing_is_resolved_once_against_the_controller():
     """``balance=True`` means the controller's rule (the authors' moves for theirs, exact per-block
     counts for the measured one); a name picks that rule; False turns it off."""
     import exdyna_mpi
-    from exdyna_mpi.algorithm import Rebalancing, make_controller
+    from exdyna_mpi.algorithm import Balance, make_controller
 
     measured = make_controller("measured", 10_000, 0.01, 4).balance_rule
     faithful = make_controller("faithful", 10_000, 0.01, 4).balance_rule
-    assert measured is Rebalancing.BLOCKS and faithful is Rebalancing.FAITHFUL
-    assert Rebalancing.of(True, measured) is Rebalancing.BLOCKS
-    assert Rebalancing.of(np.bool_(True), faithful) is Rebalancing.FAITHFUL
-    assert Rebalancing.of(False, measured) is Rebalancing.OFF
-    assert Rebalancing.of("adaptive", measured) is Rebalancing.ADAPTIVE
+    assert measured is Balance.BLOCKS and faithful is Balance.FAITHFUL
+    assert Balance.of(True, measured) is Balance.BLOCKS
+    assert Balance.of(np.bool_(True), faithful) is Balance.FAITHFUL
+    assert Balance.of(False, measured) is Balance.OFF
+    assert Balance.of("adaptive", measured) is Balance.ADAPTIVE
     with pytest.raises(ValueError):
-        Rebalancing.of("sideways", measured)
+        Balance.of("sideways", measured)
     from mpi4py import MPI
 
-    for balance, controller, want in [(True, "measured", Rebalancing.BLOCKS), (True, "faithful", Rebalancing.FAITHFUL),
-                                      (False, "measured", Rebalancing.OFF), ("blocks", "faithful", Rebalancing.BLOCKS)]:
+    for balance, controller, want in [(True, "measured", Balance.BLOCKS), (True, "faithful", Balance.FAITHFUL),
+                                      (False, "measured", Balance.OFF), ("blocks", "faithful", Balance.BLOCKS)]:
         sp = exdyna_mpi.ExDyna(4096, 0.01, MPI.COMM_SELF, controller=controller, balance=balance)
         assert sp.rebalancing is want, (balance, controller)
-    assert exdyna_mpi.MiCRO(4096, 0.01, MPI.COMM_SELF).rebalancing is Rebalancing.OFF
+    assert exdyna_mpi.MiCRO(4096, 0.01, MPI.COMM_SELF).rebalancing is Balance.OFF

@@ -1,6 +1,7 @@
 """docs/reference.md against the code: every public name, every sparsifier option, every adapter
 argument is on the page, with the default the code has; no row names an option that does not exist."""
 import ast
+import importlib.util
 import inspect
 import re
 from pathlib import Path
@@ -8,12 +9,15 @@ from pathlib import Path
 import pytest
 
 import exdyna_mpi
-from exdyna_mpi.sparsifiers.base import Sparsifier
+from exdyna_mpi.sparsifiers import Option, Sparsifier, positive_int
+from exdyna_mpi.sparsifiers.capabilities import Capabilities
 from exdyna_mpi.sparsifiers.registry import REGISTRY
 
-PAGE = Path(__file__).resolve().parents[2] / "docs" / "reference.md"
-#: options the base class takes from ``**options`` by hand (not in its signature or OPTIONS)
-BASE_POPPED = ("wire_dtype",)
+ROOT = Path(__file__).resolve().parents[2]
+PAGE = ROOT / "docs" / "reference.md"
+EXAMPLE = ROOT / "examples" / "topk_sparsifier.py"
+#: options the base class takes from ``**options`` by name (not in its signature or OPTIONS)
+BASE_POPPED = ("wire_dtype", "output")
 
 
 def _sections():
@@ -67,6 +71,36 @@ def test_every_public_name_is_on_the_page():
     assert not missing, f"public names missing from docs/reference.md: {missing}"
 
 
+def option_problems(name, cls, sections):
+    """What the page lacks of sparsifier class ``cls``'s own options (registered as ``name``): a
+    section naming it, a row per option of ``OPTIONS``, each with the code's default. A class
+    with no options of its own needs no section."""
+    options = cls.OPTIONS
+    if not options:
+        return []
+    found = [h for h in sections if f"`{name}`" in h]
+    if not found:
+        return [f"docs/reference.md has no section for `{name}`, whose options are {sorted(options)}"]
+    rows = _rows(sections[found[0]])
+    problems = []
+    for key, option in options.items():
+        if key not in rows:
+            problems.append(f"`{name}`'s option `{key}` is missing from the section {found[0]!r}")
+            continue
+        try:
+            _check_default(name, key, rows[key], option.default)
+        except AssertionError as e:
+            problems.append(str(e))
+    return problems
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("example_topk_sparsifier", EXAMPLE)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.ExampleTopK
+
+
 def test_every_sparsifier_option_is_documented_with_its_default():
     sections = _sections()
     common = _rows(sections[_section(sections, "Options every sparsifier takes")])
@@ -78,12 +112,10 @@ def test_every_sparsifier_option_is_documented_with_its_default():
         _check_default("every sparsifier", name, common[name], p.default)
     for name in BASE_POPPED:
         assert name in common, f"the common option `{name}` is missing"
-    for name, cls in sorted(REGISTRY.items()):
-        head = _section(sections, f"`{name}`")
-        rows = _rows(sections[head])
-        for key, (default, _) in cls.OPTIONS.items():
-            assert key in rows, f"`{name}`'s option `{key}` is missing from the section {head!r}"
-            _check_default(name, key, rows[key], default)
+    example = _example()
+    problems = [p for name, cls in sorted(REGISTRY.items()) for p in option_problems(name, cls, sections)]
+    problems += option_problems(example.name, example, sections)
+    assert not problems, "; ".join(problems)
     # no row names an option that none of its section's sparsifiers has
     for head, text in sections.items():
         names = re.findall(r"`(\w+)`", head)
@@ -91,6 +123,30 @@ def test_every_sparsifier_option_is_documented_with_its_default():
             known = {k for n in names for k in REGISTRY[n].OPTIONS}
             stale = sorted(set(_rows(text)) - known)
             assert not stale, f"section {head!r} documents options that do not exist: {stale}"
+
+
+def test_an_undocumented_option_fails_the_check():
+    """A sparsifier that gains an option the page lacks, or whose default moved, is reported; a
+    new sparsifier with options and no section is too."""
+    sections = _sections()
+    topk = REGISTRY["topk"]
+
+    class Planted(topk):
+        OPTIONS = {**topk.OPTIONS, "planted": Option(3, positive_int, "an option the page lacks")}
+
+    class Moved(topk):
+        OPTIONS = {**topk.OPTIONS, "max_loss": Option(0.5, lambda v: None, "a default the page lacks")}
+
+    class Unlisted(Sparsifier):
+        name = "unlisted"
+        CAPABILITIES = Capabilities(device_step=False)   # named in no error text of other tests
+        OPTIONS = {"period": Option(4, positive_int, "an option of a sparsifier with no section")}
+
+    assert not option_problems("topk", topk, sections)
+    assert option_problems("topk", Planted, sections) == [
+        "`topk`'s option `planted` is missing from the section '`topk`, `cltk`, `threshold`'"]
+    assert "defaults to 0.5 in the code" in " ".join(option_problems("topk", Moved, sections))
+    assert "no section for `unlisted`" in " ".join(option_problems("unlisted", Unlisted, sections))
 
 
 def test_every_adapter_argument_is_documented_with_its_default():

@@ -1,4 +1,4 @@
-"""The words that open every step (``roles.StepWords``) name the sparsifier and its iteration without
+"""The words that open every step (``step_words.StepWords``) name the sparsifier and its iteration without
 adding a word; the summed first collective's flags carry a small tag whose squares cannot overflow
 the word dtype; the serials of sparsifiers built one after the other differ."""
 import numpy as np
@@ -7,7 +7,8 @@ from mpi4py import MPI
 
 import exdyna_mpi
 from exdyna_mpi._errors import InputCode
-from exdyna_mpi.sparsifiers.roles import SERIALS, StepWords, ident_of
+from exdyna_mpi.sparsifiers.roles import SERIALS, ident_of
+from exdyna_mpi.sparsifiers.step_words import StepWords
 
 
 def test_the_words_carry_identity_and_iteration_in_four_words():

@@ -1,4 +1,4 @@
-"""Helpers shared by the baselines: option checks, threshold words, local top-k thresholds.
+"""Helpers shared by the baselines: threshold words, local top-k thresholds.
 
 Pure host logic on NumPy arrays (vectorised; the per-element passes go through ``HostOps``).
 """
@@ -9,8 +9,8 @@ import numpy as np
 from ...algorithm.controllers import target_count
 from ..roles import Selection
 
-__all__ = ["target_count", "positive_int", "nonneg_int", "float_to_word", "word_to_float",
-           "kth_largest_magnitude", "positive_floor", "ThresholdSelection"]
+__all__ = ["target_count", "float_to_word", "word_to_float", "kth_largest_magnitude", "positive_floor",
+           "ThresholdSelection"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -18,18 +18,6 @@ class ThresholdSelection(Selection):
     """A selection of ``|acc| >= thr`` (``thr`` in acc's dtype): what ``combine`` reports."""
 
     thr: float = 0.0
-
-
-def positive_int(v):
-    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v <= 0:
-        return "must be a positive integer"
-    return None
-
-
-def nonneg_int(v):
-    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < 0:
-        return "must be a non-negative integer"
-    return None
 
 
 def float_to_word(x):

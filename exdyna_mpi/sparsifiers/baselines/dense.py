@@ -3,6 +3,7 @@ import numpy as np
 
 from ..capabilities import Capabilities
 from ..base import Selection, Sparsifier
+from ..config import Option
 from ..timing import timed
 
 
@@ -21,7 +22,7 @@ class DenseAllreduce(Sparsifier):
     """
 
     name = "dense"
-    OPTIONS = {}
+    OPTIONS: dict[str, Option] = {}
     # 16-bit values with error feedback: the residual keeps what rounding lost
     CAPABILITIES = Capabilities(wire_half=True)
 

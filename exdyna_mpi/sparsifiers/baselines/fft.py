@@ -40,20 +40,24 @@ import numpy as np
 from ...arrays import HALF_DTYPES
 from ..capabilities import Capabilities
 from ..base import Selection, Sparsifier
+from ..config import Option, positive_int
 from ..roles import SumNotFinite
 from ..timing import timed
 from . import rangefloat
-from ._common import float_to_word, kth_largest_magnitude, positive_int, target_count, word_to_float
+from ._common import float_to_word, kth_largest_magnitude, target_count, word_to_float
 
 BITS = (8, 16, 32)
 
 
 def _bits(v):
-    return None if v in BITS and not isinstance(v, bool) else f"must be one of {BITS}"
+    if v not in BITS or isinstance(v, bool):
+        raise ValueError(f"must be one of {BITS}")
 
 
 def _block(v):
-    return positive_int(v) or (None if v >= 2 else "must be at least 2")
+    positive_int(v)
+    if v < 2:
+        raise ValueError("must be at least 2")
 
 
 @dataclasses.dataclass(eq=False)
@@ -82,7 +86,8 @@ class FFTSparsifier(Sparsifier):
     name = "fft"
     #: host NumPy code in its step (numpy.fft, host sorts): refused on a real CUDA device
     CAPABILITIES = Capabilities(device_step=False)
-    OPTIONS = {"block": (4096, _block), "bits": (8, _bits)}
+    OPTIONS = {"block": Option(4096, _block, "FFT row length"),
+               "bits": Option(8, _bits, "bits per kept coefficient part (32: float32)")}
 
     def __init__(self, numel, density, comm=None, **kw):
         super().__init__(numel, density, comm, **kw)

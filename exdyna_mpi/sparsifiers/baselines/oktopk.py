@@ -39,10 +39,11 @@ from ...arrays import threshold_for
 from ...transport import point_to_point
 from ..capabilities import Capabilities
 from ..base import Sparsifier
+from ..config import Option, nonneg_int, positive_int
 from ..roles import SumNotFinite
 from ..timing import timed
-from ._common import (ThresholdSelection, float_to_word, kth_largest_magnitude, nonneg_int, positive_floor,
-                      positive_int, target_count, word_to_float)
+from ._common import (ThresholdSelection, float_to_word, kth_largest_magnitude, positive_floor, target_count,
+                      word_to_float)
 
 _TAG_IDX, _TAG_VAL = 0x4F6B, 0x4F6C
 _BUCKET = 4
@@ -95,10 +96,10 @@ class OkTopk(Sparsifier):
     #: host NumPy code in its step (region sorts and the sparse reduce-scatter): refused on a real CUDA device
     CAPABILITIES = Capabilities(device_step=False)
     OPTIONS = {
-        "local_period": (32, positive_int),
-        "global_period": (32, positive_int),
-        "region_period": (64, positive_int),
-        "warmup": (0, nonneg_int),
+        "local_period": Option(32, positive_int, "steps between exact local top-k thresholds"),
+        "global_period": Option(32, positive_int, "steps between exact global selections"),
+        "region_period": Option(64, positive_int, "steps between repartitions of the reduction regions"),
+        "warmup": Option(0, nonneg_int, "dense steps before sparsifying"),
     }
     local_raise, local_tries = 1.03, 5
     local_adjust, global_adjust = 1.012, 1.008
@@ -107,7 +108,6 @@ class OkTopk(Sparsifier):
         super().__init__(numel, density, comm, **kw)
         self.k = target_count(self.density, self.numel)
         self._index_dtype = np.dtype(np.int32) if self.numel < 2**31 else np.dtype(np.int64)
-        self._idx = None
         self.local_thr = None
         self.global_thr = None
         self.bounds = equal_bounds(self.numel, self.nranks)
@@ -211,12 +211,11 @@ class OkTopk(Sparsifier):
         cuts = np.zeros(self.nranks - 1, dtype=np.int64)
         bad = self.accumulate(grad, acc)
         if not bad:
-            if self._idx is None:
-                self._idx = self.ops.empty(self.numel, self._index_dtype)
+            idx = self.index_buffer(self.numel)
             thr = self._local_threshold(acc, step.t, dense)
-            count = self.ops.select_range(acc, 0, self.numel, thr, self._idx)
+            count = self.ops.select_range(acc, 0, self.numel, thr, idx)
             if repartition:
-                cuts = proposed_cuts(self._idx[:count], self.numel, self.nranks)
+                cuts = proposed_cuts(idx[:count], self.numel, self.nranks)
         words = [float_to_word(thr)] + (cuts.tolist() if repartition else [])
         return ThresholdSelection(acc, count, words, bad, thr=thr)
 
@@ -225,7 +224,7 @@ class OkTopk(Sparsifier):
         dense, repartition, exact = self._modes(t)
         counts = words.counts   # report: the local threshold, then the proposed cuts
         bounds = region_bounds(words.report[:, 1:], self.numel) if repartition else self.bounds
-        sel_idx = self._idx[:count]
+        sel_idx = self.index_buffer(self.numel)[:count]
         with timed(sec, "split_reduce"):
             vals = self.ops.empty(count, self._dtype)
             self.ops.gather(acc, sel_idx, vals)

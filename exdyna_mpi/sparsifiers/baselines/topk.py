@@ -28,6 +28,7 @@ import numpy as np
 from ...arrays import threshold_for
 from ..capabilities import Capabilities
 from ..base import Sparsifier
+from ..config import Option
 from ..deadline import OPTIONS as DEADLINE_OPTIONS, DeadlineOption
 from ..timing import timed
 from ._common import (ThresholdSelection, float_to_word, kth_largest_magnitude, positive_floor, target_count,
@@ -43,7 +44,6 @@ class UnionSparsifier(DeadlineOption, Sparsifier):
         super().__init__(numel, density, comm, **kw)
         self.k = target_count(self.density, self.numel)
         self._index_dtype = np.dtype(np.int32) if self.numel < 2**31 else np.dtype(np.int64)
-        self._idx = None
 
     # -- the rule a subclass supplies -------------------------------------------------------
     def _threshold(self, acc):
@@ -55,11 +55,6 @@ class UnionSparsifier(DeadlineOption, Sparsifier):
         return True
 
     # -- the step ------------------------------------------------------------------------------
-    def _idx_buffer(self):
-        if self._idx is None:
-            self._idx = self.ops.empty(self.numel, self._index_dtype)
-        return self._idx
-
     def _local_threshold(self, acc):
         if self.density >= 1.0:
             return self._dtype.type(0)
@@ -68,7 +63,7 @@ class UnionSparsifier(DeadlineOption, Sparsifier):
 
     def _exchange_indices(self, counts, t):
         spans = np.tile(np.array([0, self.numel], dtype=np.int64), (self.nranks, 1))
-        return self.gather_selection(self._idx[:counts[self.rank]], counts, spans)
+        return self.gather_selection(self.index_buffer(self.numel)[:counts[self.rank]], counts, spans)
 
     def report_size(self, step):
         return 1   # this rank's threshold, as a float64 bit pattern
@@ -78,14 +73,14 @@ class UnionSparsifier(DeadlineOption, Sparsifier):
         bad = self.accumulate(grad, acc)
         if not bad and self._selects(step.t):
             thr = self._local_threshold(acc)
-            count = self.ops.select_range(acc, 0, self.numel, thr, self._idx_buffer())
+            count = self.ops.select_range(acc, 0, self.numel, thr, self.index_buffer(self.numel))
         return ThresholdSelection(acc, count, [float_to_word(thr)], bad, thr=thr)
 
     def combine(self, step, sel, words):
-        self._idx_buffer()
         counts = words.counts
         with timed(step.sec, "indices"):
-            gathered, report = self.gather_union(step.t, sel.acc, self._idx[:counts[self.rank]], counts,
+            idx = self.index_buffer(self.numel)[:counts[self.rank]]
+            gathered, report = self.gather_union(step.t, sel.acc, idx, counts,
                                                  lambda: self._exchange_indices(counts, step.t))
             # each rank's indices are ascending, so one rank's (or disjoint) lists need no unique
             union = gathered if np.count_nonzero(counts) <= 1 else np.unique(gathered)
@@ -142,18 +137,19 @@ class CLTK(TopK):
 
     def _exchange_indices(self, counts, t):
         leader = t % self.nranks
-        buf = self._idx[:counts[leader]]
+        buf = self.index_buffer(self.numel)[:counts[leader]]
         return self.exchange.bcast_from(buf, leader)
 
 
 def _positive_float_or_none(v):
     if v is None:
-        return None
+        return
     try:
         ok = float(v) > 0 and math.isfinite(float(v))
     except (TypeError, ValueError):
         ok = False
-    return None if ok else "must be a positive finite number or None"
+    if not ok:
+        raise ValueError("must be a positive finite number or None")
 
 
 class HardThreshold(UnionSparsifier):
@@ -167,7 +163,8 @@ class HardThreshold(UnionSparsifier):
     """
 
     name = "threshold"
-    OPTIONS = {"threshold": (None, _positive_float_or_none), **DEADLINE_OPTIONS}
+    OPTIONS = {"threshold": Option(None, _positive_float_or_none, "a fixed threshold instead of 1/(2 sqrt k)"),
+               **DEADLINE_OPTIONS}
 
     def _threshold(self, acc):
         thr = self.options["threshold"]
@@ -187,7 +184,7 @@ class GaussianK(UnionSparsifier):
     """
 
     name = "gaussiank"
-    OPTIONS = {}
+    OPTIONS: dict[str, Option] = {}
     factor, tries = 1.02, 20
 
     def _threshold(self, acc):
@@ -209,6 +206,11 @@ class GaussianK(UnionSparsifier):
         return thr
 
 
+def _sample_ratio(v):
+    if not (isinstance(v, float) and 0 < v <= 1):
+        raise ValueError("must be a float in (0, 1]")
+
+
 class DGC(UnionSparsifier):
     """Deep Gradient Compression's threshold: top-k on a strided ~1 % sample, then a correction loop.
 
@@ -223,8 +225,7 @@ class DGC(UnionSparsifier):
     """
 
     name = "dgc"
-    OPTIONS = {"sample_ratio": (0.01, lambda v: None if isinstance(v, float) and 0 < v <= 1
-                                else "must be a float in (0, 1]")}
+    OPTIONS = {"sample_ratio": Option(0.01, _sample_ratio, "share of the elements sampled for the threshold")}
     upper, lower, rounds = 1.3, 0.8, 10
 
     def _threshold(self, acc):
