@@ -82,7 +82,7 @@ class RecordedStream:
 def variants(names_arg):
     names = exdyna_mpi.available()
     runs = [(n, n, {}) for n in names]
-    probe = exdyna_mpi.ExDyna.OPTIONS.get("controller", ("faithful",))[0]
+    probe = exdyna_mpi.ExDyna.OPTIONS["controller"].default
     if probe != "faithful":
         runs.insert(names.index("exdyna") + 1, ("exdyna[faithful]", "exdyna", {"controller": "faithful"}))
     if names_arg:

@@ -272,7 +272,7 @@ def main():
     args = parse()
     t_all = time.perf_counter()
     s = scales(args.numel, args.seed)
-    default_ctl = ExDyna.OPTIONS["controller"][0]
+    default_ctl = ExDyna.OPTIONS["controller"].default
     variants = [("exdyna", "exdyna", default_ctl), ("micro[faithful]", "micro", "faithful")]
     if default_ctl != "faithful":
         variants.insert(1, ("exdyna[faithful]", "exdyna", "faithful"))
