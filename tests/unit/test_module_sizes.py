@@ -20,7 +20,11 @@ def too_long(text, limit):
     return n if n > limit else None
 
 
-@pytest.mark.parametrize("path,limit", list(_sources()), ids=lambda v: str(v.relative_to(ROOT)) if isinstance(v, pathlib.Path) else "")
+def _id(v):
+    return str(v.relative_to(ROOT)) if isinstance(v, pathlib.Path) else ""
+
+
+@pytest.mark.parametrize("path,limit", list(_sources()), ids=_id)
 def test_module_is_at_most_its_limit(path, limit):
     n = too_long(path.read_text(), limit)
     assert n is None, f"{path.relative_to(ROOT)} has {n} lines, over {limit}: split it by what it holds"
