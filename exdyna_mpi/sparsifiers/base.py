@@ -430,15 +430,15 @@ class Sparsifier(Selector):
         return res
 
     # ------------------------------------------------------------------ state
-    def _extra_state(self):
+    def extra_state(self) -> dict[str, Any]:
         """The subclass's own state-dict entries (host copies)."""
         return {}
 
-    def _load_extra_state(self, d):
-        """Load what ``_extra_state`` made (after every rank's ``_check_extra_state`` passed)."""
+    def load_extra_state(self, d: Mapping[str, Any]) -> None:
+        """Load what ``extra_state`` made (after every rank's ``check_extra_state`` passed)."""
 
-    def _check_extra_state(self, d):
-        """Raise ``KeyError``/``TypeError``/``ValueError`` if ``_load_extra_state(d)`` could not
+    def check_extra_state(self, d: Mapping[str, Any]) -> None:
+        """Raise ``KeyError``/``TypeError``/``ValueError`` if ``load_extra_state(d)`` could not
         load ``d``; changes nothing (``load_state_dict`` checks every rank before any rank loads)."""
 
     def close(self) -> None:

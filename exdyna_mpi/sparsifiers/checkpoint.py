@@ -3,8 +3,8 @@
 
 The dict holds host copies only (safe to pickle): the header (name, numel, density, ranks, rank,
 options, iteration), the residual with its dtype and the gradients' dtype, and the sparsifier's own
-entries (``_extra_state``). A load is all or nothing: every rank checks its whole dict (header,
-residual, the sparsifier's own entries through ``_check_extra_state``) before one agreement, so a
+entries (``extra_state``). A load is all or nothing: every rank checks its whole dict (header,
+residual, the sparsifier's own entries through ``check_extra_state``) before one agreement, so a
 wrong dict on any rank raises the same ``CollectiveError`` on every rank and changes no state.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ def state_of(sp: Any) -> dict[str, Any]:
         "dtype": None if dtype is None else dtype.str,
         "grad_dtype": sp._grad_dtype,
         "residual": None if not sp.memory.held else sp.residual,
-        **sp._extra_state(),
+        **sp.extra_state(),
     }
 
 
@@ -65,7 +65,7 @@ def load(sp: Any, d: Mapping[str, Any]) -> None:
         it = int(d["iteration"])
         if problem is None:
             check_residual(d, sp.numel)
-            sp._check_extra_state(d)
+            sp.check_extra_state(d)
     except (KeyError, TypeError, ValueError) as e:
         problem, it = f"state_dict is malformed ({e})", -1
     got = agree_problems(sp.exchange, problem, f"{sp.name}: load_state_dict refused", [it])
@@ -79,4 +79,4 @@ def load(sp: Any, d: Mapping[str, Any]) -> None:
     sp.memory.load(sp.ops, d["dtype"], d["residual"])
     # older dicts lack "grad_dtype": the residual's dtype then fixes what a gradient computes in
     sp._grad_dtype = d.get("grad_dtype") if d["residual"] is not None else None
-    sp._load_extra_state(d)
+    sp.load_extra_state(d)

@@ -344,16 +344,16 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
         order = xp.lexsort(keys)[:m]
         idx[:m] = xp.sort(sel[order])
 
-    def _extra_state(self):
+    def extra_state(self):
         return {"controller_state": self.controller.state(), "layout": self.layout.state(),
                 **self._deadline_extra_state()}
 
-    def _load_extra_state(self, d):
+    def load_extra_state(self, d):
         self.controller.load_state(d["controller_state"])
         self.layout.load_state(d["layout"])
         self._deadline_load_state(d)
 
-    def _check_extra_state(self, d):
+    def check_extra_state(self, d):
         thr = float(d["controller_state"]["threshold"])
         if not math.isfinite(thr) or thr < 0:
             raise ValueError(f"controller threshold {thr!r} is not a finite number >= 0")

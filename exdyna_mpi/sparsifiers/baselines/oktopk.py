@@ -263,10 +263,10 @@ class OkTopk(Sparsifier):
             owner_counts=owner_counts, exact_global=bool(exact or dense), repartitioned=repartition)
 
     # ------------------------------------------------------------------ state
-    def _extra_state(self):
+    def extra_state(self):
         return {"local_thr": self.local_thr, "global_thr": self.global_thr, "bounds": self.bounds.tolist()}
 
-    def _check_extra_state(self, d):
+    def check_extra_state(self, d):
         for key in ("local_thr", "global_thr"):
             if d[key] is not None and not math.isfinite(float(d[key])):
                 raise ValueError(f"{key} {d[key]!r} is not finite")
@@ -274,8 +274,8 @@ class OkTopk(Sparsifier):
         if b.shape != (self.nranks + 1,) or b[0] != 0 or b[-1] != self.numel or (np.diff(b) < 0).any():
             raise ValueError("oktopk: state_dict bounds do not fit this sparsifier")
 
-    def _load_extra_state(self, d):
-        self._check_extra_state(d)
+    def load_extra_state(self, d):
+        self.check_extra_state(d)
         self.local_thr = d["local_thr"]
         self.global_thr = d["global_thr"]
         self.bounds = np.asarray(d["bounds"], dtype=np.int64)

@@ -90,13 +90,13 @@ class UnionSparsifier(DeadlineOption, Sparsifier):
                          bounds=None, owned=None, thresholds=word_to_float(words.report[:, 0]).copy(), union=selected,
                          build_up=selected / self.k, **({"deadline": report} if report is not None else {}))
 
-    def _extra_state(self):
+    def extra_state(self):
         return self._deadline_extra_state()
 
-    def _load_extra_state(self, d):
+    def load_extra_state(self, d):
         self._deadline_load_state(d)
 
-    def _check_extra_state(self, d):
+    def check_extra_state(self, d):
         self._deadline_check_state(d)
 
 
