@@ -41,7 +41,7 @@ from ..arrays.half import WireFormat
 from .._errors import InputCode
 from ..transport import Exchange, ExchangeProtocol, device_exchange, node_ranks, world
 from . import checkpoint
-from .capabilities import Capabilities, names_where
+from .capabilities import Capabilities
 from .config import DEVICES, NONFINITE_POLICIES, OUTPUTS, WIRE_DTYPES, Option, SparsifierConfig, configure
 from .roles import SERIALS, ErrorFeedback, Selection, Selector, Step, SumNotFinite, agree_arguments, ident_of, imbalance
 from .stats import Stats
@@ -465,13 +465,3 @@ class Sparsifier(Selector):
         ``ValueError`` naming the ranks and causes, and no rank's state changes.
         """
         checkpoint.load(self, d)
-
-
-def _wire_half_names():
-    """The names of the sparsifier classes whose values can travel in 16 bits."""
-    return names_where(Sparsifier, "wire_half")
-
-
-def _device_step_names():
-    """The names of the sparsifier classes with a CUDA step."""
-    return names_where(Sparsifier, "device_step")

@@ -1,4 +1,4 @@
-"""Helpers shared by the baselines: threshold words, local top-k thresholds.
+"""What the baselines share: threshold words, local top-k thresholds.
 
 Pure host logic on NumPy arrays (vectorised; the per-element passes go through ``HostOps``).
 """
