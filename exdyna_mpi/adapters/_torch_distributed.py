@@ -14,6 +14,7 @@ from exdyna_mpi import transport
 
 from ._torch_common import _from_torch, _OptimizerMixinBase, _to_torch, _torch, broadcast_parameters
 from ._torch_config import CONFIG_KEY, EntryConfig
+from ._torch_elastic import Elastic, guarded_step, recover
 from ._torch_flat import FlatGrad
 from ._torch_options import OPTIONS_KEY, TrainingOptions, momentum_moved
 from ._torch_overlap import OVERLAP_KEY, OverlappedExchange
@@ -56,6 +57,7 @@ class _DistributedMixin(_OptimizerMixinBase):
     _exdyna_config: EntryConfig
     _exdyna_buffers: list[torch.Tensor]
     _exdyna_unused: list[int]   # the parameters no rank's backward reached (with overlap: of the pending update)
+    _exdyna_elastic: Elastic | None   # elastic=True: the steps completed and the losses recovered from
 
     def synchronize(self) -> exdyna_mpi.Stats:
         """Replace the flat gradient by the averaged sparse gradient, in place. Collective.
@@ -66,10 +68,14 @@ class _DistributedMixin(_OptimizerMixinBase):
         Raises:
             StepError: the exchange refused the step (on every rank; say, NaN in one rank's gradient).
             RuntimeError: ``overlap=True`` (``step()`` runs the exchange, off the caller's thread).
+            RanksLost: ``elastic=True`` and a rank was lost; the survivors recovered (as ``step()``).
         """
         if self._exdyna_overlap is not None:
             raise RuntimeError("DistributedOptimizer.synchronize: not available with overlap=True, whose "
                                "exchange runs on a worker thread; step() runs it")
+        return guarded_step(self, self._exdyna_elastic, self._synchronize_once, count=False)
+
+    def _synchronize_once(self) -> exdyna_mpi.Stats:
         self._exdyna_grads.attach()
         self._exdyna_unused = self._agree_unused()
         sp = self._exdyna_last = self._exchange(self._exdyna_grads.flat)
@@ -130,10 +136,17 @@ class _DistributedMixin(_OptimizerMixinBase):
         Raises:
             ValueError: a closure was given.
             StepError: the exchange refused the step (on every rank); nothing changed.
+            RanksLost: ``elastic=True`` and a rank was lost during the step: the survivors shrank to
+                the ranks left, took the most advanced survivor's parameters and state and rebuilt
+                the exchange; this step was not applied. Re-shard the data for ``e.nranks`` ranks
+                and go on (docs/faults.md, "Elastic training").
         """
         if closure is not None:
             raise ValueError("DistributedOptimizer.step: closures are not supported "
                              "(the gradient exchange must happen once per step)")
+        return guarded_step(self, self._exdyna_elastic, self._step_once)
+
+    def _step_once(self) -> Any:
         ov = self._exdyna_overlap
         if ov is not None:
             self._exdyna_grads.attach()
@@ -340,6 +353,48 @@ class _DistributedMixin(_OptimizerMixinBase):
         if ov is not None:
             ov.load_state_dict(state_dict[OVERLAP_KEY], self.sparsifier)
             self._exdyna_unused = list(state_dict[OVERLAP_KEY].get("unused", []))
+
+    # ------------------------------------------------------------------ elastic (_torch_elastic.py)
+    @property
+    def comm(self) -> MPI.Comm:
+        """The communicator the exchanges run over: the one given, or the survivors' after a
+        ``RanksLost``."""
+        return self._exdyna_comm
+
+    def recover(self) -> exdyna_mpi.RanksLost:
+        """Recover from a lost rank that the caller's own MPI call reported (``elastic=True``; a
+        failure inside ``step()`` recovers by itself). Collective over the survivors: the revoke
+        makes every survivor's next call on the old communicator fail, so each of them recovers too.
+
+        Returns:
+            The ``RanksLost`` that ``step()`` would have raised (not raised here).
+
+        Raises:
+            RuntimeError: the optimizer was built without ``elastic=True``.
+        """
+        if self._exdyna_elastic is None:
+            raise RuntimeError("DistributedOptimizer.recover: built without elastic=True")
+        return recover(self, self._exdyna_elastic)
+
+    def _elastic_comm(self) -> MPI.Comm:
+        return self._exdyna_comm
+
+    def _elastic_state(self) -> dict[str, Any]:
+        return self.state_dict()
+
+    def _elastic_shared(self) -> list[torch.Tensor]:
+        return list(self._exdyna_grads.params) + list(self._exdyna_buffers)
+
+    def _elastic_rebuild(self, comm: MPI.Comm, dicts: list[dict[str, Any]]) -> None:
+        """The exchange rebuilt over the survivors' ``comm`` (partitions for the ranks left), then
+        the gathered dicts (the most advanced survivor's first) loaded through the resharding."""
+        old = self.sparsifier
+        recipe = self._exdyna_options.recipe
+        grads = self._exdyna_grads
+        opts = TrainingOptions(recipe, [p.shape for p in grads.params], grads.numel, comm)
+        sp = exdyna_mpi.make(old.name, old.numel, old.density, comm, **recipe.options)
+        self._exdyna_options, self.sparsifier, self._exdyna_last, self._exdyna_comm = opts, sp, sp, comm
+        self._reshard_load(dicts, complete=False)
 
     @property
     def stats(self) -> exdyna_mpi.Stats | None:

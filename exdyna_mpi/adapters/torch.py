@@ -35,6 +35,7 @@ from exdyna_mpi import transport
 from ._torch_common import _broadcast_model, _flat_layout, _wrap, _wrapped_params, broadcast_parameters
 from ._torch_config import EntryConfig, agree_entry, layout_text, optimizer_items
 from ._torch_distributed import _DistributedMixin
+from ._torch_elastic import Elastic, elastic_problem
 from ._torch_flat import FlatGrad
 from ._torch_options import TrainingOptions, recipe_for
 from ._torch_overlap import OverlappedExchange
@@ -58,7 +59,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
                          momentum_correction: float | str = "auto", momentum_masking: bool = True,
                          density_warmup: Sequence[float] | None = None, density_warmup_steps: int | None = None,
                          adam: str = "auto", overlap: bool = False, broadcast_buffers: bool = True,
-                         **options: Any) -> torch.optim.Optimizer:
+                         elastic: bool = False, **options: Any) -> torch.optim.Optimizer:
     """Wrap a torch optimizer so ``step()`` exchanges a sparse gradient first. Collective.
 
     ``model`` (optional): a ``torch.nn.Module`` whose parameters and buffers are broadcast from rank
@@ -124,6 +125,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
         broadcast_buffers: after every ``step()``, rank 0's buffers of ``model`` (BatchNorm's running
             statistics) on every rank, as DDP's ``broadcast_buffers=True`` keeps them; False leaves
             each rank its own.
+        elastic: survive a lost rank (Open MPI with ULFM, launched as
+            ``mpiexec --with-ft ulfm --mca pml ob1 --mca btl tcp,self ...``): the survivors shrink
+            to the ranks left and go on, and ``step()`` raises ``exdyna_mpi.RanksLost`` once
+            they have (docs/faults.md, "Elastic training"). Refused under an MPI without fault
+            tolerance (MPICH included), with ``overlap=True`` and with ``deadline_ms``.
 
     Returns:
         The optimizer, now an instance of a subclass of its class whose ``step()`` exchanges first.
@@ -170,6 +176,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
         for name, flag in (("overlap", overlap), ("broadcast", broadcast), ("broadcast_buffers", broadcast_buffers)):
             if not isinstance(flag, bool):
                 raise ValueError(f"{who}: {name} must be True or False, got {flag!r}")
+        problem = elastic_problem(elastic, who, overlap=overlap, options=options)
+        if problem:
+            raise RuntimeError(problem)
         if overlap and not transport.thread_multiple():
             raise RuntimeError(f"{who}: overlap=True needs MPI initialised with MPI_THREAD_MULTIPLE "
                                "(mpi4py's default, see mpi4py.rc.thread_level): its exchanges run on a worker thread")
@@ -182,8 +191,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
         buffers = list(model.buffers()) if model is not None else []
         items = {"entry": who, **recipe.items(), "adam": "live" if adam_path is None else adam_path.mode,
                  **optimizer_items(optimizer), "layout": layout_text(params), "buffers": layout_text(buffers),
-                 "overlap": repr(overlap), "broadcast": repr(broadcast), "broadcast_buffers": repr(broadcast_buffers)}
-        config = EntryConfig.of(who, items, unrecorded=("broadcast", "broadcast_buffers", "buffers"))
+                 "overlap": repr(overlap), "broadcast": repr(broadcast), "broadcast_buffers": repr(broadcast_buffers),
+                 "elastic": repr(elastic)}
+        config = EntryConfig.of(who, items, unrecorded=("broadcast", "broadcast_buffers", "buffers", "elastic"))
         return (params, adam_path, recipe, buffers), config
 
     (params, adam_path, recipe, buffers), config = agree_entry(comm, who, plan)
@@ -204,4 +214,5 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
     grads = FlatGrad(params)   # last: its views and hooks go on the parameters only once nothing can refuse
     return _wrap(optimizer, _DistributedMixin, "Distributed", _exdyna_grads=grads, sparsifier=sp,
                  _exdyna_options=opts, _exdyna_adam=adam_path, _exdyna_overlap=ov, _exdyna_comm=comm,
-                 _exdyna_config=config, _exdyna_buffers=buffers if broadcast_buffers else [], _exdyna_unused=[])
+                 _exdyna_config=config, _exdyna_buffers=buffers if broadcast_buffers else [], _exdyna_unused=[],
+                 _exdyna_elastic=Elastic() if elastic else None)

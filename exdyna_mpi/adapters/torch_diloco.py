@@ -45,6 +45,7 @@ from exdyna_mpi import transport
 
 from ._torch_common import _broadcast_model, _flat_layout, _from_torch, _to_torch, _torch, _wrapped_params
 from ._torch_config import EntryConfig, agree_entry, layout_text, optimizer_items
+from ._torch_elastic import Elastic, elastic_problem, guarded_step, recover
 
 if TYPE_CHECKING:
     import torch
@@ -128,6 +129,9 @@ class DiLoCo:
             feedback) with ``"dense"``, whose residual stays empty. Pass both to run DiLoCo's
             Nesterov step on a sparse exchange (``outer_optimizer=nesterov_sgd, error_decay=1.0``).
         broadcast: broadcast rank 0's model at construction (default True).
+        elastic: survive a lost rank (Open MPI with ULFM, as ``DistributedOptimizer``'s
+            ``elastic``): a failure in an outer step shrinks to the survivors, and ``step()`` raises
+            ``exdyna_mpi.RanksLost`` once they have recovered. Refused without fault tolerance.
         **options: the sparsifier's options (``wire_dtype="bfloat16"``, ``max_imbalance``, ...).
 
     Construction is collective and agreed before the broadcast: the period, the error decay, the
@@ -162,7 +166,8 @@ class DiLoCo:
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None, *,
                  sync_every: int, sparsifier: str = "dense", density: float = 0.01, comm: MPI.Comm | None = None,
                  outer_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None,
-                 error_decay: float | None = None, broadcast: bool = True, **options: Any) -> None:
+                 error_decay: float | None = None, broadcast: bool = True, elastic: bool = False,
+                 **options: Any) -> None:
         torch = _torch()
         who = "DiLoCo"
         comm = transport.world() if comm is None else comm
@@ -184,6 +189,9 @@ class DiLoCo:
                 raise ValueError(f"unknown sparsifier {sparsifier!r}; available: {', '.join(exdyna_mpi.available())}")
             if not isinstance(broadcast, bool):
                 raise ValueError(f"broadcast must be True or False, got {broadcast!r}")
+            problem = elastic_problem(elastic, who, options=options)
+            if problem:
+                raise RuntimeError(problem)
             params, numel = _flat_layout(params, who)
             # the outer optimizer's class and settings, read off one built over a one-element stand-in
             outer = outer_optimizer([torch.nn.Parameter(torch.zeros(1, dtype=params[0].dtype))])
@@ -193,8 +201,8 @@ class DiLoCo:
                      **optimizer_items(optimizer, "inner"), **optimizer_items(outer, "outer"),
                      "layout": layout_text(params),
                      "buffers": layout_text(list(model.buffers()) if model is not None else []),
-                     "broadcast": repr(broadcast)}
-            return (params, numel), EntryConfig.of(who, items, unrecorded=("broadcast", "buffers"))
+                     "broadcast": repr(broadcast), "elastic": repr(elastic)}
+            return (params, numel), EntryConfig.of(who, items, unrecorded=("broadcast", "buffers", "elastic"))
 
         self._exchange = transport.Exchange(comm)
         (self.params, self.numel), self._config = agree_entry(comm, who, plan)
@@ -212,6 +220,8 @@ class DiLoCo:
         self.inner_steps = 0
         self.outer_steps = 0
         self.stats: exdyna_mpi.Stats | None = None
+        self.comm = comm
+        self._elastic = Elastic() if elastic else None
 
     # ------------------------------------------------------------------ training
     def _local_flat(self) -> torch.Tensor:
@@ -292,7 +302,13 @@ class DiLoCo:
 
         Raises:
             StepError: a non-finite delta on some rank (raised on every rank; nothing changes).
+            RanksLost: ``elastic=True`` and a rank was lost during the outer step: the survivors
+                recovered (docs/faults.md, "Elastic training"); every local model restarts from
+                the global parameters.
         """
+        return guarded_step(self, self._elastic, self._sync_once)
+
+    def _sync_once(self) -> exdyna_mpi.Stats:
         torch = _torch()
         with torch.no_grad():
             delta = self._local_flat()
@@ -314,6 +330,36 @@ class DiLoCo:
         self.stats = self.sparsifier.stats
         assert self.stats is not None   # the step above set them
         return self.stats
+
+    # ------------------------------------------------------------------ elastic (_torch_elastic.py)
+    def recover(self) -> exdyna_mpi.RanksLost:
+        """Recover from a lost rank that the caller's own MPI call reported (``elastic=True``),
+        as ``DistributedOptimizer.recover``. Collective over the survivors.
+
+        Returns:
+            The ``RanksLost`` (not raised here).
+
+        Raises:
+            RuntimeError: built without ``elastic=True``.
+        """
+        if self._elastic is None:
+            raise RuntimeError("DiLoCo.recover: built without elastic=True")
+        return recover(self, self._elastic)
+
+    def _elastic_comm(self) -> MPI.Comm:
+        return self.comm
+
+    def _elastic_state(self) -> dict[str, Any]:
+        return self.state_dict()
+
+    def _elastic_shared(self) -> list[torch.Tensor]:
+        return [self.global_params.data]
+
+    def _elastic_rebuild(self, comm: MPI.Comm, dicts: list[dict[str, Any]]) -> None:
+        old = self.sparsifier
+        self.sparsifier = exdyna_mpi.make(old.name, old.numel, old.density, comm, **old.options)
+        self.comm, self._exchange = comm, transport.Exchange(comm)
+        self._reshard_load(dicts, complete=False)
 
     def close(self) -> None:
         """Close the sparsifier (collective in deadline mode). Idempotent."""
