@@ -18,6 +18,7 @@ from ._torch_elastic import Elastic, guarded_step, recover
 from ._torch_flat import FlatGrad
 from ._torch_options import OPTIONS_KEY, TrainingOptions, momentum_moved
 from ._torch_overlap import OVERLAP_KEY, OverlappedExchange
+from ._torch_reshard import reshard_optimizer
 from .torch_adam import ADAM_KEY, AdamPath
 
 if TYPE_CHECKING:
@@ -296,7 +297,7 @@ class _DistributedMixin(_OptimizerMixinBase):
             return str(e)
         return None
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: Any, reshard: bool = False) -> None:
         """Restore ``state_dict()`` output; resumes bit-exactly. Collective, all or nothing.
 
         Every rank checks its own dict (the configuration it records against this optimizer's, each
@@ -304,13 +305,23 @@ class _DistributedMixin(_OptimizerMixinBase):
         then each part loads (the sparsifier's and the recipe's loads agree again); a refusal
         anywhere leaves every rank as it was.
 
+        With ``reshard=True`` the run resumes at another number of ranks: ``state_dict`` is every
+        old rank's ``state_dict()`` (the same sequence on every rank); what the ranks held alike is
+        old rank 0's (checked equal in every dict), what was each rank's own (the residual, the
+        momentum-correction velocity, per-rank Adam moments) the mean over the old ranks
+        (``_torch_reshard.py``, docs/faults.md).
+
         Args:
-            state_dict: this rank's ``state_dict()`` output.
+            state_dict: this rank's ``state_dict()`` output (``reshard=True``: every old rank's).
+            reshard: load dicts saved at another number of ranks.
 
         Raises:
             CollectiveError: any rank's dict is refused (on every rank, naming each rank and its
                 problem); nothing changes.
         """
+        if reshard:
+            self._reshard_load(state_dict, complete=True)
+            return
         who = "DistributedOptimizer.load_state_dict refused on every rank, state unchanged"
         ov = self._exdyna_overlap
         if ov is not None:
@@ -395,6 +406,12 @@ class _DistributedMixin(_OptimizerMixinBase):
         sp = exdyna_mpi.make(old.name, old.numel, old.density, comm, **recipe.options)
         self._exdyna_options, self.sparsifier, self._exdyna_last, self._exdyna_comm = opts, sp, sp, comm
         self._reshard_load(dicts, complete=False)
+
+    def _reshard_load(self, dicts: Any, complete: bool) -> None:
+        """``load_state_dict(dicts, reshard=True)``; ``complete=False``: the survivors' dicts only
+        (the elastic shrink, ``_torch_reshard.py``). Collective, all or nothing."""
+        reshard_optimizer(self, dicts, complete, lambda: super(_DistributedMixin, self).state_dict(),
+                          lambda d: super(_DistributedMixin, self).load_state_dict(d))
 
     @property
     def stats(self) -> exdyna_mpi.Stats | None:

@@ -241,8 +241,8 @@ class TrainingOptions:
         self.dense = exdyna_mpi.make("dense", numel, 1.0, comm) if self.warmup_steps else None
         self._make_stage = lambda d: exdyna_mpi.make(recipe.sparsifier, numel, d, comm, **recipe.options)
         self._exchange = transport.Exchange(comm)
-        self.stage = None        # the live density warm-up sparsifier, and its index in ``stages``
-        self.stage_index = None
+        self.stage: Any = None   # the live density warm-up sparsifier, and its index in ``stages``
+        self.stage_index: int | None = None
         self.carry = None        # a residual not yet handed to the sparsifier that follows
         self._views_of: tuple[Any, list] = (None, [])
 

@@ -46,6 +46,7 @@ from exdyna_mpi import transport
 from ._torch_common import _broadcast_model, _flat_layout, _from_torch, _to_torch, _torch, _wrapped_params
 from ._torch_config import EntryConfig, agree_entry, layout_text, optimizer_items
 from ._torch_elastic import Elastic, elastic_problem, guarded_step, recover
+from ._torch_diloco_reshard import reshard_diloco
 
 if TYPE_CHECKING:
     import torch
@@ -359,7 +360,7 @@ class DiLoCo:
         old = self.sparsifier
         self.sparsifier = exdyna_mpi.make(old.name, old.numel, old.density, comm, **old.options)
         self.comm, self._exchange = comm, transport.Exchange(comm)
-        self._reshard_load(dicts, complete=False)
+        reshard_diloco(self, dicts, complete=False)
 
     def close(self) -> None:
         """Close the sparsifier (collective in deadline mode). Idempotent."""
@@ -424,18 +425,29 @@ class DiLoCo:
             return f"not a DiLoCo.state_dict() output ({e!r})", None
         return None, own
 
-    def load_state_dict(self, d: dict[str, Any]) -> None:
+    def load_state_dict(self, d: Any, reshard: bool = False) -> None:
         """Restore ``state_dict()`` output; with the model's own state, the run goes on bit for bit.
 
         Collective and all or nothing: every rank checks its dict, the ranks agree once, then the
         sparsifier loads its state (it checks and agrees again).
 
+        With ``reshard=True`` the run resumes at another number of ranks: ``d`` is every old rank's
+        ``state_dict()`` (the same sequence on every rank); the global parameters, outer optimizer
+        and ``outer_steps`` are old rank 0's (checked equal), the residual and the inner optimizer's
+        floating state the mean over the old ranks, and every local model restarts from the global
+        parameters with ``inner_steps = 0`` (the local steps since the last outer step are dropped;
+        ``_torch_diloco_reshard.py``, docs/faults.md).
+
         Args:
-            d: this rank's ``state_dict()`` output.
+            d: this rank's ``state_dict()`` output (``reshard=True``: every old rank's).
+            reshard: load dicts saved at another number of ranks.
 
         Raises:
             CollectiveError: any rank's problem, naming each (raised on every rank; nothing changes).
         """
+        if reshard:
+            reshard_diloco(self, d, complete=True)
+            return
         problem, own = self._check(d)   # own: None only with a problem
         inner_before = copy.deepcopy(self.optimizer.state_dict())
         outer_before = copy.deepcopy(self.outer.state_dict())

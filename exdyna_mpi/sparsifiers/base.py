@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Literal, Mapping
+from typing import Any, Literal, Mapping, Sequence
 
 import numpy as np
 
@@ -40,7 +40,7 @@ from ..arrays import (ACCEPTED_DTYPES, HALF_DTYPES, as_input, check_vector, comp
 from ..arrays.half import WireFormat
 from .._errors import InputCode
 from ..transport import Exchange, ExchangeProtocol, device_exchange, node_ranks, world
-from . import checkpoint
+from . import checkpoint, reshard as resharding
 from .capabilities import Capabilities
 from .config import DEVICES, NONFINITE_POLICIES, OUTPUTS, WIRE_DTYPES, Option, SparsifierConfig, configure
 from .roles import SERIALS, ErrorFeedback, Selection, Selector, Step, SumNotFinite, agree_arguments, ident_of, imbalance
@@ -441,6 +441,28 @@ class Sparsifier(Selector):
         """Raise ``KeyError``/``TypeError``/``ValueError`` if ``load_extra_state(d)`` could not
         load ``d``; changes nothing (``load_state_dict`` checks every rank before any rank loads)."""
 
+    def reshard_extra_state(self, dicts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        """The entries of ``extra_state`` to load on THIS rank at this rank count from the old ranks'
+        dicts (``load_state_dict(dicts, reshard=True)``); changes nothing, no communication.
+
+        Args:
+            dicts: the old ranks' state dicts in old-rank order (the elastic shrink: the one its
+                shared state comes from).
+
+        Returns:
+            The entries (checked by ``check_extra_state``, then loaded by ``load_extra_state``); here
+            ``{}`` for a class whose ``extra_state()`` is ``{}``.
+
+        Raises:
+            NotImplementedError: the class has its own entries and no rule for another rank count
+                (the load is refused, on every rank, with this text).
+            ValueError: the dicts' entries disagree where they must not.
+        """
+        if self.extra_state():
+            raise NotImplementedError(f"{self.name}: cannot be resharded: its state dict has its own entries "
+                                      f"{sorted(self.extra_state())} and the class has no reshard_extra_state")
+        return {}
+
     def close(self) -> None:
         """Release what the sparsifier holds between steps: nothing for most; a deadline exchange
         completes its late messages and frees its communicator (collective then). It may step
@@ -457,11 +479,16 @@ class Sparsifier(Selector):
         """Everything needed to resume bit-exactly on this rank (host copies; safe to pickle)."""
         return checkpoint.state_of(self)
 
-    def load_state_dict(self, d: Mapping[str, Any]) -> None:
-        """Restore ``state_dict()`` output. Collective: every rank loads its own rank's dict.
+    def load_state_dict(self, d: Any, reshard: bool = False) -> None:
+        """Restore ``state_dict()`` output. Collective: every rank loads its own rank's dict; with
+        ``reshard=True``, ``d`` is every old rank's dict (saved at another rank count), the same
+        sequence on every rank, each new residual their mean (``sparsifiers/reshard.py``).
 
         All or nothing: every rank checks its whole dict (header, residual, controller, layout,
         extra state) before one agreement; if any rank's dict is wrong, every rank raises the same
         ``ValueError`` naming the ranks and causes, and no rank's state changes.
         """
-        checkpoint.load(self, d)
+        if reshard:
+            resharding.reshard(self, d, complete=True)
+        else:
+            checkpoint.load(self, d)

@@ -72,6 +72,17 @@ def load(sp: Any, d: Mapping[str, Any]) -> None:
     if (got[:, 0] != got[0, 0]).any():
         raise CollectiveError(f"{sp.name}: load_state_dict refused: ranks hold different iterations "
                               f"{got[:, 0].tolist()}")
+    install(sp, it, d)
+
+
+def options_of(sp: Any) -> dict[str, Any]:
+    """The ``"options"`` entry of ``sp``'s state dict (a class's ``extra_state`` may write its own)."""
+    return dict(sp.extra_state().get("options", sp.options))
+
+
+def install(sp: Any, it: int, d: Mapping[str, Any]) -> None:
+    """Load the agreed, checked state ``d`` (residual, dtypes, extra state) into ``sp`` at iteration
+    ``it``; not collective (a deadline exchange's load completes what is in flight)."""
     sp.exchange.reset_counters()
     sp.iteration = it
     # an unbound sparsifier (device="auto", no step yet) keeps the residual on the host until

@@ -14,7 +14,7 @@ from ..algorithm.layout import Balance, BlockLayout, BlockLoad, EqualLayout, own
 from ..algorithm.quota import quotas
 from ..arrays import threshold_for
 from ..arrays.ops import Marks
-from . import deadline as _deadline
+from . import deadline as _deadline, reshard as _reshard
 from .base import Selection, Sparsifier
 from .capabilities import Capabilities
 from .config import Option, positive_int
@@ -352,6 +352,28 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
         self.controller.load_state(d["controller_state"])
         self.layout.load_state(d["layout"])
         self._deadline_load_state(d)
+
+    def reshard_extra_state(self, dicts):
+        """At another rank count: the controller's state (its threshold: a global one) from the
+        first dict, every dict's equal; the layout's partitions this sparsifier's own for its rank
+        count, with the per-block load (``blk_load``, independent of P) carried; the deadline
+        option's history fresh (it timed the old rank count's exchanges)."""
+        first = dicts[0]
+        for d in dicts[1:]:
+            for key, part in (("controller_state", None), ("layout", "blk_load")):
+                a, b = first[key], d[key]
+                if part is not None:
+                    a, b = a.get(part), b.get(part)
+                    a, b = None if a is None else list(a), None if b is None else list(b)
+                if a != b:
+                    raise ValueError(f"old rank {d['rank']}'s {key}{'.' + part if part else ''} differs from "
+                                     f"old rank {first['rank']}'s: shared state must be equal on every old rank")
+        layout = {k: v for k, v in self.layout.state().items() if k != "blk_load"}
+        load = first["layout"].get("blk_load")
+        if load is not None and "blk_part" in layout:
+            layout["blk_load"] = [int(x) for x in load]
+        return {"controller_state": dict(first["controller_state"]), "layout": layout,
+                **_reshard.fresh_deadline_state(self)}
 
     def check_extra_state(self, d):
         thr = float(d["controller_state"]["threshold"])

@@ -68,6 +68,10 @@ class AdamPath:
     #: what the sparsifier's residual is multiplied by after each exchange that was not skipped (None:
     #: left alone); ``DistributedOptimizer.step`` applies it
     residual_decay: float | None = None
+    #: the keys of ``state_dict()`` whose tensors are this rank's own (they differ between ranks): at
+    #: another rank count they become the mean over the old ranks; every other entry is the same on
+    #: every rank and is carried (``load_state_dict(dicts, reshard=True)``)
+    rank_local: ClassVar[tuple[str, ...]] = ()
     #: whether ``update`` reads only the signs of the exchanged average (an edit of ``.grad`` that
     #: keeps every sign then changes nothing: the DDP hook accepts it)
     signs_only = False

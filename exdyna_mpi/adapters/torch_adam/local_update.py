@@ -51,6 +51,7 @@ class LocalUpdateAdam(AdamPath):
     """
 
     modes = ("update",)
+    rank_local = ("m", "v")   # each rank's own moments
 
     def __init__(self, optimizer, params, mode: str = "update", who: str = "DistributedOptimizer") -> None:
         super().__init__(optimizer, params, mode, who)

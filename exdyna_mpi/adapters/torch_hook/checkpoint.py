@@ -176,11 +176,12 @@ class Checkpoint:
         problem, got, entries = checked
         machine = self.machine
         shape = None if got is None else (got["step"], entries, self.scope.state_shape(got["state"]),
-                                          got.get("recipe_at"), got.get("adam_step"))
+                                          got.get("recipe_at"), got.get("adam_step"), got.get("crc"))
         every = transport.Exchange(self.worker.working).gather_objects((problem, shape))
         parts = [f"rank {r}: {p}" for r, (p, _) in enumerate(every) if p]
         if not parts and any(sh != every[0][1] for _, sh in every):
-            parts = ["the ranks' dicts differ in step, layout or sparsifiers: "
+            parts = ["the ranks' dicts differ in step, layout or sparsifiers (reshard=True: or the ranks were given "
+                     "different sequences): "
                      + ", ".join(f"rank {r}: step {sh[0]}" for r, (_, sh) in enumerate(every))]
         if parts:
             raise exdyna_mpi.CollectiveError("ExDynaHookState.load_state_dict refused on all ranks, state "

@@ -17,6 +17,7 @@ import exdyna_mpi
 
 from .._torch_common import _torch
 from .._torch_options import TrainingOptions
+from .._torch_reshard import load_recipe_state
 from .layout import Entry, Key, LayoutError, ParamLayout, Run, required
 from .scopes import BucketScope, Built, ModelScope, Prepare, close_sparsifier
 from .worker import HookWorker
@@ -227,7 +228,7 @@ class IterationMachine:
                                  self.worker.private, who="ExDynaHookState")
         if d is not None:
             try:
-                recipe.load_state_dict(d)
+                load_recipe_state(recipe, d)   # a ReshardedRecipe d: load_state_dict(reshard=True)
             except BaseException:
                 recipe.close()
                 raise

@@ -30,6 +30,7 @@ import numpy as np
 import exdyna_mpi
 
 from .._torch_common import _torch
+from .._torch_reshard import load_sparsifier
 from .layout import Entry, Key, LayoutError, ParamLayout, required
 from .worker import HookWorker
 
@@ -81,7 +82,7 @@ class SparsifierFactory:
         """
         sp = self(numel)
         try:
-            sp.load_state_dict(sd)
+            load_sparsifier(sp, sd)   # a Resharded sd: the old ranks' dicts (load_state_dict(reshard=True))
         except exdyna_mpi.CollectiveError as e:
             close_sparsifier(sp)
             raise exdyna_mpi.CollectiveError(f"ExDynaHookState.load_state_dict refused on all ranks, state "

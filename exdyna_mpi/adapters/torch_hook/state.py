@@ -17,6 +17,7 @@ from .._torch_common import _flat_layout, _to_torch, _torch
 from .._torch_config import EntryConfig, agree_entry, layout_text, optimizer_items
 from .._torch_options import RECIPE_DEFAULTS, Recipe, recipe_for
 from .checkpoint import Checkpoint
+from .reshard import check_resharded
 from .iteration import SAME_EVERYWHERE, IterationMachine, Job
 from .layout import Key, LayoutError, ParamLayout, Place
 from .optimizer_step import OptimizerStep
@@ -297,7 +298,7 @@ class ExDynaHookState:
         """
         return _to_torch(dict(self._worker.call(self._checkpoint.save), config=self._config.record()))
 
-    def load_state_dict(self, d: dict[str, Any]) -> None:
+    def load_state_dict(self, d: Any, reshard: bool = False) -> None:
         """Restore ``state_dict()`` output between iterations. Collective over ``comm``.
 
         Every rank loads its own rank's dict, all or nothing: every rank checks its dict (version,
@@ -306,14 +307,29 @@ class ExDynaHookState:
         residual and extra state and agrees again). A model whose parameters do not match the layout
         raises (every rank) at the first iteration, from ``backward()``. Set ``comm`` before loading.
 
+        With ``reshard=True`` the run resumes at another number of ranks: ``d`` is every old rank's
+        ``state_dict()`` (the same sequence on every rank); the step, layout and bucket keys are
+        shared, each sparsifier's residual (and the recipe's velocity) the mean over the old ranks
+        (``torch_hook/reshard.py``, docs/faults.md).
+
         Args:
-            d: this rank's ``state_dict()`` output.
+            d: this rank's ``state_dict()`` output (``reshard=True``: every old rank's).
+            reshard: load dicts saved at another number of ranks.
 
         Raises:
             CollectiveError: any rank's problem (a ``ValueError``, raised on every rank, naming the
                 ranks and causes); every rank's state stays as it was.
         """
+        if reshard:
+            self._reshard_load(d, complete=True)
+            return
         checked = self._checkpoint.check(d)
+        self._worker.call(lambda: self._checkpoint.load(checked))
+
+    def _reshard_load(self, dicts: Any, complete: bool) -> None:
+        """``load_state_dict(dicts, reshard=True)``; ``complete=False``: the survivors' dicts only
+        (the elastic shrink). Collective, all or nothing."""
+        checked = check_resharded(self._checkpoint, dicts, complete)
         self._worker.call(lambda: self._checkpoint.load(checked))
 
     def __getstate__(self) -> dict[str, Any]:

@@ -274,6 +274,12 @@ class OkTopk(Sparsifier):
         if b.shape != (self.nranks + 1,) or b[0] != 0 or b[-1] != self.numel or (np.diff(b) < 0).any():
             raise ValueError("oktopk: state_dict bounds do not fit this sparsifier")
 
+    def reshard_extra_state(self, dicts):
+        """At another rank count: a fresh state, as at step 0. The local threshold is each old
+        rank's own and the regions' bounds are per rank; with both thresholds None the next step
+        computes them exactly (as its first step does), so nothing carried is needed."""
+        return {"local_thr": None, "global_thr": None, "bounds": equal_bounds(self.numel, self.nranks).tolist()}
+
     def load_extra_state(self, d):
         self.check_extra_state(d)
         self.local_thr = d["local_thr"]

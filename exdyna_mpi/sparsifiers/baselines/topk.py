@@ -30,6 +30,7 @@ from ..capabilities import Capabilities
 from ..base import Sparsifier
 from ..config import Option
 from ..deadline import OPTIONS as DEADLINE_OPTIONS, DeadlineOption
+from ..reshard import fresh_deadline_state
 from ..timing import timed
 from ._common import (ThresholdSelection, float_to_word, kth_largest_magnitude, positive_floor, target_count,
                       word_to_float)
@@ -98,6 +99,11 @@ class UnionSparsifier(DeadlineOption, Sparsifier):
 
     def check_extra_state(self, d):
         self._deadline_check_state(d)
+
+    def reshard_extra_state(self, dicts):
+        """At another rank count: the deadline option's history fresh (it timed the old rank
+        count's exchanges); nothing else is kept between steps."""
+        return fresh_deadline_state(self)
 
 
 class TopK(UnionSparsifier):
