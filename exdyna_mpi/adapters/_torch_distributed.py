@@ -368,13 +368,17 @@ class _DistributedMixin(_OptimizerMixinBase):
     # ------------------------------------------------------------------ elastic (_torch_elastic.py)
     @property
     def comm(self) -> MPI.Comm:
-        """The communicator the exchanges run over: the one given, or the survivors' after a
-        ``RanksLost``."""
+        """The communicator the exchanges run over.
+
+        Returns:
+            The one given at construction, or the survivors' after a ``RanksLost``.
+        """
         return self._exdyna_comm
 
     def recover(self) -> exdyna_mpi.RanksLost:
-        """Recover from a lost rank that the caller's own MPI call reported (``elastic=True``; a
-        failure inside ``step()`` recovers by itself). Collective over the survivors: the revoke
+        """Recover from a lost rank that the caller's own MPI call reported (``elastic=True``).
+
+        A failure inside ``step()`` recovers by itself. Collective over the survivors: the revoke
         makes every survivor's next call on the old communicator fail, so each of them recovers too.
 
         Returns:

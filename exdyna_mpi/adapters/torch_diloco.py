@@ -334,8 +334,9 @@ class DiLoCo:
 
     # ------------------------------------------------------------------ elastic (_torch_elastic.py)
     def recover(self) -> exdyna_mpi.RanksLost:
-        """Recover from a lost rank that the caller's own MPI call reported (``elastic=True``),
-        as ``DistributedOptimizer.recover``. Collective over the survivors.
+        """Recover from a lost rank that the caller's own MPI call reported (``elastic=True``).
+
+        As ``DistributedOptimizer.recover``. Collective over the survivors.
 
         Returns:
             The ``RanksLost`` (not raised here).
