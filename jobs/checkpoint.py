@@ -43,7 +43,9 @@ digest), the run's configuration, finiteness, and the digest of the shared part,
 the agreement so that the ranks also refuse a generation whose shared parts differ. When a
 generation fails on any rank, every rank falls back to the previous one together; the same
 ``CheckpointError``, naming each rank and its cause, is raised on every rank when none can be used.
-Nothing is returned, so nothing reaches the job's objects, before the agreement.
+Nothing is returned, so nothing reaches the job's objects, before the agreement. ``load_all``
+(a resume at another number of ranks) reads every old rank's file of a generation on every rank,
+each checked the same way, the shared parts equal across them, and returns them in rank order.
 """
 import glob
 import hashlib
@@ -247,6 +249,12 @@ def read(path):
     Raises ``ValueError`` for a file of another format or version, a malformed header, or contents
     that do not match the digest written with them.
     """
+    header, state, _ = _read_sealed(path)
+    return header, state
+
+
+def _read_sealed(path):
+    """``read``'s ``(header, state)`` and the digest the file was sealed with."""
     with torch.serialization.safe_globals(_numpy_globals()):
         raw = torch.load(path, weights_only=True, map_location="cpu")
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
@@ -265,7 +273,7 @@ def read(path):
     if _seal(header, raw.get("state")) != raw["digest"]:
         raise ValueError("its contents do not match the digest written with them: the file was changed or "
                          "damaged after it was written")
-    return header, decode(raw["state"])
+    return header, decode(raw["state"]), raw["digest"]
 
 
 def _write_encoded(path, enc, rank, nranks, step, shared_digest):
@@ -299,16 +307,17 @@ def _generation_problem(g, nranks):
 
 
 def _marker(d, nranks):
-    """``(problem, generations, version)`` of the marker in ``d``. A problem refuses the whole
-    marker; each generation is ``(step or None, files, problem)``, and one with a problem is
-    refused alone (the others can still be resumed from)."""
+    """``(problem, generations, version)`` of the marker in ``d`` (``nranks`` None: of any size). A
+    problem refuses the whole marker; each generation is ``(step or None, files, problem)``, and one
+    with a problem is refused alone (the others can still be resumed from)."""
     with open(os.path.join(d, MARKER)) as f:
         info = json.load(f)
     if not isinstance(info, dict):
         return f"it is not a JSON object ({info!r:.80})", [], None
     if not _is_int(info.get("nranks")):
         return f"it has no number of ranks (nranks={info.get('nranks')!r:.80})", [], None
-    if info["nranks"] != nranks:
+    nranks = info["nranks"] if nranks is None else nranks   # None: the number it records
+    if info["nranks"] != nranks or nranks < 1:
         return f"it was written by {info['nranks']} ranks, this job has {nranks}", [], None
     newest = {"step": info.get("step"), "files": info.get("files")}
     entries = info.get("generations", [newest])   # version 1 markers name one generation
@@ -414,54 +423,47 @@ def save(comm, out, step, state, shared=None):
         raise CheckpointError(f"writing step {step} failed: {problem}")
 
 
-def _try(d, step, name, rank, nranks, config, shared):
-    """``(problem or "", state, shared digest)`` for this rank's file ``name`` of generation ``step``."""
+def _try(d, step, name, rank, nranks, config, shared, ignore=(), whose="this job has"):
+    """``(problem or "", state, shared digest, seal)`` for rank ``rank``'s file ``name`` of generation
+    ``step`` of a run of ``nranks`` ranks; ``ignore``: configuration keys not compared."""
     path = os.path.join(d, name)
     if not os.path.exists(path):
-        return f"rank {rank}'s file {path} is missing", None, None
+        return f"rank {rank}'s file {path} is missing", None, None, None
     try:
-        header, state = read(path)
+        header, state, seal = _read_sealed(path)
         saved = state["config"]
         if not isinstance(saved, dict):
             raise TypeError(f"its config is a {type(saved).__name__}")
     except Exception as e:   # noqa: BLE001 - a corrupt file may raise anything; all ranks hear of it
-        return f"rank {rank} cannot read {name} ({type(e).__name__}: {e})", None, None
+        return f"rank {rank} cannot read {name} ({type(e).__name__}: {e})", None, None, None
     mine = f"rank {rank}'s file {name}"
     if header["rank"] != rank:
-        return f"{mine} was written by rank {header['rank']}", None, None
+        return f"{mine} was written by rank {header['rank']}", None, None, None
     if header["nranks"] != nranks:
-        return f"{mine} was written by a run of {header['nranks']} ranks, this job has {nranks}", None, None
+        return f"{mine} was written by a run of {header['nranks']} ranks, {whose} {nranks}", None, None, None
     if header["step"] != step:
-        return f"{mine} holds step {header['step']}, not {step}", None, None
-    diff = sorted(k for k in set(saved) | set(config) if saved.get(k) != config.get(k))
+        return f"{mine} holds step {header['step']}, not {step}", None, None, None
+    diff = sorted(k for k in set(saved) | set(config) if k not in ignore and saved.get(k) != config.get(k))
     if diff:
         return "it was written with other settings: " + ", ".join(
-            f"{k}={saved.get(k)!r} (now {config.get(k)!r})" for k in diff), None, None
+            f"{k}={saved.get(k)!r} (now {config.get(k)!r})" for k in diff), None, None, None
     try:
         bad = _nonfinite(state)
         digest = _shared_digest(state, shared)
     except Exception as e:   # noqa: BLE001 - ``shared`` on a state it does not expect: all ranks hear of it
-        return f"{mine} has no shared part to check ({type(e).__name__}: {e})", None, None
+        return f"{mine} has no shared part to check ({type(e).__name__}: {e})", None, None, None
     if bad is not None:
-        return f"{mine} holds a non-finite value in {bad}", None, None
+        return f"{mine} holds a non-finite value in {bad}", None, None, None
     if digest != header["shared"]:
         return (f"{mine}: the part that must be identical on every rank is not the one it was written with "
-                "(another shared= at save)"), None, None
-    return "", state, digest
+                "(another shared= at save)"), None, None, None
+    return "", state, digest, seal
 
 
-def load_latest(comm, out, config, report=None, shared=None):
-    """This rank's state from the last complete checkpoint in ``out`` that every rank can use, or
-    None when there is none.
-
-    ``config`` (a dict of what must match: ranks, runs, model, hyper-parameters) is compared with
-    the one saved. ``shared``: the function given to ``save``; the part it selects must be
-    identical on every rank. The newest generation is tried first, then the previous one, every
-    rank together. ``report``: a list that receives a line for every generation passed over. Any
-    problem that leaves no usable generation raises the same ``CheckpointError`` on every rank.
-    """
-    rank, nranks = comm.Get_rank(), comm.Get_size()
-    d = folder(out)
+def _agreed_marker(comm, d, nranks):
+    """The generations of the marker in ``d`` that every rank reads alike (None: there is no marker);
+    ``nranks``: the ranks its generations must name, or None for the number it records."""
+    rank = comm.Get_rank()
     marker = os.path.join(d, MARKER)
     problem, gens = "", []
     exists = os.path.exists(marker)
@@ -480,12 +482,31 @@ def load_latest(comm, out, config, report=None, shared=None):
     if len({tuple(s) for _, _, s in views}) > 1:
         raise CheckpointError(f"ranks see different checkpoints in {d}: " + "; ".join(
             f"rank {r}: steps {s}" for r, (_, _, s) in enumerate(views)))
+    return gens
+
+
+def load_latest(comm, out, config, report=None, shared=None, ignore=()):
+    """This rank's state from the last complete checkpoint in ``out`` that every rank can use, or
+    None when there is none.
+
+    ``config`` (a dict of what must match: ranks, runs, model, hyper-parameters) is compared with
+    the one saved, but for the keys in ``ignore``. ``shared``: the function given to ``save``; the
+    part it selects must be identical on every rank. The newest generation is tried first, then the
+    previous one, every rank together. ``report``: a list that receives a line for every generation
+    passed over. Any problem that leaves no usable generation raises the same ``CheckpointError``
+    on every rank.
+    """
+    rank, nranks = comm.Get_rank(), comm.Get_size()
+    d = folder(out)
+    gens = _agreed_marker(comm, d, nranks)
+    if gens is None:
+        return None
     passed = []
     for i, (step, files, problem) in enumerate(gens):
         if problem:
             problem, state, digest = f"{MARKER}: {problem}", None, None
         else:
-            problem, state, digest = _try(d, step, files[rank], rank, nranks, config, shared)
+            problem, state, digest, _ = _try(d, step, files[rank], rank, nranks, config, shared, ignore)
         views = comm.allgather((problem, digest))
         problems = [p for p, _ in views]
         if not any(problems):
@@ -500,4 +521,75 @@ def load_latest(comm, out, config, report=None, shared=None):
         passed.append(f"step {step}: {text}" if step is not None else f"generation {i + 1}: {text}")
         if any(p and "other settings" in p for p in problems):
             break   # an older generation of the same run has the same settings
+    raise CheckpointError(f"cannot resume from {d}: " + " | ".join(passed))
+
+
+def _try_all(d, step, files, config, shared, ignore):
+    """``(problem or "", states, digest of what was read)`` for every file of one generation."""
+    states, digests, seals = [], [], []
+    for r, name in enumerate(files):
+        problem, state, digest, seal = _try(d, step, name, r, len(files), config, shared, ignore,
+                                            whose="its marker names")
+        if problem:
+            return problem, None, None
+        states.append(state)
+        digests.append(digest)
+        seals.append(seal)
+    if len(set(digests)) > 1:
+        return "its files: " + _differ(digests), None, None
+    return "", states, _digest([digests[0], seals])
+
+
+def load_all(comm, out, config, report=None, shared=None, ignore=()):
+    """Every old rank's state from the last complete checkpoint in ``out`` that every rank can use,
+    in the old ranks' order, whatever number of ranks wrote it; None when there is none.
+
+    For a job that resumes at another number of ranks: every rank reads all ``P_old`` files of a
+    generation and checks each as ``load_latest`` checks its own (readable, version 3, written by
+    that old rank of a run of ``P_old`` ranks for that step, its digest, the configuration but for
+    the keys in ``ignore``, finiteness, its shared part against the digest written with it); the
+    shared parts must be equal across the files, and the ranks agree, with a digest of everything
+    they read, that they read the same bits. A generation that fails on any rank is passed over by
+    every rank together, as in ``load_latest`` (``report``: its lines).
+
+    Args:
+        comm: the job's communicator (any size).
+        out: the job's output folder (checkpoints under ``folder(out)``).
+        config, report, shared, ignore: as for ``load_latest``.
+
+    Returns:
+        A list of ``P_old`` states (index ``r``: old rank ``r``'s), or None without a marker.
+
+    Raises:
+        CheckpointError: the same on every rank, when no generation can be used.
+
+    Example::
+
+        states = load_all(comm, out, config, shared=shared_state, ignore=("ranks",))
+        mine = None if states is None else states[comm.Get_rank() % len(states)]
+    """
+    d = folder(out)
+    gens = _agreed_marker(comm, d, None)
+    if gens is None:
+        return None
+    passed = []
+    for i, (step, files, problem) in enumerate(gens):
+        states, digest = None, None
+        if problem:
+            problem = f"{MARKER}: {problem}"
+        else:
+            problem, states, digest = _try_all(d, step, files, config, shared, ignore)
+        views = comm.allgather((problem, digest))
+        problems = [p for p, _ in views]
+        if not any(problems):
+            if len({g for _, g in views}) == 1:
+                if report is not None:
+                    report.extend(passed)
+                return states
+            text = "ranks read different files (is --out on a shared file system?)"
+        else:
+            text = _join(problems)
+        passed.append(f"step {step}: {text}" if step is not None else f"generation {i + 1}: {text}")
+        if any(p and "other settings" in p for p in problems):
+            break
     raise CheckpointError(f"cannot resume from {d}: " + " | ".join(passed))

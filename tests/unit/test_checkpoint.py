@@ -260,3 +260,102 @@ def test_a_marker_that_is_not_an_object_is_refused(tmp_path):
         json.dump([12, 8], f)
     with pytest.raises(checkpoint.CheckpointError, match=r"COMPLETE: rank 0: it is not a JSON object \(\[12, 8\]\)"):
         checkpoint.load_latest(MPI.COMM_SELF, out, CONFIG, shared=_model)
+
+
+# ---------------------------------------------------------------------------- load_all: every old rank's file
+def _old_run(tmp_path, nranks=3, steps=(8, 12), shared=_model):
+    """Generations ``steps`` of a run of ``nranks`` ranks, written file by file as its ranks would
+    (the same model, a residual of each rank's own), with their marker; returns (out, folder)."""
+    out = str(tmp_path)
+    d = checkpoint.folder(out)
+    os.makedirs(d, exist_ok=True)
+    for step in steps:
+        for r in range(nranks):
+            checkpoint.write(os.path.join(d, f"step{step:08d}.rank{r}.pt"), _rank_state(step, r),
+                             rank=r, nranks=nranks, step=step, shared=shared)
+    gens = [{"step": s, "files": [f"step{s:08d}.rank{r}.pt" for r in range(nranks)]} for s in reversed(steps)]
+    with open(os.path.join(d, checkpoint.MARKER), "w") as f:
+        json.dump({"version": checkpoint.VERSION, "step": gens[0]["step"], "nranks": nranks,
+                   "files": gens[0]["files"], "generations": gens}, f)
+    return out, d
+
+
+def _rank_state(step, rank):
+    return dict(_state(step), residual=np.random.RandomState(100 * step + rank).standard_normal(6))
+
+
+def test_load_all_gives_every_old_ranks_state_in_rank_order(tmp_path):
+    out, _ = _old_run(tmp_path)
+    got = checkpoint.load_all(MPI.COMM_SELF, out, CONFIG, shared=_model)
+    assert len(got) == 3 and all(_same(g, _rank_state(12, r)) for r, g in enumerate(got))
+    assert not _same(got[0]["residual"], got[1]["residual"])
+    # this job's own number of ranks as well (one rank, a checkpoint that save wrote)
+    one = tmp_path / "one"
+    checkpoint.save(MPI.COMM_SELF, str(one), 4, _state(4), shared=_model)
+    got = checkpoint.load_all(MPI.COMM_SELF, str(one), CONFIG, shared=_model)
+    assert len(got) == 1 and _same(got[0], _state(4))
+    assert checkpoint.load_all(MPI.COMM_SELF, str(tmp_path / "none"), CONFIG) is None
+
+
+def test_load_latest_still_refuses_a_checkpoint_of_another_number_of_ranks(tmp_path):
+    out, _ = _old_run(tmp_path)
+    with pytest.raises(checkpoint.CheckpointError, match="it was written by 3 ranks, this job has 1"):
+        checkpoint.load_latest(MPI.COMM_SELF, out, CONFIG, shared=_model)
+
+
+def _all_falls_back(out, words, shared=_model):
+    report = []
+    got = checkpoint.load_all(MPI.COMM_SELF, out, CONFIG, report=report, shared=shared)
+    assert len(got) == 3 and all(_same(g, _rank_state(8, r)) for r, g in enumerate(got))
+    assert len(report) == 1 and report[0].startswith("step 12: ") and words in report[0], report
+
+
+@pytest.mark.parametrize("damage,words", [
+    ("truncate", "rank 1 cannot read step00000012.rank1.pt"),
+    ("missing", "rank 1's file"),
+    ("copied", "rank 1's file step00000012.rank1.pt was written by rank 2"),
+    ("run size", "rank 1's file step00000012.rank1.pt was written by a run of 4 ranks, its marker names 3"),
+    ("edited", "do not match the digest written with them"),
+    ("model", "its files: the state that must be identical on every rank differs between ranks: ranks 0, 2: "),
+])
+def test_load_all_passes_over_a_generation_with_one_bad_file(tmp_path, damage, words):
+    """One old rank's file of the newest generation is cut short, missing, another rank's, of
+    another run size, edited after the write, or holds other parameters: the whole generation is
+    passed over and the one before is given, every file of it."""
+    out, d = _old_run(tmp_path)
+    path = os.path.join(d, "step00000012.rank1.pt")
+    if damage == "truncate":
+        with open(path, "r+b") as f:
+            f.truncate(64)
+    elif damage == "missing":
+        os.remove(path)
+    elif damage == "copied":
+        with open(os.path.join(d, "step00000012.rank2.pt"), "rb") as f:
+            data = f.read()
+        with open(path, "wb") as f:
+            f.write(data)
+    elif damage == "run size":
+        checkpoint.write(path, _rank_state(12, 1), rank=1, nranks=4, step=12, shared=_model)
+    elif damage == "edited":
+        def flip(raw):
+            raw["state"]["residual"]["data"][5] ^= 1
+        _rewrite(path, flip)
+    else:
+        other = _rank_state(12, 1)
+        other["model"]["b"] = other["model"]["b"] + 1
+        checkpoint.write(path, other, rank=1, nranks=3, step=12, shared=_model)
+    _all_falls_back(out, words)
+
+
+def test_load_all_compares_the_settings_but_those_it_ignores(tmp_path):
+    out, _ = _old_run(tmp_path)
+    with pytest.raises(checkpoint.CheckpointError, match=r"other settings: model='cnn' \(now 'lm'\)"):
+        checkpoint.load_all(MPI.COMM_SELF, out, dict(CONFIG, model="lm"), shared=_model)
+    with pytest.raises(checkpoint.CheckpointError, match=r"other settings: ranks=None \(now 1\)"):
+        checkpoint.load_all(MPI.COMM_SELF, out, dict(CONFIG, ranks=1), shared=_model)
+    got = checkpoint.load_all(MPI.COMM_SELF, out, dict(CONFIG, ranks=1), shared=_model, ignore=("ranks",))
+    assert len(got) == 3
+    single = tmp_path / "single"
+    checkpoint.save(MPI.COMM_SELF, str(single), 4, dict(_state(4), config=dict(CONFIG, ranks=4)))
+    assert _same(checkpoint.load_latest(MPI.COMM_SELF, str(single), dict(CONFIG, ranks=1), ignore=("ranks",)),
+                 dict(_state(4), config=dict(CONFIG, ranks=4)))
