@@ -32,3 +32,16 @@ def run_job(n, script, *args, env_extra=None):
                        stdin=subprocess.DEVNULL)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return p.stdout
+
+
+def launch_train(out, *args, n=2, expect=0):
+    """``mpiexec -n N python -m mpi4py jobs/train.py --out OUT ...``; returns the completed process
+    (``expect``: the exit status asserted, None: none)."""
+    if MPIEXEC is None:
+        pytest.skip("no mpiexec on PATH")
+    cmd = ["timeout", "-k", "5", "300", MPIEXEC, "-n", str(n), sys.executable, "-m", "mpi4py",
+           os.path.join(ROOT, "jobs", "train.py"), "--out", str(out), "--no-progress", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=320)
+    if expect is not None:
+        assert proc.returncode == expect, f"rc {proc.returncode}\n" + proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc

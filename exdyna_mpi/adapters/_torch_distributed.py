@@ -324,11 +324,7 @@ class _DistributedMixin(_OptimizerMixinBase):
             return
         who = "DistributedOptimizer.load_state_dict refused on every rank, state unchanged"
         ov = self._exdyna_overlap
-        if ov is not None:
-            try:
-                ov.wait(self._exdyna_comm)   # nothing in flight while the state changes
-            except exdyna_mpi.CollectiveError:
-                pass   # that exchange changed nothing, and the dict replaces what it would have
+        self._settle_overlap()
         problem = self._check_dict(state_dict)
         before = copy.deepcopy(super().state_dict())
         if problem is None:
@@ -410,6 +406,17 @@ class _DistributedMixin(_OptimizerMixinBase):
         sp = exdyna_mpi.make(old.name, old.numel, old.density, comm, **recipe.options)
         self._exdyna_options, self.sparsifier, self._exdyna_last, self._exdyna_comm = opts, sp, sp, comm
         self._reshard_load(dicts, complete=False)
+
+    def _settle_overlap(self) -> None:
+        """With ``overlap=True``, wait for the exchange in flight before a load replaces the state
+        (collective); a refused exchange changed nothing, and the loaded dicts replace what it
+        would have."""
+        ov = self._exdyna_overlap
+        if ov is not None:
+            try:
+                ov.wait(self._exdyna_comm)
+            except exdyna_mpi.CollectiveError:
+                pass
 
     def _reshard_load(self, dicts: Any, complete: bool) -> None:
         """``load_state_dict(dicts, reshard=True)``; ``complete=False``: the survivors' dicts only

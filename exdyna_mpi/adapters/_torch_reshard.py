@@ -270,11 +270,7 @@ def reshard_optimizer(opt: Any, dicts: Any, complete: bool, own_state: Callable[
         CollectiveError: any rank's problem (on every rank); nothing changes.
     """
     ov = opt._exdyna_overlap
-    if ov is not None:
-        try:
-            ov.wait(opt._exdyna_comm)   # nothing in flight while the state changes
-        except exdyna_mpi.CollectiveError:
-            pass   # that exchange changed nothing, and the dicts replace what it would have
+    opt._settle_overlap()
     problem, plan = None, None
     before = copy.deepcopy(own_state())
     try:

@@ -19,15 +19,10 @@ from typing import Any, NamedTuple
 
 from mpi4py import MPI
 
-__all__ = ["Shrunk", "fault_tolerance_problem", "is_rank_failure", "launch_line", "shrink"]
+__all__ = ["Shrunk", "fault_tolerance_problem", "is_rank_failure", "shrink"]
 
 #: how a job must be launched for shrink-and-continue (Open MPI with ULFM)
 LAUNCH = "mpiexec --with-ft ulfm --mca pml ob1 --mca btl tcp,self -n N python -m mpi4py ..."
-
-
-def launch_line() -> str:
-    """The launch line shrink-and-continue needs (for messages and docs)."""
-    return LAUNCH
 
 
 def fault_tolerance_problem() -> str | None:

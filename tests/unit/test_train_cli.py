@@ -9,7 +9,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import time
 
 import pytest
@@ -18,19 +17,10 @@ pytest.importorskip("torch", reason="PyTorch is not installed")
 pytest.importorskip("sklearn", reason="scikit-learn is not installed")
 pytest.importorskip("matplotlib", reason="matplotlib is not installed")
 
-from tests.launch import MPIEXEC, ROOT, child_env  # noqa: E402
+from tests.launch import ROOT, child_env, launch_train  # noqa: E402
 
 
-def _launch(out, *args, n=2, expect=0):
-    """``mpiexec -n N python -m mpi4py jobs/train.py --out OUT ...``; returns the completed process."""
-    if MPIEXEC is None:
-        pytest.skip("no mpiexec on PATH")
-    cmd = ["timeout", "-k", "5", "300", MPIEXEC, "-n", str(n), sys.executable, "-m", "mpi4py",
-           os.path.join(ROOT, "jobs", "train.py"), "--out", str(out), "--no-progress", *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=320)
-    if expect is not None:
-        assert proc.returncode == expect, f"rc {proc.returncode}\n" + proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
+_launch = launch_train
 
 
 def _records(out):

@@ -5,13 +5,9 @@ number of ranks goes on at another, from the checkpoint's step, the ranks identi
 The resumes at another number of ranks need ``DistributedOptimizer.load_state_dict(states,
 reshard=True)``; they are skipped where the library does not take it yet.
 """
-import inspect
 import json
 import math
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
@@ -19,7 +15,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is not installed")
 pytest.importorskip("sklearn", reason="scikit-learn is not installed")
 pytest.importorskip("matplotlib", reason="matplotlib is not installed")
 
-from tests.launch import MPIEXEC, ROOT, child_env  # noqa: E402
+from tests.launch import launch_train  # noqa: E402
 
 LM = ("--model", "lm", "--d-model", "32", "--layers", "1", "--heads", "2", "--context", "16",
       "--epochs", "2", "--max-steps", "4", "--batch-size", "2", "--no-plot")
@@ -27,30 +23,9 @@ CNN = ("--width", "4", "--epochs", "2", "--max-steps", "5", "--compare", "dense,
        "--no-plot")
 
 
-def _takes_reshard():
-    from mpi4py import MPI
-
-    import exdyna_mpi.adapters.torch as xt
-
-    p = torch.nn.Parameter(torch.zeros(4))
-    opt = xt.DistributedOptimizer(torch.optim.SGD([p], lr=0.1), sparsifier="dense", comm=MPI.COMM_SELF)
-    return "reshard" in inspect.signature(opt.load_state_dict).parameters
 
 
-needs_reshard = pytest.mark.skipif(not _takes_reshard(),
-                                   reason="DistributedOptimizer.load_state_dict(..., reshard=True) is not available")
-
-
-def _launch(out, *args, n=2, expect=0):
-    """``mpiexec -n N python -m mpi4py jobs/train.py --out OUT ...``; returns the completed process."""
-    if MPIEXEC is None:
-        pytest.skip("no mpiexec on PATH")
-    cmd = ["timeout", "-k", "5", "300", MPIEXEC, "-n", str(n), sys.executable, "-m", "mpi4py",
-           os.path.join(ROOT, "jobs", "train.py"), "--out", str(out), "--no-progress", *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=320)
-    if expect is not None:
-        assert proc.returncode == expect, f"rc {proc.returncode}\n" + proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
+_launch = launch_train
 
 
 def _records(out, kind=None):
@@ -113,7 +88,6 @@ def _steps(out):
     return [(r["run"], r["step"], r["ranks"]) for r in _records(out, "step")]
 
 
-@needs_reshard
 def test_lm_checkpointed_at_four_ranks_goes_on_at_three_two_and_back_at_four(tmp_path):
     """A 4-rank lm run leaves a checkpoint at step 6 (epoch 1, its third step) and runs on to the end.
     ``--resume --reshard`` at 3 and at 2 ranks ends the run with identical ranks; the first step
@@ -147,7 +121,6 @@ def test_lm_checkpointed_at_four_ranks_goes_on_at_three_two_and_back_at_four(tmp
     assert run["params_identical"] and run["ranks"] == 4 and run["steps"] == 8
 
 
-@needs_reshard
 def test_cnn_checkpointed_at_three_ranks_goes_on_at_two(tmp_path):
     """The digits CNN re-shards its data (every P-th example at the new P) and goes on at the same
     epoch and in-epoch step: the exdyna run's steps 4.. run at 2 ranks, the dense run done before
