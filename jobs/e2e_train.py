@@ -17,9 +17,9 @@ Example::
     rec = train(METHODS["exdyna"], wl, args, comm, numel, target=None, log=print)
 """
 import copy
+import datetime
 import math
 import os
-import socket
 import time
 
 import numpy as np
@@ -254,12 +254,18 @@ def init_torch_distributed(comm):
         addr = "127.0.0.1"
     if addr.startswith("127.") and not os.environ.get("GLOO_SOCKET_IFNAME"):
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    if not port:
-        port = None
-        if comm.Get_rank() == 0:
-            with socket.socket() as s:
-                s.bind((addr, 0))
-                port = s.getsockname()[1]
-        port = comm.bcast(port)
-    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=comm.Get_rank(),
-                            world_size=comm.Get_size())
+    if port:
+        dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=comm.Get_rank(),
+                                world_size=comm.Get_size())
+        return
+    # No port given: rank 0 binds the store on port 0 and broadcasts the kernel's choice, so no
+    # other job can take the port between a probe and the bind.
+    timeout = datetime.timedelta(seconds=300)
+    store = None
+    if comm.Get_rank() == 0:
+        store = dist.TCPStore(addr, 0, comm.Get_size(), is_master=True, timeout=timeout,
+                              wait_for_workers=False)
+    port = comm.bcast(store.port if store is not None else None)
+    if store is None:
+        store = dist.TCPStore(addr, port, comm.Get_size(), is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=comm.Get_rank(), world_size=comm.Get_size())

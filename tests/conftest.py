@@ -32,20 +32,24 @@ def pytest_configure(config):
 
 
 def init_gloo(comm=MPI.COMM_WORLD):
-    """A torch.distributed gloo process group over ``comm``'s ranks, on loopback (rank 0 picks a
-    free port and broadcasts it)."""
-    import socket
+    """A torch.distributed gloo process group over ``comm``'s ranks, on loopback.
+
+    Rank 0 opens the rendezvous store on port 0 and broadcasts the port the kernel gave it:
+    probing for a free port and closing it first leaves a window in which a concurrent job can
+    take it (EADDRINUSE)."""
+    import datetime
 
     import torch.distributed as dist
 
-    port = None
+    timeout = datetime.timedelta(seconds=120)
+    store = None
     if comm.Get_rank() == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = comm.bcast(port, root=0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.Get_rank(),
-                            world_size=comm.Get_size())
+        store = dist.TCPStore("127.0.0.1", 0, comm.Get_size(), is_master=True, timeout=timeout,
+                              wait_for_workers=False)
+    port = comm.bcast(store.port if store is not None else None, root=0)
+    if store is None:
+        store = dist.TCPStore("127.0.0.1", port, comm.Get_size(), is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=comm.Get_rank(), world_size=comm.Get_size())
 
 
 @pytest.fixture(scope="module")
