@@ -39,6 +39,7 @@ import torch
 from mpi4py import MPI
 
 import checkpoint  # jobs/checkpoint.py, jobs/common.py, jobs/models.py: beside this script
+import train_elastic
 from common import abort_on_exception, set_torch_threads
 from exdyna_mpi import available as sparsifier_names
 from train_run import MODEL_AVERAGING, Run
@@ -106,9 +107,13 @@ def parse_args(argv=None):
                     help="continue from the last complete checkpoint in --out (start fresh if there is none)")
     ap.add_argument("--reshard", action="store_true",
                     help="with --resume: also from a checkpoint written by another number of ranks")
+    ap.add_argument("--elastic", action="store_true",
+                    help="survive lost ranks: the survivors shrink and go on (Open MPI with ULFM, launched as "
+                         "mpiexec --with-ft ulfm --mca pml ob1 --mca btl tcp,self)")
     ap.add_argument("--fail-at", default="", metavar="RANK:STEP[:HOW]",
-                    help="fault drill: at job step STEP (from 0, over all runs) rank RANK raises an error "
-                         "(HOW=raise, default), kills itself with SIGKILL (kill) or sends itself SIGUSR1 (signal)")
+                    help="fault drill: at job step STEP (from 0, over all runs) rank RANK (at launch) raises an "
+                         "error (HOW=raise, default), kills itself with SIGKILL (kill), sends itself SIGUSR1 "
+                         "(signal) or is killed inside the next checkpoint write, after its file (save)")
     args = ap.parse_args(argv)
     args.fail_at = parse_fail_at(ap, args.fail_at)
     for k, v in DEFAULTS[args.model].items():
@@ -125,11 +130,11 @@ def parse_fail_at(ap, text):
     parts = text.split(":")
     how = parts[2] if len(parts) == 3 else "raise"
     try:
-        if len(parts) not in (2, 3) or how not in ("raise", "kill", "signal"):
+        if len(parts) not in (2, 3) or how not in ("raise", "kill", "signal", "save"):
             raise ValueError
         return int(parts[0]), int(parts[1]), how
     except ValueError:
-        ap.error(f"--fail-at wants RANK:STEP[:raise|kill|signal], got {text!r}")
+        ap.error(f"--fail-at wants RANK:STEP[:raise|kill|signal|save], got {text!r}")
 
 
 class StopRequest:
@@ -162,6 +167,7 @@ class Job:
         self.records = []          # everything logged so far (every rank keeps it; rank 0 writes it)
         self.step = 0              # steps completed in the whole job
         self.stop = StopRequest()
+        self.launch_rank = comm.Get_rank()   # who a fault drill names; ranks move when some are lost
         # "ranks": the ranks the job started with (a resume takes it from the checkpoint; the lm's
         # global batch is batch_size times it)
         self.config = {"ranks": comm.Get_size(), "runs": [list(r) for r in todo],
@@ -294,6 +300,13 @@ def main(argv=None):
     rank, nranks = comm.Get_rank(), comm.Get_size()
     threads = set_torch_threads(comm, args.threads)
     todo = plan(args)
+    if args.elastic:   # refused on every rank, before anything is built, where the MPI cannot shrink
+        problems = {p for p in comm.allgather(train_elastic.problem(args)) if p}
+        if problems:
+            if rank == 0:
+                print(f"train.py: --elastic refused on all {nranks} ranks: {'; '.join(sorted(problems))}",
+                      file=sys.stderr, flush=True)
+            return 2
     job = Job(args, comm, todo, None)
     try:
         passed = []
@@ -340,11 +353,12 @@ def main(argv=None):
     for i in range(len(runs), len(todo)):
         name, density = todo[i]
         resume = ck["current"] if ck is not None and i == ck["run_index"] else None
-        run = Run(name, density, args, comm, job)
+        run = Run(name, density, args, job.comm, job)   # the survivors' comm once ranks are lost
         runs.append(run.train(show_progress=rank == 0 and not args.no_progress, runs_done=runs[:i], resume=resume,
                               reshard=reshard if resume is not None else None))
         reshard = None
     ok = all(r.identical for r in runs)
+    rank, nranks = job.comm.Get_rank(), job.comm.Get_size()
     if rank == 0:
         job.log_file.close()
         print("\n" + summary_table(runs), flush=True)

@@ -23,8 +23,11 @@ import torch
 from mpi4py import MPI
 
 import checkpoint
-from exdyna_mpi.adapters.torch import DistributedOptimizer, GroupAveragingOptimizer
+import train_elastic
 from common import key_values
+from exdyna_mpi import RanksLost
+from exdyna_mpi.adapters.torch import DistributedOptimizer, GroupAveragingOptimizer
+from train_elastic import guard
 from train_work import WORKS
 
 EX_REQUEUE = 75   # exit status after a checkpoint on SIGUSR1: the job wants to be requeued
@@ -56,16 +59,28 @@ def build_optimizer(name, density, args, model, comm):
             extra["max_loss"] = args.max_loss
     if args.clip:
         extra["clip_norm"] = args.clip
-    return DistributedOptimizer(opt, model, sparsifier=name, density=density, comm=comm, **extra)
+    return DistributedOptimizer(opt, model, sparsifier=name, density=density, comm=comm, elastic=args.elastic,
+                                **extra)
 
 
 def fault_drill(fail_at, rank, step):
-    """``--fail-at``: make this rank fail at this job step, the way real jobs fail."""
+    """``--fail-at``: make this rank (its rank at launch) fail at this job step, the way real jobs
+    fail; ``save``: die inside the next checkpoint write, once this rank's file is written."""
     if fail_at is None or fail_at[:2] != (rank, step):
         return
     how = fail_at[2]
     if how == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    elif how == "save":
+        write = checkpoint._write_encoded
+
+        def written_then_killed(*a, **k):
+            write(*a, **k)
+            print(f"fault drill (--fail-at): rank {rank} killed inside a checkpoint write at {time.time():.3f}",
+                  flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        checkpoint._write_encoded = written_then_killed
     elif how == "signal":
         os.kill(os.getpid(), signal.SIGUSR1)
     else:
@@ -104,6 +119,7 @@ class Run:
         self.steps, self.epochs = [], []
         self.elapsed = 0.0
         self.work = self.model = self.opt = None
+        self.saved_at = -1   # the job step of this run's last checkpoint on this rank
 
     def export(self):
         return {k: getattr(self, k) for k in self.EXPORTED if hasattr(self, k)}
@@ -123,6 +139,8 @@ class Run:
         self.work = WORKS[args.model](args, comm, start_ranks=self.job.config["ranks"])
         self.model = self.work.model
         self.opt = build_optimizer(self.name, self.density, args, self.model, comm)
+        # the run's steps before this optimizer was built (an elastic one counts its own from 0)
+        self.first_step = len(resume["steps"]) if resume is not None else 0
         flat = self.opt.flat_params if self.name in MODEL_AVERAGING else self.opt.flat_grad
         self.options = dict(getattr(getattr(self.opt, "sparsifier", None), "options", {}) or {})
         if resume is None:
@@ -137,67 +155,91 @@ class Run:
         # Ring allreduce of the whole gradient: what dense sends per rank and step (same model as
         # exdyna_mpi's byte accounting), at the number of ranks the run goes on with.
         self.numel, self.steps_per_epoch = flat.numel(), self.work.steps_per_epoch
-        self.dense_bytes = 2 * (nranks - 1) * self.numel * flat.element_size() // nranks
+        self.element_size = flat.element_size()
+        self.dense_bytes = 2 * (nranks - 1) * self.numel * self.element_size // nranks
 
     def train(self, show_progress, runs_done=(), resume=None, reshard=None):
         """Train (from the start, or from ``resume``: the checkpoint's "current" entry; ``reshard``
-        as for ``setup``)."""
-        args, comm, job = self.args, self.comm, self.job
-        rank = comm.Get_rank()
+        as for ``setup``). With ``--elastic``, a lost rank's survivors go on (jobs/train_elastic.py)."""
+        self.runs_done = runs_done
         self.setup(resume, reshard)
-        first_epoch, skip = (0, 0) if resume is None else (resume["epoch"], resume["in_epoch"])
-        bar = None
+        self.first_epoch, self.first_skip = (0, 0) if resume is None else (resume["epoch"], resume["in_epoch"])
+        self.bar = None
         if show_progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=args.epochs * self.steps_per_epoch, initial=len(self.steps), desc=self.label,
-                       unit="step", dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
-        t_start = time.perf_counter() - self.elapsed
-        for epoch in range(first_epoch, args.epochs):
+            self.bar = tqdm(total=self.args.epochs * self.steps_per_epoch, initial=len(self.steps),
+                            desc=self.label, unit="step", dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
+        self.t_start = time.perf_counter() - self.elapsed
+        epoch, done = self.first_epoch, self.first_skip
+        if any(e["epoch"] == epoch for e in self.epochs):   # resumed after that epoch's evaluation
+            epoch, done = epoch + 1, 0
+        while True:
+            try:
+                self._epochs(epoch, done)
+                break
+            except RanksLost as lost:
+                while lost is not None:   # a checkpoint written again in go_on may lose a rank too
+                    try:
+                        epoch, done = train_elastic.go_on(self, lost)
+                        lost = None
+                    except RanksLost as again:
+                        lost = again
+                if self.bar is not None:
+                    self.bar.n = len(self.steps)
+        if self.bar is not None:
+            self.bar.close()
+        guard(self, self._finish, time.perf_counter() - self.t_start)
+        return self
+
+    def _epochs(self, epoch, done):
+        """The epochs from step ``done`` of ``epoch`` on, each ended by its evaluation."""
+        args, job = self.args, self.job
+        for epoch in range(epoch, args.epochs):
             self.model.train()
-            done = skip if epoch == first_epoch else 0
-            first = len(self.steps) - done
             for s, x, y, weight in self.work.batches(epoch, done):
-                fault_drill(args.fail_at, rank, job.step)
+                fault_drill(args.fail_at, job.launch_rank, job.step)
                 rec, stop = self.step(epoch, x, y, weight)
-                if bar is not None:
-                    bar.set_postfix(loss=f"{rec['loss']:.3f}", density=f"{rec['density']:.4f}", refresh=False)
-                    bar.update(1)
+                if self.bar is not None:
+                    self.bar.set_postfix(loss=f"{rec['loss']:.3f}", density=f"{rec['density']:.4f}", refresh=False)
+                    self.bar.update(1)
                 every = args.checkpoint_every
                 if stop or (every and job.step % every == 0):   # stop: a SIGUSR1 on any rank
-                    self.elapsed = time.perf_counter() - t_start
-                    job.save(runs_done, self, self.model, self.opt, epoch, s + 1)
+                    self.save_at(epoch, s + 1)
                 if stop:
-                    if bar is not None:
-                        bar.close()
-                    if rank == 0:
+                    if self.bar is not None:
+                        self.bar.close()
+                    if self.comm.Get_rank() == 0:
                         print(f"[{self.label}] SIGUSR1: checkpoint written at job step {job.step} "
                               f"under {checkpoint.folder(args.out)}; exiting with {EX_REQUEUE} (requeue)",
                               flush=True)
                     raise SystemExit(EX_REQUEUE)
+            done = 0
             self.model.eval()
             if self.name in MODEL_AVERAGING:
                 self.opt.synchronize_model()  # evaluate (and end with) one model: the global average
-            ev = self.work.evaluate(self.model, comm)
-            ep = self._epoch_record(epoch, self.steps[first:], ev, time.perf_counter() - t_start)
+            ev = guard(self, self.work.evaluate, self.model, self.comm)
+            ep = self._epoch_record(epoch, [r for r in self.steps if r["epoch"] == epoch], ev,
+                                    time.perf_counter() - self.t_start)
             self.epochs.append(ep)
             self.log(ep)
             line = self.epoch_line(ep)
-            if bar is not None:
-                bar.write(line, file=sys.stderr)
-            elif rank == 0:
+            if self.bar is not None:
+                self.bar.write(line, file=sys.stderr)
+            elif self.comm.Get_rank() == 0:
                 print(line, flush=True)
-        if bar is not None:
-            bar.close()
-        self._finish(time.perf_counter() - t_start)
-        return self
+
+    def save_at(self, epoch, in_epoch):
+        """A checkpoint after this job step (collective; ``in_epoch``: the epoch's steps done)."""
+        self.elapsed = time.perf_counter() - self.t_start
+        guard(self, self.job.save, self.runs_done, self, self.model, self.opt, epoch, in_epoch)
+        self.saved_at = self.job.step
 
     def step(self, epoch, x, y, weight):
         """One step on this rank's batch ``x, y`` (``weight``: the workload's loss factor): gradient,
         exchange and optimizer step, then the step's record, logged. Collective. Returns ``(record,
         stop)``; ``stop``: some rank got SIGUSR1. Nothing is recorded before the exchange completes."""
         opt, comm, job = self.opt, self.comm, self.job
-        nranks = comm.Get_size()
         t0 = time.perf_counter()
         opt.zero_grad()
         loss = self.work.loss(self.model, x, y, weight)
@@ -206,24 +248,32 @@ class Run:
         if self.args.clip and self.name in MODEL_AVERAGING:   # sparse runs clip inside (clip_norm)
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.clip)
         t1 = time.perf_counter()
+        # what this rank saw of the step, should the exchange complete and its record be lost
+        self.pending, self.pending_epoch = [loss.item(), 0.0, 0.0, t1 - t0, 0.0, 0.0, 0.0], epoch
         opt.step()
         st = opt.stats
         sec = st.seconds or {}
         select = sec.get("select", 0.0)
         local = np.array([loss.item(), st.bytes_sent, st.bytes_received, t1 - t0, select,
                           sec.get("total", 0.0) - select, float(job.stop.requested)])
+        self.pending = list(local)
         mean = np.empty_like(local)
-        comm.Allreduce(local, mean, op=MPI.SUM)
-        mean /= nranks
-        rec = {"kind": "step", "run": self.label, "sparsifier": self.name, "target": self.density,
-               "step": len(self.steps), "epoch": epoch, "loss": mean[0], "density": float(st.density),
-               "imbalance": imbalance_of(st), "bytes_sent": mean[1], "bytes_received": mean[2],
-               "dense_bytes": self.dense_bytes, "t_compute": mean[3], "t_select": mean[4],
-               "t_exchange": mean[5], "ranks": nranks}
+        guard(self, comm.Allreduce, local, mean, op=MPI.SUM)
+        mean /= comm.Get_size()
+        rec = self.step_record(epoch, mean, st)
         self.steps.append(rec)
         self.log(rec)
         job.step += 1
         return rec, mean[6] > 0
+
+    def step_record(self, epoch, mean, st, **extra):
+        """A step's record from the ranks' mean of ``[loss, sent, received, compute, select,
+        exchange, ...]`` and this rank's ``stats``."""
+        return {"kind": "step", "run": self.label, "sparsifier": self.name, "target": self.density,
+                "step": len(self.steps), "epoch": epoch, "loss": mean[0], "density": float(st.density),
+                "imbalance": imbalance_of(st), "bytes_sent": mean[1], "bytes_received": mean[2],
+                "dense_bytes": self.dense_bytes, "t_compute": mean[3], "t_select": mean[4],
+                "t_exchange": mean[5], "ranks": self.comm.Get_size(), **extra}
 
     def _finish(self, wall):
         opt = self.opt

@@ -91,7 +91,7 @@ print(\"=== MPI:\", v); assert v.startswith(\"Open MPI\"), v" || exit 1
         done
         lane openmpi-abort python $PYTEST tests/unit/test_abort.py --junitxml="$0/openmpi-abort.xml" "$@"
         # shrink-and-continue after a SIGKILLed rank (ULFM): Open MPI only, so no skip is allowed here
-        lane openmpi-elastic env EXDYNA_REQUIRE_ULFM=1 python $PYTEST tests/unit/test_elastic.py \
+        lane openmpi-elastic env EXDYNA_REQUIRE_ULFM=1 python $PYTEST tests/unit/test_elastic.py tests/unit/test_train_elastic.py \
             --junitxml="$0/openmpi-elastic.xml" "$@"
         exit $status' "$out" "$root" "$@"
 fi

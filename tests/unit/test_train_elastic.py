@@ -1,0 +1,100 @@
+"""``jobs/train.py --elastic``: the main job loses a rank of 4 and finishes at P=3 (Open MPI with ULFM,
+the ``openmpi-elastic`` lane of tests/run_all.sh, where ``EXDYNA_REQUIRE_ULFM=1`` allows no skip),
+and refuses the flag where the MPI cannot shrink (every lane).
+
+Each case trains a small byte-level GPT (AdamW, clipping) for 16 steps and checks, from the job's
+own records: every step recorded exactly once, at 4 ranks before the loss and 3 after; the
+survivors' parameters bit-identical; the losses before the failure exactly the uninterrupted run's
+(the global batch does not depend on the number of ranks) and no spike after it."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.launch import MPIEXEC, ROOT, child_env, launch_train
+from tests.unit.test_elastic import ULFM, _need_ulfm
+
+LM = ["--model", "lm", "--d-model", "32", "--layers", "1", "--heads", "2", "--context", "32",
+      "--batch-size", "4", "--epochs", "2", "--max-steps", "8", "--no-plot", "--no-progress"]
+STEPS = 16
+
+
+def _train(out, *args, n=4, ulfm=True):
+    cmd = ["timeout", "-k", "5", "240", MPIEXEC, *(ULFM if ulfm else []), "-n", str(n), sys.executable, "-m",
+           "mpi4py", os.path.join(ROOT, "jobs", "train.py"), "--out", str(out), *LM, *args]
+    p = subprocess.run(cmd, cwd=ROOT, env=child_env({"EXDYNA_TIMEOUT_S": "120"}), capture_output=True, text=True,
+                       stdin=subprocess.DEVNULL)
+    text = p.stdout + p.stderr
+    assert p.returncode == 0, f"rc {p.returncode}\n{text[-4000:]}"
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return recs, text
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted 4-rank run."""
+    _need_ulfm()
+    out = tmp_path_factory.mktemp("train-reference")
+    recs, text = _train(out, "--elastic")
+    assert "bit-identical on all 4 ranks" in text
+    return [r["loss"] for r in recs if r["kind"] == "step"]
+
+
+CASES = [
+    ("0:6:kill", []),                              # rank 0 (which writes the log) dies between steps
+    ("2:9:kill", []),                              # in the second epoch
+    ("3:4:save", ["--checkpoint-every", "4"]),     # inside the checkpoint written after job step 8
+]
+
+
+@pytest.mark.parametrize("drill,extra", CASES, ids=[d.replace(":", "-") for d, _ in CASES])
+def test_the_job_loses_a_rank_and_finishes_at_three(tmp_path, reference, drill, extra):
+    _need_ulfm()
+    recs, text = _train(tmp_path, "--elastic", "--fail-at", drill, *extra)
+    victim = int(drill.split(":")[0])
+    assert "bit-identical on all 3 ranks" in text, text[-3000:]
+    lost = [r for r in recs if r["kind"] == "ranks_lost"]
+    assert len(lost) == 1 and lost[0]["lost"] == [victim] and lost[0]["to_ranks"] == 3, lost
+    at = lost[0]["step"]
+    steps = [r for r in recs if r["kind"] == "step"]
+    assert [r["step"] for r in steps] == list(range(STEPS)), "every step recorded exactly once"
+    assert [r["ranks"] for r in steps] == [4] * at + [3] * (STEPS - at)
+    assert len([r for r in recs if r["kind"] == "epoch"]) == 2
+    loss = [r["loss"] for r in steps]
+    # a step's record is the ranks' mean loss of the rank-independent global batch: the uninterrupted
+    # run's, bit for bit, before the loss; at the first step after it the same parameters give the
+    # same loss up to float32 rounding (the batch is split three ways instead of four)
+    assert loss[:at] == reference[:at], (loss, reference)
+    assert loss[at] == pytest.approx(reference[at], rel=1e-5), (loss[at], reference[at])
+    assert max(loss[at:]) <= 1.05 * max(reference[at:]), (loss[at:], reference[at:])
+    run = [r for r in recs if r["kind"] == "run"][0]
+    assert run["ranks"] == 3 and run["params_identical"]
+
+
+def test_a_checkpoint_rewritten_by_the_survivors_resumes_at_three(tmp_path, reference):
+    """The checkpoint a rank died in is written again by the three survivors; a plain resume from it
+    at ``-n 3`` (no ULFM, no --elastic) trains the rest bit for bit as the elastic run did."""
+    _need_ulfm()
+    _, text = _train(tmp_path, "--elastic", "--fail-at", "1:4:save", "--checkpoint-every", "8")
+    final = text.split("bit-identical on all 3 ranks (sha256 ")[1][:16]
+    folder = tmp_path / "checkpoints"
+    marker = json.loads((folder / "COMPLETE").read_text())
+    assert marker["nranks"] == 3 and marker["step"] == STEPS, marker
+    gens = {g["step"]: g["files"] for g in marker["generations"]}
+    assert sorted(gens) == [8, STEPS] and len(gens[8]) == 3, "the generation the rank died in, written again"
+    for name in gens[STEPS]:   # the newest generation lost: the resume takes the survivors' one
+        (folder / name).unlink()
+    _, text = _train(tmp_path, "--resume", "--checkpoint-every", "8", n=3, ulfm=False)
+    assert "resumed from job step 8" in text and f"(sha256 {final}" in text, text[-3000:]
+
+
+def test_elastic_is_refused_where_the_mpi_cannot_shrink(tmp_path):
+    """``mpiexec`` without ``--with-ft ulfm`` (MPICH, or Open MPI launched plainly): refused on
+    every rank with the launch line, exit status 2, nothing trained."""
+    if MPIEXEC is None:
+        pytest.skip("no mpiexec on PATH")
+    p = launch_train(tmp_path, *LM, "--elastic", n=2, expect=2)
+    assert "--elastic refused on all 2 ranks" in p.stderr and "--with-ft ulfm" in p.stderr, p.stderr[-2000:]
+    assert not (tmp_path / "metrics.jsonl").exists()
