@@ -4,7 +4,8 @@
         tests/elastic_job.py ENTRY VICTIM STEP WHERE OUT
 
 ENTRY: ``optimizer`` (DistributedOptimizer over momentum SGD), ``adamw`` (DistributedOptimizer over
-AdamW, its default Adam path) or ``diloco`` (DiLoCo, an outer step every 4 steps). At step STEP rank
+AdamW, its default Adam path), ``zoo`` (AdamW with clipping on a model with BatchNorm, a tied
+weight, a frozen layer and an unused parameter) or ``diloco`` (DiLoCo, an outer step every 4 steps). At step STEP rank
 VICTIM kills itself (SIGKILL) WHERE: ``exchange`` (inside the step's gradient exchange, after its
 first collective), ``outer`` (DiLoCo: inside the outer step's exchange), ``compute`` (between
 steps, before the backward), or ``none`` (no fault: the reference run). The global batch of a step
@@ -38,8 +39,34 @@ def batch(step, rank, nranks):
     return x[rank::nranks], y[rank::nranks]
 
 
+class Zoo(torch.nn.Module):
+    """What user models hold: BatchNorm (running statistics, a step counter), a weight tied between
+    two layers, a frozen layer and a parameter no step uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(DIM, 64)
+        self.bn = torch.nn.BatchNorm1d(64)
+        self.down = torch.nn.Linear(64, 16, bias=False)   # its weight is used again, transposed
+        self.frozen = torch.nn.Linear(64, 64)
+        self.frozen.requires_grad_(False)
+        self.unused = torch.nn.Linear(5, 5)
+        self.head = torch.nn.Linear(64, CLASSES)
+        self.head.weight = self.tied = torch.nn.Parameter(torch.randn(CLASSES, 64) * 0.1)
+
+    def forward(self, x):
+        h = torch.relu(self.bn(self.inp(x)))
+        h = h + torch.relu(self.frozen(h)) + torch.nn.functional.linear(torch.relu(self.down(h)), self.down.weight.t())
+        return torch.nn.functional.linear(h, self.tied, self.head.bias)
+
+
 def build(entry, comm):
     torch.manual_seed(0)
+    if entry == "zoo":   # AdamW with per-rank clipping, as transformers train
+        model = Zoo()
+        inner = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3, weight_decay=0.1)
+        return model, DistributedOptimizer(inner, model, sparsifier="exdyna", density=0.1, comm=comm, elastic=True,
+                                           clip_norm=1.0)
     model = torch.nn.Sequential(torch.nn.Linear(DIM, 64), torch.nn.ReLU(), torch.nn.Linear(64, CLASSES))
     if entry == "optimizer":
         inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -83,7 +110,9 @@ def main():
         # the whole global batch's loss (DiLoCo's global parameters): the same on every rank, at any P
         with torch.no_grad(), (opt.global_model() if entry == "diloco" else contextlib.nullcontext()):
             xs, ys = batch(step, 0, 1)
+            model.eval()   # BatchNorm's running statistics, not this batch's
             full[step] = torch.nn.functional.cross_entropy(model(xs), ys).item()
+            model.train()
         x, y = batch(step, rank, nranks)
         opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(model(x), y)
@@ -102,7 +131,9 @@ def main():
             continue
         losses[step], ranks_at[step] = loss.item(), nranks   # a step trained again replaces its entry
         step += 1
-    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+    # parameters and buffers (BatchNorm's running statistics come from the most advanced survivor)
+    digest = hashlib.sha256(b"".join(t.detach().numpy().tobytes()
+                                     for t in list(model.parameters()) + list(model.buffers()))).hexdigest()
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump({"losses": [losses.get(s) for s in range(STEPS)], "full": [full.get(s) for s in range(STEPS)],
                    "ranks": [ranks_at.get(s) for s in range(STEPS)],

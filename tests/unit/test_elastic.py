@@ -55,7 +55,7 @@ def reference(tmp_path_factory):
     _need_ulfm()
     base = tmp_path_factory.mktemp("reference")
     runs = {}
-    for entry in ("optimizer", "adamw", "diloco"):
+    for entry in ("optimizer", "adamw", "zoo", "diloco"):
         ranks, _ = _run(base, entry, -1, -1, "none")
         assert len(ranks) == 4 and len({r["sha256"] for r in ranks}) == 1
         runs[entry] = ranks[0]
@@ -66,6 +66,7 @@ CASES = [
     ("optimizer", 3, 10, "exchange"),   # the last rank dies inside a gradient exchange
     ("optimizer", 0, 10, "compute"),    # rank 0 dies between steps: the others are in the exchange
     ("adamw", 1, 10, "exchange"),       # AdamW's default Adam path
+    ("zoo", 2, 7, "exchange"),          # BatchNorm, tied and frozen weights, an unused parameter, clipping
     ("diloco", 2, 10, "outer"),         # inside DiLoCo's outer step
 ]
 
