@@ -110,12 +110,12 @@ def parse_args(argv=None):
     ap.add_argument("--elastic", action="store_true",
                     help="survive lost ranks: the survivors shrink and go on (Open MPI with ULFM, launched as "
                          "mpiexec --with-ft ulfm --mca pml ob1 --mca btl tcp,self)")
-    ap.add_argument("--fail-at", default="", metavar="RANK:STEP[:HOW]",
+    ap.add_argument("--fail-at", action="append", default=[], metavar="RANK:STEP[:HOW]",
                     help="fault drill: at job step STEP (from 0, over all runs) rank RANK (at launch) raises an "
                          "error (HOW=raise, default), kills itself with SIGKILL (kill), sends itself SIGUSR1 "
-                         "(signal) or is killed inside the next checkpoint write, after its file (save)")
+                         "(signal) or is killed inside the next checkpoint write, after its file (save); repeatable")
     args = ap.parse_args(argv)
-    args.fail_at = parse_fail_at(ap, args.fail_at)
+    args.fail_at = [parse_fail_at(ap, text) for text in args.fail_at if text]
     for k, v in DEFAULTS[args.model].items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -125,8 +125,6 @@ def parse_args(argv=None):
 
 
 def parse_fail_at(ap, text):
-    if not text:
-        return None
     parts = text.split(":")
     how = parts[2] if len(parts) == 3 else "raise"
     try:

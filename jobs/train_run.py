@@ -63,12 +63,13 @@ def build_optimizer(name, density, args, model, comm):
                                 **extra)
 
 
-def fault_drill(fail_at, rank, step):
+def fault_drill(drills, rank, step):
     """``--fail-at``: make this rank (its rank at launch) fail at this job step, the way real jobs
     fail; ``save``: die inside the next checkpoint write, once this rank's file is written."""
-    if fail_at is None or fail_at[:2] != (rank, step):
+    hows = [how for r, s, how in drills if (r, s) == (rank, step)]
+    if not hows:
         return
-    how = fail_at[2]
+    how = hows[0]
     if how == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif how == "save":

@@ -1,9 +1,9 @@
-"""``jobs/train.py --elastic``: the main job loses a rank of 4 and finishes at P=3 (Open MPI with ULFM,
-the ``openmpi-elastic`` lane of tests/run_all.sh, where ``EXDYNA_REQUIRE_ULFM=1`` allows no skip),
-and refuses the flag where the MPI cannot shrink (every lane).
+"""``jobs/train.py --elastic``: the main job loses ranks of 4 and finishes with the survivors (Open
+MPI with ULFM, the ``openmpi-elastic`` lane of tests/run_all.sh, where ``EXDYNA_REQUIRE_ULFM=1``
+allows no skip), and refuses the flag where the MPI cannot shrink (every lane).
 
-Each case trains a small byte-level GPT (AdamW, clipping) for 16 steps and checks, from the job's
-own records: every step recorded exactly once, at 4 ranks before the loss and 3 after; the
+Each LM case trains a small byte-level GPT (AdamW, clipping) for 16 steps and checks, from the
+job's own records: every step recorded exactly once, at the ranks left at each point; the
 survivors' parameters bit-identical; the losses before the failure exactly the uninterrupted run's
 (the global batch does not depend on the number of ranks) and no spike after it."""
 import json
@@ -43,34 +43,57 @@ def reference(tmp_path_factory):
 
 
 CASES = [
-    ("0:6:kill", []),                              # rank 0 (which writes the log) dies between steps
-    ("2:9:kill", []),                              # in the second epoch
-    ("3:4:save", ["--checkpoint-every", "4"]),     # inside the checkpoint written after job step 8
+    (["0:6:kill"], []),                            # rank 0 (which writes the log) dies between steps
+    (["2:9:kill"], []),                            # in the second epoch
+    (["3:4:save"], ["--checkpoint-every", "4"]),   # inside the checkpoint written after job step 8
+    (["3:5:kill", "1:11:kill"], []),               # two losses, one after the other: 4, 3, then 2 ranks
 ]
 
 
-@pytest.mark.parametrize("drill,extra", CASES, ids=[d.replace(":", "-") for d, _ in CASES])
-def test_the_job_loses_a_rank_and_finishes_at_three(tmp_path, reference, drill, extra):
+@pytest.mark.parametrize("drills,extra", CASES, ids=["+".join(d).replace(":", "-") for d, _ in CASES])
+def test_the_job_loses_ranks_and_finishes_with_the_survivors(tmp_path, reference, drills, extra):
     _need_ulfm()
-    recs, text = _train(tmp_path, "--elastic", "--fail-at", drill, *extra)
-    victim = int(drill.split(":")[0])
-    assert "bit-identical on all 3 ranks" in text, text[-3000:]
+    args = [a for d in drills for a in ("--fail-at", d)]
+    recs, text = _train(tmp_path, "--elastic", *args, *extra)
+    left = 4 - len(drills)
+    assert f"bit-identical on all {left} ranks" in text, text[-3000:]
     lost = [r for r in recs if r["kind"] == "ranks_lost"]
-    assert len(lost) == 1 and lost[0]["lost"] == [victim] and lost[0]["to_ranks"] == 3, lost
-    at = lost[0]["step"]
+    assert [r["to_ranks"] for r in lost] == list(range(3, left - 1, -1)), lost
+    # a victim is named by its rank at launch; the ranks below it keep theirs in every shrink
+    assert [r["lost"] for r in lost] == [[int(d.split(":")[0])] for d in drills], lost
+    at = [r["step"] for r in lost]
     steps = [r for r in recs if r["kind"] == "step"]
     assert [r["step"] for r in steps] == list(range(STEPS)), "every step recorded exactly once"
-    assert [r["ranks"] for r in steps] == [4] * at + [3] * (STEPS - at)
+    bounds = [0] + at + [STEPS]
+    assert [r["ranks"] for r in steps] == [n for i, n in enumerate(range(4, left - 1, -1))
+                                           for _ in range(bounds[i + 1] - bounds[i])]
     assert len([r for r in recs if r["kind"] == "epoch"]) == 2
     loss = [r["loss"] for r in steps]
     # a step's record is the ranks' mean loss of the rank-independent global batch: the uninterrupted
-    # run's, bit for bit, before the loss; at the first step after it the same parameters give the
-    # same loss up to float32 rounding (the batch is split three ways instead of four)
-    assert loss[:at] == reference[:at], (loss, reference)
-    assert loss[at] == pytest.approx(reference[at], rel=1e-5), (loss[at], reference[at])
-    assert max(loss[at:]) <= 1.05 * max(reference[at:]), (loss[at:], reference[at:])
+    # run's, bit for bit, before the first loss; at the first step after it the same parameters give
+    # the same loss up to float32 rounding (the batch is split three ways instead of four)
+    first = at[0]
+    assert loss[:first] == reference[:first], (loss, reference)
+    assert loss[first] == pytest.approx(reference[first], rel=1e-5), (loss[first], reference[first])
+    assert max(loss[first:]) <= 1.05 * max(reference[first:]), (loss[first:], reference[first:])
     run = [r for r in recs if r["kind"] == "run"][0]
-    assert run["ranks"] == 3 and run["params_identical"]
+    assert run["ranks"] == left and run["params_identical"]
+
+
+def test_the_cnn_survivors_reshard_their_data_and_finish(tmp_path):
+    """``--model cnn`` (momentum SGD, each rank on a shard of its own): the survivors take the data
+    of a run of 3 from the next step on and finish every epoch, bit-identical."""
+    _need_ulfm()
+    cmd = ["timeout", "-k", "5", "240", MPIEXEC, *ULFM, "-n", "4", sys.executable, "-m", "mpi4py",
+           os.path.join(ROOT, "jobs", "train.py"), "--out", str(tmp_path), "--epochs", "2", "--max-steps", "6",
+           "--width", "8", "--elastic", "--fail-at", "1:8:kill", "--no-plot", "--no-progress"]
+    p = subprocess.run(cmd, cwd=ROOT, env=child_env({"EXDYNA_TIMEOUT_S": "120"}), capture_output=True, text=True,
+                       stdin=subprocess.DEVNULL)
+    assert p.returncode == 0 and "bit-identical on all 3 ranks" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
+    recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in recs if r["kind"] == "step"]
+    assert [(r["epoch"], r["ranks"]) for r in steps] == [(0, 4)] * 6 + [(1, 4)] * 2 + [(1, 3)] * 4
+    assert [r["epoch"] for r in recs if r["kind"] == "epoch"] == [0, 1]
 
 
 def test_a_checkpoint_rewritten_by_the_survivors_resumes_at_three(tmp_path, reference):
