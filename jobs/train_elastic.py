@@ -31,6 +31,8 @@ import os
 import numpy as np
 from mpi4py import MPI
 
+# the job's own collectives recover as the entry points do: it asks the MPI whether it can shrink
+# and whether an error is a lost rank, which only the transport layer knows
 from exdyna_mpi.transport import ulfm
 
 
