@@ -33,7 +33,7 @@ from mpi4py import MPI
 
 # the job's own collectives recover as the entry points do: it asks the MPI whether it can shrink
 # and whether an error is a lost rank, which only the transport layer knows
-from exdyna_mpi.transport import ulfm
+from exdyna_mpi.transport.ulfm import LAUNCH, fault_tolerance_problem, is_rank_failure
 
 
 def problem(args):
@@ -42,9 +42,9 @@ def problem(args):
         return "--elastic goes with sparse gradient exchange only (wagma and local average models)"
     if args.deadline_ms is not None:
         return "--elastic does not run with --deadline-ms (its late messages are not recovered)"
-    found = ulfm.fault_tolerance_problem()
+    found = fault_tolerance_problem()
     if found is not None:
-        return f"{found}; launch as {ulfm.LAUNCH}"
+        return f"{found}; launch as {LAUNCH}"
     return None
 
 
@@ -56,7 +56,7 @@ def guard(run, fn, *a, **k):
     try:
         return fn(*a, **k)
     except Exception as e:   # noqa: BLE001 - only MPI's report of a lost rank is recovered
-        if not ulfm.is_rank_failure(e):
+        if not is_rank_failure(e):
             raise
         raise run.opt.recover() from None
 
