@@ -113,7 +113,8 @@ def parse_args(argv=None):
     ap.add_argument("--fail-at", action="append", default=[], metavar="RANK:STEP[:HOW]",
                     help="fault drill: at job step STEP (from 0, over all runs) rank RANK (at launch) raises an "
                          "error (HOW=raise, default), kills itself with SIGKILL (kill), sends itself SIGUSR1 "
-                         "(signal) or is killed inside the next checkpoint write, after its file (save); repeatable")
+                         "(signal), is killed inside the next checkpoint write, after its file (save), or is killed "
+                         "after the step's exchange, before its record (exchanged); repeatable")
     args = ap.parse_args(argv)
     args.fail_at = [parse_fail_at(ap, text) for text in args.fail_at if text]
     for k, v in DEFAULTS[args.model].items():
@@ -128,11 +129,11 @@ def parse_fail_at(ap, text):
     parts = text.split(":")
     how = parts[2] if len(parts) == 3 else "raise"
     try:
-        if len(parts) not in (2, 3) or how not in ("raise", "kill", "signal", "save"):
+        if len(parts) not in (2, 3) or how not in ("raise", "kill", "signal", "save", "exchanged"):
             raise ValueError
         return int(parts[0]), int(parts[1]), how
     except ValueError:
-        ap.error(f"--fail-at wants RANK:STEP[:raise|kill|signal|save], got {text!r}")
+        ap.error(f"--fail-at wants RANK:STEP[:raise|kill|signal|save|exchanged], got {text!r}")
 
 
 class StopRequest:
@@ -369,6 +370,8 @@ def main(argv=None):
                   + (f"; options {opts}" if opts else ""))
         print(f"wrote {os.path.join(args.out, 'metrics.jsonl')}"
               + ("" if args.no_plot else f" and {os.path.join(args.out, 'train.png')}"), flush=True)
+    if job.comm is not comm:   # ranks were lost: see train_elastic.leave
+        train_elastic.leave(job.comm, 0 if ok else 1)
     return 0 if ok else 1
 
 

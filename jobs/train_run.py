@@ -63,14 +63,16 @@ def build_optimizer(name, density, args, model, comm):
                                 **extra)
 
 
-def fault_drill(drills, rank, step):
+def fault_drill(drills, rank, step, exchanged=False):
     """``--fail-at``: make this rank (its rank at launch) fail at this job step, the way real jobs
-    fail; ``save``: die inside the next checkpoint write, once this rank's file is written."""
-    hows = [how for r, s, how in drills if (r, s) == (rank, step)]
+    fail; ``save``: die inside the next checkpoint write, once this rank's file is written;
+    ``exchanged`` (called with ``exchanged=True`` after the step's exchange): die before the step's
+    record, the exchange complete here."""
+    hows = [how for r, s, how in drills if (r, s) == (rank, step) and (how == "exchanged") == exchanged]
     if not hows:
         return
     how = hows[0]
-    if how == "kill":
+    if how in ("kill", "exchanged"):
         os.kill(os.getpid(), signal.SIGKILL)
     elif how == "save":
         write = checkpoint._write_encoded
@@ -251,8 +253,11 @@ class Run:
         t1 = time.perf_counter()
         # what this rank saw of the step, should the exchange complete and its record be lost
         self.pending, self.pending_epoch = [loss.item(), 0.0, 0.0, t1 - t0, 0.0, 0.0, 0.0], epoch
+        self.pending_shape = None
         opt.step()
         st = opt.stats
+        self.pending_shape = (float(st.density), imbalance_of(st))   # the step's, for its record
+        fault_drill(self.args.fail_at, job.launch_rank, job.step, exchanged=True)
         sec = st.seconds or {}
         select = sec.get("select", 0.0)
         local = np.array([loss.item(), st.bytes_sent, st.bytes_received, t1 - t0, select,
@@ -261,18 +266,18 @@ class Run:
         mean = np.empty_like(local)
         guard(self, comm.Allreduce, local, mean, op=MPI.SUM)
         mean /= comm.Get_size()
-        rec = self.step_record(epoch, mean, st)
+        rec = self.step_record(epoch, mean, self.pending_shape)
         self.steps.append(rec)
         self.log(rec)
         job.step += 1
         return rec, mean[6] > 0
 
-    def step_record(self, epoch, mean, st, **extra):
+    def step_record(self, epoch, mean, shape, **extra):
         """A step's record from the ranks' mean of ``[loss, sent, received, compute, select,
-        exchange, ...]`` and this rank's ``stats``."""
+        exchange, ...]`` and the step's ``(density, imbalance)``."""
         return {"kind": "step", "run": self.label, "sparsifier": self.name, "target": self.density,
-                "step": len(self.steps), "epoch": epoch, "loss": mean[0], "density": float(st.density),
-                "imbalance": imbalance_of(st), "bytes_sent": mean[1], "bytes_received": mean[2],
+                "step": len(self.steps), "epoch": epoch, "loss": mean[0], "density": shape[0],
+                "imbalance": shape[1], "bytes_sent": mean[1], "bytes_received": mean[2],
                 "dense_bytes": self.dense_bytes, "t_compute": mean[3], "t_select": mean[4],
                 "t_exchange": mean[5], "ranks": self.comm.Get_size(), **extra}
 

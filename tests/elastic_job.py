@@ -139,6 +139,10 @@ def main():
                    "ranks": [ranks_at.get(s) for s in range(STEPS)],
                    "recoveries": recoveries, "sha256": digest, "nranks": nranks}, f)
     print(f"rank {rank} of {nranks}: done", flush=True)
+    if recoveries:   # Open MPI's finalize can wait for ever on a dead rank: leave once all survivors are done
+        comm.Barrier()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

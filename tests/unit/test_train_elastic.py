@@ -47,6 +47,7 @@ CASES = [
     (["2:9:kill"], []),                            # in the second epoch
     (["3:4:save"], ["--checkpoint-every", "4"]),   # inside the checkpoint written after job step 8
     (["3:5:kill", "1:11:kill"], []),               # two losses, one after the other: 4, 3, then 2 ranks
+    (["1:7:exchanged"], []),                       # after its exchange, before the step's record
 ]
 
 
@@ -73,7 +74,11 @@ def test_the_job_loses_ranks_and_finishes_with_the_survivors(tmp_path, reference
     # run's, bit for bit, before the first loss; at the first step after it the same parameters give
     # the same loss up to float32 rounding (the batch is split three ways instead of four)
     first = at[0]
-    assert loss[:first] == reference[:first], (loss, reference)
+    # a step completed but not logged before the loss is logged from the survivors' own losses
+    guessed = [r["step"] for r in steps if r.get("survivors")]
+    assert guessed == ([first - 1] if drills[0].endswith("exchanged") else []), guessed
+    exact = [i for i in range(first) if i not in guessed]
+    assert [loss[i] for i in exact] == [reference[i] for i in exact], (loss, reference)
     assert loss[first] == pytest.approx(reference[first], rel=1e-5), (loss[first], reference[first])
     assert max(loss[first:]) <= 1.05 * max(reference[first:]), (loss[first:], reference[first:])
     run = [r for r in recs if r["kind"] == "run"][0]
