@@ -21,6 +21,7 @@ source jobs/env.sh
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
 out="${OUT:-out/elastic}"
 rm -rf "$out" && mkdir -p "$out"
+ulfm=(mpiexec --with-ft ulfm --mca pml ob1 --mca btl tcp,self)
 for seed in ${SEEDS:-0 1 2}; do
     for case in reference reshard kill save; do
         case $case in
@@ -30,7 +31,6 @@ for seed in ${SEEDS:-0 1 2}; do
             save) drill=(--fail-at 0:101:save --checkpoint-every 50) ;;
         esac
         echo "=== seed $seed, $case"
-        ulfm=(mpiexec --with-ft ulfm --mca pml ob1 --mca btl tcp,self)
         train=(python -m mpi4py jobs/train.py --model lm --elastic --seed "$seed" --no-progress --no-plot
                --out "$out/$case-s$seed")
         rc=0

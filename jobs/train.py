@@ -300,7 +300,8 @@ def main(argv=None):
     threads = set_torch_threads(comm, args.threads)
     todo = plan(args)
     if args.elastic:   # refused on every rank, before anything is built, where the MPI cannot shrink
-        problems = {p for p in comm.allgather(train_elastic.problem(args)) if p}
+        averaging = sorted({n for n, _ in todo if n in MODEL_AVERAGING})
+        problems = {p for p in comm.allgather(train_elastic.problem(args, averaging)) if p}
         if problems:
             if rank == 0:
                 print(f"train.py: --elastic refused on all {nranks} ranks: {'; '.join(sorted(problems))}",

@@ -37,10 +37,11 @@ from mpi4py import MPI
 from exdyna_mpi.transport.ulfm import LAUNCH, fault_tolerance_problem, is_rank_failure
 
 
-def problem(args):
-    """This rank's problem with ``--elastic`` (None: none); not collective."""
-    if args.method != "sparse" or any(n.strip() in ("wagma", "local") for n in args.compare.split(",")):
-        return "--elastic goes with sparse gradient exchange only (wagma and local average models)"
+def problem(args, averaging):
+    """This rank's problem with ``--elastic`` (None: none); ``averaging``: the job's runs that
+    average models (wagma, local). Not collective."""
+    if averaging:
+        return f"--elastic goes with sparse gradient exchange only ({', '.join(averaging)} average models)"
     if args.deadline_ms is not None:
         return "--elastic does not run with --deadline-ms (its late messages are not recovered)"
     found = fault_tolerance_problem()
@@ -97,7 +98,7 @@ def go_on(run, lost):
     run.epochs = [r for r in mine if r["kind"] == "epoch"]
     job.step = sum(r["kind"] == "step" for r in job.records)
     run.work.rebind(rank, nranks, comm)
-    run.dense_bytes = 2 * (nranks - 1) * run.numel * run.element_size // nranks
+    run.count_dense_bytes(nranks)
     job.records.append({"kind": "ranks_lost", "job_step": job.step, "run": run.label, "step": completed,
                         "lost": list(lost.lost), "from_ranks": nranks + len(lost.lost), "to_ranks": nranks,
                         "seconds": lost.seconds})

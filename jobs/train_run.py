@@ -155,10 +155,13 @@ class Run:
                 self.opt.load_state_dict(resume["opt"])
             else:
                 self.opt.load_state_dict([entry["opt"] for entry in reshard], reshard=True)
-        # Ring allreduce of the whole gradient: what dense sends per rank and step (same model as
-        # exdyna_mpi's byte accounting), at the number of ranks the run goes on with.
         self.numel, self.steps_per_epoch = flat.numel(), self.work.steps_per_epoch
         self.element_size = flat.element_size()
+        self.count_dense_bytes(nranks)
+
+    def count_dense_bytes(self, nranks):
+        """What a ring allreduce of the whole gradient sends per rank and step at ``nranks`` ranks
+        (the same model as exdyna_mpi's byte accounting): the run's dense reference from now on."""
         self.dense_bytes = 2 * (nranks - 1) * self.numel * self.element_size // nranks
 
     def train(self, show_progress, runs_done=(), resume=None, reshard=None):
@@ -192,7 +195,7 @@ class Run:
                     self.bar.n = len(self.steps)
         if self.bar is not None:
             self.bar.close()
-        guard(self, self._finish, time.perf_counter() - self.t_start)
+        self._finish(time.perf_counter() - self.t_start)   # a rank lost here ends the job
         return self
 
     def _epochs(self, epoch, done):
