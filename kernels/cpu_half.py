@@ -1,36 +1,21 @@
-"""CPU kernels of the 16-bit formats: half values and compact indices, ``@njit`` on NumPy buffers.
+"""CPU kernels of the 16-bit formats: half values on the wire, ``@njit`` on NumPy buffers.
 
 Half values travel as their 16-bit patterns (uint16): Numba has no bfloat16 type and its float16
 support is partial, so the conversions are integer operations on the patterns, round-to-nearest-
 even, the same bits as NumPy's ``astype(np.float16)`` and ``ml_dtypes.bfloat16``
-(tests/serial/test_half_kernels.py). ``MODE_BF16`` / ``MODE_F16`` name the format; widening float16
+(tests/unit/test_half_kernels.py). ``MODE_BF16`` / ``MODE_F16`` name the format; widening float16
 reads a 65,536-entry table (``f16_table``), exact by construction.
 
 Wire rounding *saturates*: a finite float32 beyond the format's range is sent as its largest finite
 value, not inf, so the rounding error a rank keeps in its residual stays finite.
 
-Compact indices: a rank's selection inside its span ``[lo, lo + L)`` is sent in the smallest of
-three forms, chosen from ``(count, L)`` alone so that every rank knows every rank's byte count
-without asking (``index_form``):
-
-- ``FORM_RAW``: uint32 offsets from ``lo`` (4 bytes each);
-- ``FORM_SEG16``: the span cut in segments of 65,536 elements, one uint32 count per segment, then
-  the uint16 low halves of the offsets, segment by segment (2 bytes each + 4 per segment);
-- ``FORM_BITMAP``: one bit per element of the span.
-
-Every form decodes to ascending offsets when the selection was ascending (the seg16 encoder is a
-counting sort by segment, stable within one).
+The compact index forms are ``kernels/cpu_index.py``.
 """
 import numpy as np
 from numba import njit
 
 MODE_BF16 = 1
 MODE_F16 = 2
-
-FORM_RAW = 0
-FORM_SEG16 = 1
-FORM_BITMAP = 2
-SEG = 65536
 
 
 def f16_table():
@@ -169,87 +154,3 @@ def scatter_wire(out, residual, idx, means, err, mode, table_bits):
         i = idx[j]
         ob[i] = _widen_bits(means[j], mode, table_bits)
         residual[i] = err[j]
-
-
-# ---------------------------------------------------------------------------- compact indices
-@njit(cache=True, nogil=True)
-def index_form(count, span):
-    """``(form, bytes)``: the smallest encoding of ``count`` offsets in a span of ``span`` elements,
-    padded to a multiple of 4 bytes (ties: raw, then seg16, then bitmap)."""
-    raw = 4 * count
-    nseg = (span + SEG - 1) // SEG
-    seg = 4 * nseg + 2 * count
-    seg = (seg + 3) // 4 * 4
-    bmp = (span + 7) // 8
-    bmp = (bmp + 3) // 4 * 4
-    if raw <= seg and raw <= bmp:
-        return FORM_RAW, raw
-    if seg <= bmp:
-        return FORM_SEG16, seg
-    return FORM_BITMAP, bmp
-
-
-@njit(cache=True, nogil=True)
-def encode_indices(idx, lo, span, out):
-    """Write the selection ``idx`` (global indices inside ``[lo, lo + span)``) into the uint8 buffer
-    ``out`` in its ``index_form``; returns the bytes written."""
-    count = idx.shape[0]
-    form, nbytes = index_form(count, span)
-    if form == FORM_RAW:
-        o32 = out[:nbytes].view(np.uint32)
-        for j in range(count):
-            o32[j] = idx[j] - lo
-    elif form == FORM_SEG16:
-        nseg = (span + SEG - 1) // SEG
-        head = out[:4 * nseg].view(np.uint32)
-        head[:] = 0
-        for j in range(count):
-            head[(idx[j] - lo) >> 16] += 1
-        start = np.empty(nseg, np.int64)
-        acc = 0
-        for s in range(nseg):
-            start[s] = acc
-            acc += head[s]
-        body = out[4 * nseg:4 * nseg + 2 * count].view(np.uint16)
-        for j in range(count):
-            o = idx[j] - lo
-            s = o >> 16
-            body[start[s]] = o & 0xFFFF
-            start[s] += 1
-        out[4 * nseg + 2 * count:nbytes] = 0
-    else:
-        out[:nbytes] = 0
-        for j in range(count):
-            o = idx[j] - lo
-            out[o >> 3] |= np.uint8(1 << (o & 7))
-    return nbytes
-
-
-@njit(cache=True, nogil=True)
-def decode_indices(buf, count, lo, span, out):
-    """The ``count`` global indices encoded in ``buf`` (one rank's bytes) into ``out``."""
-    form, nbytes = index_form(count, span)
-    if form == FORM_RAW:
-        o32 = buf[:nbytes].view(np.uint32)
-        for j in range(count):
-            out[j] = lo + np.int64(o32[j])
-    elif form == FORM_SEG16:
-        nseg = (span + SEG - 1) // SEG
-        head = buf[:4 * nseg].view(np.uint32)
-        body = buf[4 * nseg:4 * nseg + 2 * count].view(np.uint16)
-        j = 0
-        for s in range(nseg):
-            base = lo + s * SEG
-            for _ in range(head[s]):
-                out[j] = base + np.int64(body[j])
-                j += 1
-    else:
-        j = 0
-        for b in range(nbytes):
-            v = buf[b]
-            if v == 0:
-                continue
-            for bit in range(8):
-                if (v >> bit) & 1:
-                    out[j] = lo + 8 * b + bit
-                    j += 1

@@ -12,7 +12,9 @@ import threading
 
 import numpy as np
 
+from ..kernels import cpu_index as _ki
 from ..kernels import cuda as _k
+from ..kernels.cuda import index as _kidx
 from .device import BACKEND
 
 _HALF_MODES = {"bfloat16": _k.MODE_BF16, "float16": _k.MODE_F16}
@@ -193,6 +195,41 @@ class CudaOps:
         if from_marks:   # read the marks only: bucket 0 is the rest of the range (every value is finite here)
             w[0] = (int(hi) - int(lo)) - w[1:].sum()
         hist += w
+
+    @staticmethod
+    def encode_indices(idx, lo, span, out):
+        """``idx`` (ascending, inside ``[lo, lo + span)``) into the uint8 device buffer ``out`` in
+        ``kernels.cpu_index.index_form``, the host encoder's bytes; returns the bytes written."""
+        count = int(idx.shape[0])
+        form, nbytes = _ki.index_form(count, span)
+        if nbytes == 0:
+            return 0
+        words = out[:nbytes].view(np.uint32)
+        if form != _ki.FORM_RAW:
+            BACKEND.fill_zero(words)
+        low, lower = _ki.ef_shape(count, span)[:2] if form == _ki.FORM_EF else (0, 0)
+        _kidx.encode(idx, int(lo), int(low), int(form), lower // 4, words, BACKEND.stream())
+        return int(nbytes)
+
+    @staticmethod
+    def decode_indices(buf, count, lo, span, out):
+        """The ``count`` indices the host or device encoder wrote into the uint8 device buffer
+        ``buf`` (``index_form(count, span)``) into ``out``, ascending."""
+        form, nbytes = _ki.index_form(int(count), span)
+        if count == 0:
+            return out
+        words = buf[:nbytes].view(np.uint32)
+        stream = BACKEND.stream()
+        if form == _ki.FORM_RAW:
+            _kidx.raw_decode(words, int(lo), out[:count], stream)
+            return out
+        low, lower = _ki.ef_shape(int(count), span)[:2] if form == _ki.FORM_EF else (0, 0)
+        nw = (nbytes - lower) // 4
+        cnt = BACKEND.xp.empty(nw, dtype=np.int64)
+        _kidx.popcounts(words, lower // 4, nw, cnt, stream)
+        start = BACKEND.xp.cumsum(cnt) - cnt   # exclusive scan: the indices before each word
+        _kidx.emit(words, lower // 4, nw, start, int(count), int(lo), int(low), int(form), out, stream)
+        return out
 
     @staticmethod
     def to_host(x):

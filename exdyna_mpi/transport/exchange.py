@@ -10,11 +10,12 @@ buffers. ``broadcast`` (rank 0's parameters at start-up), ``world`` and ``thread
 seams the adapters use.
 
 ``allgather_indices`` sends each rank's selection in the smallest of three compact forms (uint32
-offsets, 16-bit offsets per 65,536-element segment, or a bitmap of the rank's span; chosen from the
-agreed counts and spans alone, ``kernels/cpu_half.py``). ``mean_wire`` averages values that travel
-in 16 bits (``wire_dtype``): each rank's values are rounded to the 16-bit format for the ranks that
-reduce them (the rounding stays with the sender), the owner of each share sums in float32 in rank
-order, and the 16-bit mean is gathered, so every rank holds the same bits. ``sum_signs`` and
+offsets, a bitmap of the rank's span, or Elias-Fano: within 0.6 bits an index of the entropy floor
+``log2 C(span, count)``; chosen from the agreed counts and spans alone, ``kernels/cpu_index.py``).
+``mean_wire`` averages values that travel in 16 bits (``wire_dtype``): each rank's values are
+rounded to the 16-bit format for the ranks that reduce them (the rounding stays with the sender),
+the owner of each share sums in float32 in rank order, and the 16-bit mean is gathered, so every
+rank holds the same bits. ``sum_signs`` and
 ``mean_wire(signs=True)`` gather only the sign of each sum as a 2-bit code (``signs.py``), for
 receivers that use nothing else (``adam="demo"``): a quarter byte a value on the gathering half.
 
@@ -35,6 +36,7 @@ from numpy.typing import DTypeLike
 
 from ..arrays.half import narrow, widen
 from ..kernels import cpu_half as _kh
+from ..kernels import cpu_index as _ki
 from . import signs as _signs
 from .accounting import ByteCounter, Counts, CountsBytes
 from .protocols import Buffer, Parts, Words
@@ -252,10 +254,10 @@ class Exchange(CountsBytes):
             return out
         lo = spans[:, 0].astype(np.int64)
         span = (spans[:, 1] - spans[:, 0]).astype(np.int64)
-        nbytes = np.array([_kh.index_form(int(c), int(s))[1] for c, s in zip(counts, span)], dtype=np.int64)
+        nbytes = np.array([_ki.index_form(int(c), int(s))[1] for c, s in zip(counts, span)], dtype=np.int64)
         me = self.rank
         send = np.empty(int(nbytes[me]), dtype=np.uint8)
-        _kh.encode_indices(idx[: int(counts[me])], int(lo[me]), int(span[me]), send)
+        _ki.encode_indices(idx[: int(counts[me])], int(lo[me]), int(span[me]), send)
         bdispls = np.zeros(self.size, dtype=np.int64)
         np.cumsum(nbytes[:-1], out=bdispls[1:])
         recv = np.empty(int(nbytes.sum()), dtype=np.uint8)
@@ -264,7 +266,7 @@ class Exchange(CountsBytes):
         at = 0
         for r in range(self.size):
             c = int(counts[r])
-            _kh.decode_indices(recv[bdispls[r]: bdispls[r] + nbytes[r]], c, int(lo[r]), int(span[r]),
+            _ki.decode_indices(recv[bdispls[r]: bdispls[r] + nbytes[r]], c, int(lo[r]), int(span[r]),
                                out[at: at + c])
             at += c
         return out

@@ -14,7 +14,7 @@ import streams  # jobs/streams.py: pytest.ini puts jobs/ on the path
 from mpi4py import MPI
 
 import exdyna_mpi
-from exdyna_mpi.kernels.cpu_half import index_form
+from exdyna_mpi.kernels.cpu_index import index_form
 from tests.conftest import allgather_array, mpi_assert
 
 N, DENSITY, STEPS, SKIP = 1 << 17, 0.01, 36, 20

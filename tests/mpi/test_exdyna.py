@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import exdyna_mpi
-from exdyna_mpi.kernels.cpu_half import index_form
+from exdyna_mpi.kernels.cpu_index import index_form
 from tests.conftest import allgather_array, mpi_assert
 from tests.reference import AuthorsExDyna, laplace_grad
 

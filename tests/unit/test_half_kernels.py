@@ -2,9 +2,8 @@
 
 Conversions: NumPy's own float16 cast and ``ml_dtypes.bfloat16`` on random float32 patterns (every
 class: normals, subnormals, the rounding boundaries, inf, NaN). Wire rounding saturates instead of
-overflowing. The owner's reduction against a NumPy float32 loop. Compact indices: every form
-decodes to what was encoded, the chosen form is the smallest, and the byte count depends on
-``(count, span)`` only.
+overflowing. The owner's reduction against a NumPy float32 loop. (The compact index forms:
+tests/unit/test_index_kernels.py.)
 """
 import numpy as np
 import pytest
@@ -92,58 +91,3 @@ def test_owner_mean_sums_in_float32_in_rank_order(name, p, me):
     assert np.array_equal(means, _reference(mean, name))
     m = widen(means, name, np.empty(c, np.float32))
     assert np.array_equal(err, s - np.float32(p) * m)
-
-
-def _selection(rng, span, count):
-    return np.sort(rng.choice(span, size=count, replace=False)).astype(np.int64)
-
-
-@pytest.mark.parametrize("span,count", [(1, 0), (1, 1), (100, 0), (100, 3), (100, 100), (65536, 4096),
-                                        (65537, 4097), (200_000, 50), (200_000, 2000), (200_000, 60_000),
-                                        (1_000_003, 10_000), (1_000_003, 1_000_003)])
-def test_indices_round_trip_in_the_smallest_form(span, count):
-    rng = np.random.default_rng(span + count)
-    lo = 12345
-    idx = _selection(rng, span, count) + lo
-    form, nbytes = kh.index_form(count, span)
-    sizes = {kh.FORM_RAW: 4 * count, kh.FORM_SEG16: -(-(4 * -(-span // 65536) + 2 * count) // 4) * 4,
-             kh.FORM_BITMAP: -(-(-(-span // 8)) // 4) * 4}
-    assert nbytes == sizes[form] == min(sizes.values()) and nbytes % 4 == 0
-    buf = np.full(nbytes + 8, 0xAB, np.uint8)
-    assert kh.encode_indices(idx.astype(np.int32), lo, span, buf) == nbytes
-    assert (buf[nbytes:] == 0xAB).all()                        # nothing written past its bytes
-    out = np.empty(count, np.int32)
-    kh.decode_indices(buf[:nbytes], count, lo, span, out)
-    assert np.array_equal(out, idx)
-
-
-def test_every_form_decodes_what_it_encoded():
-    # the same selection forced through each form by its span/count shape
-    rng = np.random.default_rng(0)
-    for span, count, form in [(10_000_000, 10, kh.FORM_RAW), (10_000_000, 100_000, kh.FORM_SEG16),
-                              (10_000, 5_000, kh.FORM_BITMAP)]:
-        assert kh.index_form(count, span)[0] == form
-        idx = _selection(rng, span, count)
-        buf = np.empty(kh.index_form(count, span)[1], np.uint8)
-        kh.encode_indices(idx, 0, span, buf)
-        out = np.empty(count, np.int64)
-        kh.decode_indices(buf, count, 0, span, out)
-        assert np.array_equal(out, idx), form
-
-
-def test_seg16_encoder_sorts_by_segment():
-    # an unsorted selection decodes segment by segment, stable within one: every rank decodes the
-    # same union from the same bytes, whatever order the selection had
-    idx = np.array([70000, 5, 131072 + 3, 65536, 7, 140000], np.int64)
-    span = 200_000
-    buf = np.empty(kh.index_form(idx.shape[0], span)[1], np.uint8)
-    assert kh.index_form(idx.shape[0], span)[0] == kh.FORM_RAW   # tiny: raw, order kept
-    big = np.concatenate([idx, np.arange(150_000, 150_000 + 2000)])
-    form, nbytes = kh.index_form(big.shape[0], span)
-    assert form == kh.FORM_SEG16
-    buf = np.empty(nbytes, np.uint8)
-    kh.encode_indices(big, 0, span, buf)
-    out = np.empty(big.shape[0], np.int64)
-    kh.decode_indices(buf, big.shape[0], 0, span, out)
-    want = sorted(big.tolist(), key=lambda i: i >> 16)            # stable sort by segment
-    assert out.tolist() == want
