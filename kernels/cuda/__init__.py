@@ -18,6 +18,8 @@ The modules, by job:
 - ``half``: float16/bfloat16 gradients widened to float32 and outputs rounded back (``widen16``,
   ``narrow16``), on the 16-bit patterns; 16-bit values on the wire (``wire_round``,
   ``owner_mean``, ``scatter_wire``);
+- ``index``: the compact index forms of ``kernels/cpu_index.py``, the same bytes (``encode``,
+  ``popcounts`` and ``emit``, ``raw_decode``);
 - ``blocks``: device functions the passes share; ``scratch``: ``Scratch``, the reused device words;
 - ``config``: what is fixed at import (``SIMULATOR``, ``NB_MAX``, ``HIST_MAX``) and ``CONFIG``, the
   launch shapes, the compaction's ``ipt``, the block-scan variant, the launch path and the
@@ -41,7 +43,7 @@ private kernel imports it from its own module (``from exdyna_mpi.kernels.cuda.se
 """
 from numba import cuda
 
-from . import blocks, config, finish, half, launch, measure, scatter_gather, scratch, select
+from . import blocks, config, finish, half, index, launch, measure, scatter_gather, scratch, select
 from .config import CONFIG, HIST_MAX, NB_MAX, SIMULATOR, LaunchConfig, check_variant, configured
 from .finish import finish_fine_async
 from .half import MODE_BF16, MODE_F16, narrow16, owner_mean, scatter_wire, widen16, wire_round
@@ -69,5 +71,5 @@ __all__ = [
     "new_scratch", "owner_mean", "read_totals_hist", "scan_async", "scatter", "scatter_mean_zero", "scatter_wire",
     "select_marked_async", "select_range", "select_range_async", "widen16", "wire_round", "zero_at", "zero_words",
     # the modules, by job
-    "blocks", "config", "finish", "half", "launch", "measure", "scatter_gather", "scratch", "select",
+    "blocks", "config", "finish", "half", "index", "launch", "measure", "scatter_gather", "scratch", "select",
 ]
