@@ -88,8 +88,8 @@ def describe(code, detail, numel, dtype_names, accepted=None):
     if code == InputCode.OVERFLOW:
         return f"{detail} sums of grad's finite values (after error feedback) are not finite: they overflow its dtype"
     if code == InputCode.WIRE:
-        return (f"grad has dtype {dtype_names.get(detail, '?')}; values travel in 16 bits (wire_dtype) only "
-                "from float32, float16 or bfloat16 gradients")
+        return (f"grad has dtype {dtype_names.get(detail, '?')}; values travel in 16 or 8 bits (wire_dtype) "
+                "only from float32, float16 or bfloat16 gradients")
     if code == InputCode.HOST_STEP:
         return ("grad lives on a CUDA device, and this sparsifier's step is host NumPy code: give it host "
                 "gradients (a NumPy array, tensor.cpu()), or use a sparsifier with a CUDA step")

@@ -4,13 +4,15 @@
     mpiexec -n 4 python -m mpi4py jobs/bench_index.py --out results/bench_index/2026-12-02/P4.jsonl
     mpiexec -n 2 python -m mpi4py jobs/bench_index.py --densities 0.001 --numel 1e7
 
-For each density, ExDyna (its defaults) steps one synthetic stream (jobs/streams.py) in three
+For each density, ExDyna (its defaults) steps one synthetic stream (jobs/streams.py) in five
 settings side by side, alternating step by step, each its own instance:
 
     mean        float32 values, the mean gathered (ExDyna's plain step)
+    mean-int8   the same with ``wire_dtype="int8"`` (8-bit values, a scale per 128)
     sign        float32 values to their owners, the signs gathered (``output="sign"``: what
                 ``DistributedOptimizer``'s AdamW default, ``adam="demo-age"``, sends)
     sign-bf16   the same with ``wire_dtype="bfloat16"``
+    sign-int8   the same with ``wire_dtype="int8"``
 
 Reported per setting, over the steps after ``--warmup``:
 
@@ -36,7 +38,9 @@ import exdyna_mpi
 from exdyna_mpi.kernels.cpu_index import index_form
 import streams  # jobs/streams.py, beside this script
 
-SETTINGS = {"mean": {}, "sign": {"output": "sign"}, "sign-bf16": {"output": "sign", "wire_dtype": "bfloat16"}}
+SETTINGS = {"mean": {}, "mean-int8": {"wire_dtype": "int8"}, "sign": {"output": "sign"},
+            "sign-bf16": {"output": "sign", "wire_dtype": "bfloat16"},
+            "sign-int8": {"output": "sign", "wire_dtype": "int8"}}
 
 
 def floor_bits(count, span):

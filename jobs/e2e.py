@@ -81,7 +81,9 @@ Methods (``--methods``, run one after another in one launch, ``ddp`` first and, 
   its values summed in bfloat16 (``wire_dtype="bfloat16"``, the rounding kept in the momentum; signs
   gathered as by default); ``exdyna-demoage``/``-demoage999``: ``adam="demo-age"`` at beta1 = 0.9/0.999
   (each sign scaled by the root of the steps since the coordinate last moved), ``exdyna-demoage999-bf16``
-  the same with bfloat16 values; all thirteen with ``--optimizer adamw`` only.
+  the same with bfloat16 values, ``exdyna-demoage999-int8`` with 8-bit values (``wire_dtype="int8"``,
+  a float32 scale per block of 128, the rounding kept in the momentum); all fourteen with
+  ``--optimizer adamw`` only.
   ``exdyna`` is the library's default, which for AdamW is ``adam="demo-age"`` since 2026-11-29
   (``adam="demo"`` from 2026-11-28, ``adam="live"`` before: records of ``exdyna`` on the LM made
   earlier measured those);

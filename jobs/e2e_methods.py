@@ -277,6 +277,8 @@ _SPECS = (
              optimizer="adamw"),
     _library("exdyna-demoage999-bf16", "exdyna", "exdyna-demoage999 with bfloat16 values", adam="demo-age",
              beta1=0.999, options=_BF16, optimizer="adamw"),
+    _library("exdyna-demoage999-int8", "exdyna", "exdyna-demoage999 with 8-bit values (a scale per 128)",
+             adam="demo-age", beta1=0.999, options={"wire_dtype": "int8"}, optimizer="adamw"),
 )
 
 #: every method by name, in the order ``--help`` lists them

@@ -42,7 +42,7 @@ from .._errors import InputCode
 from ..transport import Exchange, ExchangeProtocol, device_exchange, node_ranks, world
 from . import checkpoint, reshard as resharding
 from .capabilities import Capabilities
-from .config import DEVICES, NONFINITE_POLICIES, OUTPUTS, WIRE_DTYPES, Option, SparsifierConfig, configure
+from .config import DEVICES, NARROW_WIRE, NONFINITE_POLICIES, OUTPUTS, WIRE_DTYPES, Option, SparsifierConfig, configure
 from .roles import SERIALS, ErrorFeedback, Selection, Selector, Step, SumNotFinite, agree_arguments, ident_of, imbalance
 from .stats import Stats
 from .step_guard import StepGuard, snapshot
@@ -242,7 +242,7 @@ class Sparsifier(Selector):
                 and compute_dtype(inp.dtype) != self._dtype:
             # a loaded residual whose gradient dtype was not recorded: the residual's dtype decides
             err = (InputCode.DTYPE_MISMATCH, dtype_code(inp.dtype))
-        if err is None and self.wire_dtype in HALF_DTYPES and compute_dtype(inp.dtype) != np.float32:
+        if err is None and self.wire_dtype in NARROW_WIRE and compute_dtype(inp.dtype) != np.float32:
             err = (InputCode.WIRE, dtype_code(inp.dtype))
         if err is None and out is not None:
             o = as_input(out)
@@ -396,12 +396,10 @@ class Sparsifier(Selector):
         return buf[:n]
 
     def average_at(self, acc: Any, union: Any, out: Any, sec: dict[str, float], done: bool = False) -> Any:
-        """The end of a union step: sum every rank's ``acc[union]`` (bit-identical everywhere),
-        ``acc`` becomes the residual with ``union`` zeroed, and the returned buffer holds the sum / P
-        at ``union`` (``output="sign"``: its sign), 0 elsewhere. Phase times go into ``sec``.
-        ``done``: the device already wrote both (a one-rank step finished behind its pass); only the
-        buffers change hands.
-        """
+        """The end of a union step: sum every rank's ``acc[union]`` (bit-identical everywhere), ``acc``
+        becomes the residual with ``union`` zeroed, and the returned buffer holds the sum / P at ``union``
+        (``output="sign"``: its sign), 0 elsewhere; phase times into ``sec``. ``done``: the device already
+        wrote both (a one-rank step finished behind its pass); only the buffers change hands."""
         if done:
             return self.memory.commit(acc, out)
         ops, dtype = self.ops, self._dtype
@@ -409,14 +407,22 @@ class Sparsifier(Selector):
         with timed(sec, "gather"):
             vals = self._vals_buffer(union.shape[0], dtype)
             ops.gather(acc, union, vals)
-        if self._wire is not None:
-            # 16-bit values: vals becomes what this rank keeps (the rounding it did), means are shared
+        if self._wire is not None or self.wire_dtype == "int8":
+            # 16- or 8-bit values: vals becomes what this rank keeps (the rounding it did), means are shared
             with timed(sec, "reduce"):
-                means = self.exchange.mean_wire(vals, self._wire, signs=signs)
-                self.check_wire(means)
+                if self._wire is not None:   # 16-bit
+                    means = self.exchange.mean_wire(vals, self._wire, signs=signs)
+                    self.check_wire(means)
+                else:
+                    means = self.exchange.mean_int8(vals, signs=signs)   # float32 means, checked as sums
+                    self.check_sums(means, 1)
             with timed(sec, "scatter"):
                 res = self.memory.commit(acc, out)
-                ops.scatter_wire(res, self.memory.residual, union, means, vals, self._wire)
+                if self._wire is not None:
+                    ops.scatter_wire(res, self.memory.residual, union, means, vals, self._wire)
+                else:
+                    ops.scatter(res, union, means)
+                    ops.scatter(self.memory.residual, union, vals)
             return res
         with timed(sec, "reduce"):
             if signs:   # vals becomes sign(sum / P): the divisor below is then 1

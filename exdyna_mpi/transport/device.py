@@ -15,9 +15,10 @@ once on the ``exdyna_mpi`` logger. Ranks may differ (the collectives mean the sa
 
 ``DeviceExchange`` inherits the host-word methods (``agree``, ``sum_words``, ``gather_objects``,
 ``alltoall_counts``, ``rotating_rounds``) and the ``ByteCounter``, and overrides the array methods
-(``allgatherv``, ``allgather_indices``, ``sum_identical``, ``mean_wire``, ``bcast_from``): staged,
-they run the host collective (``super()``) on pinned copies; direct, they hand it the device buffers
-(or run the host method's calls on them), so both paths count the same bytes. Building one binds no
+(``allgatherv``, ``allgather_indices``, ``sum_identical``, ``sum_signs``, ``mean_wire``, ``mean_int8``,
+``bcast_from``): staged, they run the host collective (``super()``) on pinned copies; direct, they
+hand it the device buffers (or run the host method's calls on them), so both paths count the same
+bytes. Building one binds no
 GPU unless ``EXDYNA_BIND_GPU=1`` (``binding.py``; ``exdyna_mpi.bind_local_gpu`` is the call).
 """
 import ctypes
@@ -263,6 +264,21 @@ class DeviceExchange(Exchange):
         paths (the codes are packed by host code, as ``allgather_indices``' forms are): O(k) values
         there and back, never the gradient."""
         return self._staged_in_place(vals, super().sum_signs)
+
+    def mean_int8(self, vals, signs=False):
+        """``Exchange.mean_int8`` on a device buffer, staged through pinned host memory on both paths
+        (the 8-bit codes are host kernels, as the sign codes are): O(k) values there and back,
+        never the gradient. Returns the means as a device array; ``vals`` gets what this rank keeps."""
+        hv = self._buffer("vals", vals.shape[0], vals.dtype)
+        _to_host_async(vals, hv)
+        CudaOps.synchronize()
+        means = super().mean_int8(hv, signs=signs)
+        hm = self._buffer("means", means.shape[0], means.dtype)
+        hm[:] = means
+        out = CudaOps.empty(means.shape[0], means.dtype)
+        _to_device_async(hv, vals)
+        _to_device_async(hm, out)
+        return out
 
     def _staged_in_place(self, vals, host_call):
         """``host_call`` (an ``Exchange`` method that works in place) on a pinned host copy of the

@@ -37,6 +37,7 @@ from numpy.typing import DTypeLike
 from ..arrays.half import narrow, widen
 from ..kernels import cpu_half as _kh
 from ..kernels import cpu_index as _ki
+from ..kernels import cpu_int8 as _k8
 from . import signs as _signs
 from .accounting import ByteCounter, Counts, CountsBytes
 from .protocols import Buffer, Parts, Words
@@ -87,6 +88,13 @@ def node_ranks(comm):
         return node.Get_size()
     finally:
         node.Free()
+
+
+def _starts(counts):
+    """Exclusive prefix sums of ``counts`` (int64): the displacements of a vector collective."""
+    out = np.zeros(len(counts), dtype=np.int64)
+    np.cumsum(counts[:-1], out=out[1:])
+    return out
 
 
 class Exchange(CountsBytes):
@@ -305,6 +313,66 @@ class Exchange(CountsBytes):
             return means
         self.comm.Allgatherv(mine, [means, (counts, displs)])
         self.bytes.allgather(counts, 2)
+        return means
+
+    @watched
+    def mean_int8(self, vals: np.ndarray, signs: bool = False) -> np.ndarray:
+        """The mean over ranks of float32 ``vals`` (n,), its values travelling as 8-bit integers with
+        a float32 scale per block of 128 (``kernels/cpu_int8.py``); returns the means (n,) float32,
+        the same bits on every rank. ``vals`` becomes what this rank's residual keeps: outside its
+        own share, what the 8-bit rounding of its values lost; inside, what the rounding of the mean
+        lost (sum - P x mean). ``signs``: the sign of each mean instead (1, -1, 0 or NaN), gathered as
+        2-bit codes, and the share keeps nothing (as ``sum_signs``).
+
+        Share ``j`` (``sum_identical``'s equal split) is reduced on rank ``j``: every other rank sends
+        it its 8-bit values (``Alltoallv``); rank ``j`` adds them to its own float32 values in
+        float32, in rank order; the means travel back in 8 bits (``Allgatherv``), or as signs.
+        """
+        n, p, me = vals.shape[0], self.size, self.rank
+        counts, displs = self._shares(n, p)
+        c, d = int(counts[me]), int(displs[me])
+        own = vals[d: d + c]
+        sums = np.empty(c, dtype=np.float32)
+        size = np.array([_k8.share_bytes(int(x)) for x in counts], dtype=np.int64)
+        if p > 1:
+            scounts = size.copy()
+            scounts[me] = 0
+            rcounts = np.full(p, size[me], dtype=np.int64)
+            rcounts[me] = 0
+            send = np.empty(int(scounts.sum()), dtype=np.uint8)
+            sdispls, rdispls = _starts(scounts), _starts(rcounts)
+            for j in range(p):
+                if j != me:
+                    v = vals[displs[j]: displs[j] + counts[j]]
+                    _k8.quantize(v, send[sdispls[j]: sdispls[j] + size[j]], v)
+            recv = np.empty(int(rcounts.sum()), dtype=np.uint8)
+            self.comm.Alltoallv([send, (scounts, sdispls)], [recv, (rcounts, rdispls)])
+            self.bytes.add(int(scounts.sum()), int(rcounts.sum()))
+            _k8.owner_sum(recv, rdispls, own, me, p, sums)
+        else:
+            sums[:] = own
+        mean = sums / np.float32(p)
+        means = np.empty(n, dtype=np.float32)
+        if signs:
+            own[:] = 0
+            if p == 1:
+                return _signs.decode(_signs.encode(mean), n, _signs.sign_table(np.float32), means)
+            self._gather_signs(mean, counts, displs, _signs.sign_table(np.float32), means)
+            return means
+        mine = np.empty(int(size[me]), dtype=np.uint8)
+        _k8.quantize(mean, mine, own)                  # own: scratch here, overwritten below
+        _k8.dequantize(mine, c, own)
+        np.subtract(sums, np.float32(p) * own, out=own)   # sum - P x mean: the owner keeps it
+        if p == 1:
+            _k8.dequantize(mine, c, means)
+            return means
+        recv = np.empty(int(size.sum()), dtype=np.uint8)
+        starts = _starts(size)
+        self.comm.Allgatherv(mine, [recv, (size, starts)])
+        self.bytes.allgather(size, 1)
+        for r in range(p):
+            _k8.dequantize(recv[starts[r]: starts[r] + size[r]], int(counts[r]),
+                           means[displs[r]: displs[r] + counts[r]])
         return means
 
     @staticmethod

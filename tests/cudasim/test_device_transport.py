@@ -223,7 +223,8 @@ def test_single_rank_copies_locally():
 
 
 #: the members DeviceExchange defines itself: the array methods, each around ``super()``'s
-OVERRIDES = {"allgatherv", "allgather_indices", "sum_identical", "sum_signs", "mean_wire", "bcast_from"}
+OVERRIDES = {"allgatherv", "allgather_indices", "sum_identical", "sum_signs", "mean_wire", "mean_int8",
+             "bcast_from"}
 
 
 def test_both_exchanges_satisfy_the_protocol():

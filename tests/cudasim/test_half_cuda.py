@@ -107,3 +107,18 @@ def test_16_bit_values_on_the_device_equal_the_host(name, aware):
         g = (rng.standard_normal(n) * 0.05).astype(np.float32)
         step_both(ref, dev, g, step)
         assert ref.residual.any()                              # the rounding was kept
+
+
+@pytest.mark.parametrize("aware", [False, True], ids=["staged", "direct"])
+@pytest.mark.parametrize("output", ["mean", "sign"])
+@pytest.mark.parametrize("name", ["exdyna", "topk"])
+def test_8_bit_values_on_the_device_equal_the_host(name, output, aware):
+    n = 1200
+    cls = exdyna_mpi.sparsifiers.REGISTRY[name]
+    ref = cls(n, 0.03, MPI.COMM_SELF, device="cpu", wire_dtype="int8", output=output)
+    dev = simulated(cls, n, 0.03, MPI.COMM_SELF, cuda_aware=aware, wire_dtype="int8", output=output)
+    rng = np.random.default_rng(10)
+    for step in range(3):
+        g = (rng.standard_normal(n) * 0.05).astype(np.float32)
+        step_both(ref, dev, g, step)
+        assert dev.stats.bytes_sent == ref.stats.bytes_sent

@@ -27,6 +27,8 @@ CASES = [(n, n, {}) for n in NAMES] + [
     ("topk-deadline", "topk", {"deadline_ms": 5000.0}),
     ("exdyna-bf16", "exdyna", {"wire_dtype": "bfloat16"}),          # values that travel in 16 bits
     ("dense-bf16", "dense", {"wire_dtype": "bfloat16"}),
+    ("exdyna-int8", "exdyna", {"wire_dtype": "int8"}),              # values that travel in 8 bits
+    ("topk-int8-sign", "topk", {"wire_dtype": "int8", "output": "sign"}),
     ("exdyna-sign", "exdyna", {"output": "sign"}),
 ]
 IDS = [c[0] for c in CASES]
@@ -146,7 +148,7 @@ def test_a_refused_first_step_binds_nothing(case, wcomm, make):
     then exactly a fresh one, and float32 steps give a fresh sparsifier's results."""
     _, name, opts = case
     if opts.get("wire_dtype"):
-        pytest.skip("16-bit values refuse a float64 gradient on their own")
+        pytest.skip("16- and 8-bit values refuse a float64 gradient on their own")
     rank = wcomm.Get_rank()
     sp, ref = make(name, opts), make(name, opts)
     fresh = _state(sp)
@@ -164,7 +166,7 @@ def test_a_skipped_first_step_binds_nothing(case, wcomm, make):
     the sparsifier stays unbound, so float32 steps then run as on a fresh one."""
     _, name, opts = case
     if opts.get("wire_dtype"):
-        pytest.skip("16-bit values refuse a float64 gradient on their own")
+        pytest.skip("16- and 8-bit values refuse a float64 gradient on their own")
     rank = wcomm.Get_rank()
     sp, ref = make(name, opts, nonfinite="skip"), make(name, opts, nonfinite="skip")
     fresh = _state(sp)

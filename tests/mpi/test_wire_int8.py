@@ -1,0 +1,137 @@
+"""8-bit values on the wire (``wire_dtype="int8"``), against an independent reference.
+
+Every sparsifier that can send them (``CAPABILITIES.wire_int8``: those whose step ends in
+``average_at``) x {mean, sign output} x {float32, bfloat16 gradients}, one to four ranks. At each
+step the test records every rank's accumulator and the step's union and recomputes in NumPy what
+the protocol promises: share j of the union (an equal split) is reduced by rank j, which adds its
+own float32 values to the others' 8-bit values (per block of 128 of the share: scale = max |v| / 127,
+q = rint(v / scale), the value q x scale) in rank order, in float32; each sender keeps what its
+rounding lost. Mean output: the mean is rounded the same way and the owner keeps sum - P x mean.
+Sign output: the sign of the float32 mean, and the owner keeps nothing. Output and residual must
+match to the bit, ranks bit-identical, the mass conserved (mean output). Bytes per selected
+element at P = 4, d = 0.05 with signs: at most 2.0.
+"""
+import numpy as np
+import pytest
+
+import exdyna_mpi
+from exdyna_mpi.kernels.cpu_int8 import BLOCK
+from tests.conftest import allgather_array, mpi_assert, require
+
+pytestmark = pytest.mark.mpi
+
+ml_dtypes = require("ml_dtypes")
+
+NAMES = [n for n in exdyna_mpi.available() if exdyna_mpi.sparsifiers.REGISTRY[n].CAPABILITIES.wire_int8]
+NUMEL, STEPS = 6000, 3
+
+
+def _grad(rank, t, dtype):
+    rng = np.random.default_rng([11, rank, t])
+    g = rng.laplace(0.0, 0.05, NUMEL).astype(np.float32)
+    g[(t * 997) % NUMEL] = 300.0                     # one large value: its block's scale is coarse
+    return g.astype(ml_dtypes.bfloat16) if dtype == "bfloat16" else g
+
+
+def _q8(x):
+    """float32 ``x`` as its 8-bit values would decode (blocks of 128 from x's start)."""
+    out = np.zeros_like(x)
+    for b in range(0, x.shape[0], BLOCK):
+        v = x[b:b + BLOCK]
+        s = np.float32(np.abs(v).max(initial=np.float32(0)) / np.float32(127))
+        if s > 0:
+            out[b:b + BLOCK] = np.clip(np.rint(v / s), -127, 127).astype(np.int8).astype(np.float32) * s
+    return out
+
+
+def _reference(accs, union, signs):
+    p, n = accs.shape[0], union.shape[0]
+    out = np.zeros(accs.shape[1], np.float32)
+    res = accs.copy()
+    counts = np.full(p, n // p)
+    counts[: n % p] += 1
+    starts = np.concatenate(([0], np.cumsum(counts)))
+    for j in range(p):
+        u = union[starts[j]: starts[j + 1]]
+        s = np.zeros(u.shape[0], np.float32)
+        for r in range(p):
+            v = accs[r, u]
+            if r == j:
+                s += v
+            else:
+                sent = _q8(v)
+                s += sent
+                res[r, u] = v - sent
+        mean = s / np.float32(p)
+        if signs:
+            out[u] = np.sign(mean)
+            res[j, u] = 0
+        else:
+            m = _q8(mean)
+            out[u] = m
+            res[j, u] = s - np.float32(p) * m
+    return out, res
+
+
+def _record_unions(sp):
+    seen = []
+    orig = sp.average_at
+
+    def spy(acc, union, out, sec, done=False):
+        seen.append(np.array(union, copy=True))
+        return orig(acc, union, out, sec, done)
+    sp.average_at = spy
+    return seen
+
+
+@pytest.mark.parametrize("grad_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("output", ["mean", "sign"])
+@pytest.mark.parametrize("name", NAMES)
+def test_int8_matches_the_reference(name, output, grad_dtype, wcomm):
+    rank, p = wcomm.Get_rank(), wcomm.Get_size()
+    sp = exdyna_mpi.make(name, NUMEL, 0.02, wcomm, wire_dtype="int8", output=output)
+    unions = _record_unions(sp)
+    for t in range(STEPS):
+        g = _grad(rank, t, grad_dtype)
+        acc = sp.residual + g.astype(np.float32)
+        out = sp.step(g)
+        mpi_assert(out.dtype == g.dtype and sp.residual.dtype == np.float32, f"{name}: dtypes", wcomm)
+        accs = allgather_array(acc, wcomm).reshape(p, NUMEL)
+        want_out, want_res = _reference(accs, unions[-1], output == "sign")
+        if grad_dtype == "bfloat16":
+            want_out = want_out.astype(ml_dtypes.bfloat16).astype(np.float32)
+        got = np.asarray(out).astype(np.float32)
+        mpi_assert(np.array_equal(got.view(np.uint32), want_out.view(np.uint32)),
+                   f"{name}/{output}/{grad_dtype} t={t}: output differs from the reference "
+                   f"({int((got != want_out).sum())} elements)", wcomm)
+        mpi_assert(np.array_equal(sp.residual.view(np.uint32), want_res[rank].view(np.uint32)),
+                   f"{name}/{output}/{grad_dtype} t={t}: residual differs from the reference", wcomm)
+        allo = allgather_array(got, wcomm)
+        mpi_assert((allo.view(np.uint32) == allo.view(np.uint32)[0]).all(), f"{name} t={t}: ranks differ", wcomm)
+        if output == "mean" and grad_dtype == "float32":
+            kept = allgather_array(sp.residual, wcomm).reshape(p, NUMEL).astype(np.float64).sum(0)
+            gap = np.abs(kept + p * got.astype(np.float64) - accs.astype(np.float64).sum(0))
+            scale = np.abs(accs).astype(np.float64).sum(0) + 1e-30
+            mpi_assert((gap <= 1e-6 * scale).all(), f"{name}: mass not conserved ({gap.max():.3g})", wcomm)
+
+
+def test_int8_signs_move_under_two_bytes_a_selected_element(wcomm):
+    rank, p = wcomm.Get_rank(), wcomm.Get_size()
+    if p != 4:
+        pytest.skip("the bound is stated at P = 4")
+    n = 400_000
+    sp = exdyna_mpi.make("exdyna", n, 0.05, wcomm, wire_dtype="int8", output="sign")
+    rng = np.random.default_rng(rank)
+    for _ in range(3):
+        sp.step(rng.standard_normal(n).astype(np.float32))
+    per = wcomm.allreduce(sp.stats.bytes_sent) / p / sp.stats.selected
+    mpi_assert(per <= 2.0, f"{per:.3f} bytes per selected element", wcomm)
+
+
+def test_int8_is_refused_where_it_cannot_travel(wcomm):
+    with pytest.raises(ValueError, match="cannot send its values in int8"):
+        exdyna_mpi.make("dense", 100, 1.0, wcomm, wire_dtype="int8")
+    sp = exdyna_mpi.make("exdyna", 1000, 0.05, wcomm, wire_dtype="int8")
+    with pytest.raises(exdyna_mpi.StepError, match="16 or 8 bits"):
+        sp.step(np.ones(1000, np.float64))
+    mpi_assert(sp.iteration == 0 and not sp.residual.any(), "a refused step changed the state", wcomm)
