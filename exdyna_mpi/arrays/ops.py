@@ -18,6 +18,7 @@ import numpy as np
 
 from ..kernels import cpu as _k
 from ..kernels import cpu_controller as _kc
+from ..kernels import cpu_index as _ki
 from . import half as _half
 
 
@@ -168,6 +169,14 @@ class Ops(Protocol):
     def synchronize(self):
         """Wait for queued device work (a no-op on the host)."""
 
+    def encode_indices(self, idx, lo, span, out):
+        """Ascending ``idx`` inside ``[lo, lo + span)`` into the uint8 buffer ``out`` in the form
+        ``kernels.cpu_index.index_form`` picks (the same bytes on every backend); returns the bytes
+        written."""
+
+    def decode_indices(self, buf, count, lo, span, out):
+        """The ``count`` indices ``encode_indices`` wrote into ``buf`` into ``out``, ascending."""
+
 
 class HostOps:
     """``Ops`` on NumPy buffers, with the ``@njit`` kernels."""
@@ -289,6 +298,15 @@ class HostOps:
     @staticmethod
     def synchronize():
         pass
+
+    @staticmethod
+    def encode_indices(idx, lo, span, out):
+        return int(_ki.encode_indices(idx, int(lo), int(span), out))
+
+    @staticmethod
+    def decode_indices(buf, count, lo, span, out):
+        _ki.decode_indices(buf, int(count), int(lo), int(span), out)
+        return out
 
 
 def host_threads(node_ranks):

@@ -110,3 +110,17 @@ def test_an_unordered_selection_decodes_ascending():
         ki.decode_form(buf, idx.shape[0], 0, span, form, out)
         assert out.tolist() == sorted(idx.tolist()), form
     assert idx.tolist() == [70000, 5, 131072 + 3, 65536, 7, 140000]   # the caller's order untouched
+
+
+@pytest.mark.parametrize("span,count", [(100, 3), (200_000, 2000), (1_000_003, 10_000)])
+def test_host_ops_carry_the_kernels_bytes(span, count):
+    from exdyna_mpi.arrays import HostOps
+
+    idx = _selection(np.random.default_rng(count), span, count) + 7
+    want = np.zeros(ki.index_form(count, span)[1], np.uint8)
+    ki.encode_indices(idx, 7, span, want)
+    got = np.zeros_like(want)
+    assert HostOps.encode_indices(idx, 7, span, got) == want.size
+    assert np.array_equal(got, want)
+    out = np.empty(count, np.int64)
+    assert np.array_equal(HostOps.decode_indices(got, count, 7, span, out), idx)
