@@ -4,7 +4,7 @@
     mpiexec -n 4 python -m mpi4py jobs/bench_index.py --out results/bench_index/2026-12-02/P4.jsonl
     mpiexec -n 2 python -m mpi4py jobs/bench_index.py --densities 0.001 --numel 1e7
 
-For each density, ExDyna (its defaults) steps one synthetic stream (jobs/streams.py) in five
+For each density, ExDyna (its defaults) steps one synthetic stream (jobs/streams.py) in six
 settings side by side, alternating step by step, each its own instance:
 
     mean        float32 values, the mean gathered (ExDyna's plain step)
@@ -13,6 +13,7 @@ settings side by side, alternating step by step, each its own instance:
                 ``DistributedOptimizer``'s AdamW default, ``adam="demo-age"``, sends)
     sign-bf16   the same with ``wire_dtype="bfloat16"``
     sign-int8   the same with ``wire_dtype="int8"``
+    sign-fp8    the same with ``wire_dtype="float8_e4m3fn"`` (the same bytes as int8)
 
 Reported per setting, over the steps after ``--warmup``:
 
@@ -40,7 +41,8 @@ import streams  # jobs/streams.py, beside this script
 
 SETTINGS = {"mean": {}, "mean-int8": {"wire_dtype": "int8"}, "sign": {"output": "sign"},
             "sign-bf16": {"output": "sign", "wire_dtype": "bfloat16"},
-            "sign-int8": {"output": "sign", "wire_dtype": "int8"}}
+            "sign-int8": {"output": "sign", "wire_dtype": "int8"},
+            "sign-fp8": {"output": "sign", "wire_dtype": "float8_e4m3fn"}}
 
 
 def floor_bits(count, span):

@@ -82,7 +82,8 @@ Methods (``--methods``, run one after another in one launch, ``ddp`` first and, 
   gathered as by default); ``exdyna-demoage``/``-demoage999``: ``adam="demo-age"`` at beta1 = 0.9/0.999
   (each sign scaled by the root of the steps since the coordinate last moved), ``exdyna-demoage999-bf16``
   the same with bfloat16 values, ``exdyna-demoage999-int8`` with 8-bit values (``wire_dtype="int8"``,
-  a float32 scale per block of 128, the rounding kept in the momentum); all fourteen with
+  a float32 scale per block of 128, the rounding kept in the momentum), ``exdyna-demoage999-fp8``
+  with float8 e4m3fn values (``wire_dtype="float8_e4m3fn"``, the same layout); all fifteen with
   ``--optimizer adamw`` only.
   ``exdyna`` is the library's default, which for AdamW is ``adam="demo-age"`` since 2026-11-29
   (``adam="demo"`` from 2026-11-28, ``adam="live"`` before: records of ``exdyna`` on the LM made

@@ -279,6 +279,8 @@ _SPECS = (
              beta1=0.999, options=_BF16, optimizer="adamw"),
     _library("exdyna-demoage999-int8", "exdyna", "exdyna-demoage999 with 8-bit values (a scale per 128)",
              adam="demo-age", beta1=0.999, options={"wire_dtype": "int8"}, optimizer="adamw"),
+    _library("exdyna-demoage999-fp8", "exdyna", "exdyna-demoage999 with float8 e4m3fn values (a scale per 128)",
+             adam="demo-age", beta1=0.999, options={"wire_dtype": "float8_e4m3fn"}, optimizer="adamw"),
 )
 
 #: every method by name, in the order ``--help`` lists them

@@ -407,14 +407,14 @@ class Sparsifier(Selector):
         with timed(sec, "gather"):
             vals = self._vals_buffer(union.shape[0], dtype)
             ops.gather(acc, union, vals)
-        if self._wire is not None or self.wire_dtype == "int8":
+        if self._wire is not None or self.wire_dtype in NARROW_WIRE:   # (8-bit codes: no _wire)
             # 16- or 8-bit values: vals becomes what this rank keeps (the rounding it did), means are shared
             with timed(sec, "reduce"):
                 if self._wire is not None:   # 16-bit
                     means = self.exchange.mean_wire(vals, self._wire, signs=signs)
                     self.check_wire(means)
                 else:
-                    means = self.exchange.mean_int8(vals, signs=signs)   # float32 means, checked as sums
+                    means = self.exchange.mean_8bit(vals, str(self.wire_dtype), signs=signs)   # float32: checked
                     self.check_sums(means, 1)
             with timed(sec, "scatter"):
                 res = self.memory.commit(acc, out)

@@ -17,8 +17,8 @@ class Capabilities:
     Attributes:
         wire_half: the values can travel in 16 bits (``wire_dtype``; a half gradient's default): the
             sparsifiers whose step ends in ``average_at``, and dense.
-        wire_int8: the values can travel as 8-bit integers with a scale per block
-            (``wire_dtype="int8"``): the sparsifiers whose step ends in ``average_at``.
+        wire_8bit: the values can travel as 8-bit codes with a scale per block (``wire_dtype``
+            ``"int8"`` or ``"float8_e4m3fn"``): the sparsifiers whose step ends in ``average_at``.
         device_step: the step runs on CUDA buffers (CuPy, torch CUDA tensors) on a real GPU. False: its
             step is host NumPy code, so ``device="cuda"`` and CUDA gradients are refused with a clear
             error (the Numba CUDA simulator, whose device buffers are NumPy arrays, runs it either way).
@@ -35,7 +35,7 @@ class Capabilities:
     """
 
     wire_half: bool = False
-    wire_int8: bool = False
+    wire_8bit: bool = False
     device_step: bool = True
     sign_output: bool = False
     tuned_defaults: bool = False

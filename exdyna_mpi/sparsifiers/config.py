@@ -20,17 +20,19 @@ from .capabilities import names_where
 NONFINITE_POLICIES = ("raise", "skip")
 DEVICES = ("auto", "cpu", "cuda")
 #: ``wire_dtype``: None (the gradient's: 16-bit values for a half gradient where the sparsifier can
-#: send them, else the computing dtype), or one of these ("int8": 8-bit integers with a float32
-#: scale per block of 128 values, ``kernels/cpu_int8.py``)
-WIRE_DTYPES = ("float32", "bfloat16", "float16", "int8")
+#: send them, else the computing dtype), or one of these (``EIGHT_BIT``: 8-bit integers or float8
+#: e4m3fn codes with a float32 scale per block of 128 values, ``kernels/cpu_8bit.py``)
+WIRE_DTYPES = ("float32", "bfloat16", "float16", "int8", "float8_e4m3fn")
+#: the ``wire_dtype`` values of 8-bit codes with a scale per block
+EIGHT_BIT = ("int8", "float8_e4m3fn")
 #: the ``wire_dtype`` values narrower than float32: only from float32 (or half) gradients
-NARROW_WIRE = ("bfloat16", "float16", "int8")
+NARROW_WIRE = ("bfloat16", "float16") + EIGHT_BIT
 #: ``output``: what a step returns at the union, the average (``"mean"``) or its sign (``"sign"``: 1,
 #: -1 or 0, the values' signs gathered as 2-bit codes; for updates that use the sign alone)
 OUTPUTS = ("mean", "sign")
 
-__all__ = ["DEVICES", "NARROW_WIRE", "NONFINITE_POLICIES", "OUTPUTS", "WIRE_DTYPES", "Option", "SparsifierConfig",
-           "configure",
+__all__ = ["DEVICES", "EIGHT_BIT", "NARROW_WIRE", "NONFINITE_POLICIES", "OUTPUTS", "WIRE_DTYPES", "Option",
+           "SparsifierConfig", "configure",
            "nonneg_int", "positive_int"]
 
 
@@ -146,9 +148,9 @@ def configure(cls: type[Any], family: type, numel: Any, density: Any, nonfinite:
     elif wire_dtype in HALF_DTYPES and not caps.wire_half:
         errors.append(f"{name} cannot send its values in {wire_dtype} (wire_dtype); the sparsifiers "
                       f"that can: {', '.join(names_where(family, 'wire_half'))}")
-    elif wire_dtype == "int8" and not caps.wire_int8:
-        errors.append(f"{name} cannot send its values in int8 (wire_dtype); the sparsifiers "
-                      f"that can: {', '.join(names_where(family, 'wire_int8'))}")
+    elif wire_dtype in EIGHT_BIT and not caps.wire_8bit:
+        errors.append(f"{name} cannot send its values in {wire_dtype} (wire_dtype); the sparsifiers "
+                      f"that can: {', '.join(names_where(family, 'wire_8bit'))}")
     output = opts.pop("output", "mean")
     if output not in OUTPUTS:
         errors.append(f"output must be one of {OUTPUTS}, got {output!r}")

@@ -148,7 +148,7 @@ class ExDyna(_deadline.DeadlineOption, Sparsifier):
     """
 
     name = "exdyna"
-    CAPABILITIES = Capabilities(wire_half=True, wire_int8=True, sign_output=True, tuned_defaults=True)
+    CAPABILITIES = Capabilities(wire_half=True, wire_8bit=True, sign_output=True, tuned_defaults=True)
     OPTIONS = {
         "controller": Option("measured", _controller_name, _CONTROLLER_DOC),
         "balance": Option(True, Balance.of, "how the partition boundaries follow the load (a Balance)"),
@@ -397,7 +397,7 @@ class MiCRO(ExDyna):
     """
 
     name = "micro"
-    CAPABILITIES = Capabilities(wire_half=True, wire_int8=True, sign_output=True)   # the defaults were tuned on ExDyna
+    CAPABILITIES = Capabilities(wire_half=True, wire_8bit=True, sign_output=True)   # the defaults were tuned on ExDyna
     OPTIONS = {"controller": Option("faithful", _controller_name, _CONTROLLER_DOC), **_deadline.OPTIONS}
 
     def __init__(self, numel: int, density: float, comm: Any = None, *, controller: str = "faithful",

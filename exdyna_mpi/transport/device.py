@@ -15,7 +15,7 @@ once on the ``exdyna_mpi`` logger. Ranks may differ (the collectives mean the sa
 
 ``DeviceExchange`` inherits the host-word methods (``agree``, ``sum_words``, ``gather_objects``,
 ``alltoall_counts``, ``rotating_rounds``) and the ``ByteCounter``, and overrides the array methods
-(``allgatherv``, ``allgather_indices``, ``sum_identical``, ``sum_signs``, ``mean_wire``, ``mean_int8``,
+(``allgatherv``, ``allgather_indices``, ``sum_identical``, ``sum_signs``, ``mean_wire``, ``mean_8bit``,
 ``bcast_from``): staged, they run the host collective (``super()``) on pinned copies; direct, they
 hand it the device buffers (or run the host method's calls on them), so both paths count the same
 bytes. Building one binds no
@@ -265,14 +265,14 @@ class DeviceExchange(Exchange):
         there and back, never the gradient."""
         return self._staged_in_place(vals, super().sum_signs)
 
-    def mean_int8(self, vals, signs=False):
-        """``Exchange.mean_int8`` on a device buffer, staged through pinned host memory on both paths
+    def mean_8bit(self, vals, code, signs=False):
+        """``Exchange.mean_8bit`` on a device buffer, staged through pinned host memory on both paths
         (the 8-bit codes are host kernels, as the sign codes are): O(k) values there and back,
         never the gradient. Returns the means as a device array; ``vals`` gets what this rank keeps."""
         hv = self._buffer("vals", vals.shape[0], vals.dtype)
         _to_host_async(vals, hv)
         CudaOps.synchronize()
-        means = super().mean_int8(hv, signs=signs)
+        means = super().mean_8bit(hv, code, signs=signs)
         hm = self._buffer("means", means.shape[0], means.dtype)
         hm[:] = means
         out = CudaOps.empty(means.shape[0], means.dtype)

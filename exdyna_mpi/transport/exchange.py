@@ -37,7 +37,7 @@ from numpy.typing import DTypeLike
 from ..arrays.half import narrow, widen
 from ..kernels import cpu_half as _kh
 from ..kernels import cpu_index as _ki
-from ..kernels import cpu_int8 as _k8
+from ..kernels import cpu_8bit as _k8
 from . import signs as _signs
 from .accounting import ByteCounter, Counts, CountsBytes
 from .protocols import Buffer, Parts, Words
@@ -316,19 +316,22 @@ class Exchange(CountsBytes):
         return means
 
     @watched
-    def mean_int8(self, vals: np.ndarray, signs: bool = False) -> np.ndarray:
-        """The mean over ranks of float32 ``vals`` (n,), its values travelling as 8-bit integers with
-        a float32 scale per block of 128 (``kernels/cpu_int8.py``); returns the means (n,) float32,
-        the same bits on every rank. ``vals`` becomes what this rank's residual keeps: outside its
-        own share, what the 8-bit rounding of its values lost; inside, what the rounding of the mean
-        lost (sum - P x mean). ``signs``: the sign of each mean instead (1, -1, 0 or NaN), gathered as
-        2-bit codes, and the share keeps nothing (as ``sum_signs``).
+    def mean_8bit(self, vals: np.ndarray, code: str, signs: bool = False) -> np.ndarray:
+        """The mean over ranks of float32 ``vals`` (n,), its values travelling as 8-bit ``code``
+        (``"int8"`` or ``"float8_e4m3fn"``) with a float32 scale per block of 128
+        (``kernels/cpu_8bit.py``); returns the means (n,) float32, the same bits on every rank.
+        ``vals`` becomes what this rank's residual keeps: outside its own share, what the 8-bit
+        rounding of its values lost; inside, what the rounding of the mean lost (sum - P x mean).
+        ``signs``: the sign of each mean instead (1, -1, 0 or NaN), gathered as 2-bit codes, and the
+        share keeps nothing (as ``sum_signs``).
 
         Share ``j`` (``sum_identical``'s equal split) is reduced on rank ``j``: every other rank sends
         it its 8-bit values (``Alltoallv``); rank ``j`` adds them to its own float32 values in
-        float32, in rank order; the means travel back in 8 bits (``Allgatherv``), or as signs.
+        float32, in rank order; the means travel back in the same code (``Allgatherv``), or as signs.
         """
         n, p, me = vals.shape[0], self.size, self.rank
+        kind = _k8.CODES[code]
+        table = _k8.TABLES[kind]
         counts, displs = self._shares(n, p)
         c, d = int(counts[me]), int(displs[me])
         own = vals[d: d + c]
@@ -344,11 +347,11 @@ class Exchange(CountsBytes):
             for j in range(p):
                 if j != me:
                     v = vals[displs[j]: displs[j] + counts[j]]
-                    _k8.quantize(v, send[sdispls[j]: sdispls[j] + size[j]], v)
+                    _k8.quantize(v, send[sdispls[j]: sdispls[j] + size[j]], v, kind, table)
             recv = np.empty(int(rcounts.sum()), dtype=np.uint8)
             self.comm.Alltoallv([send, (scounts, sdispls)], [recv, (rcounts, rdispls)])
             self.bytes.add(int(scounts.sum()), int(rcounts.sum()))
-            _k8.owner_sum(recv, rdispls, own, me, p, sums)
+            _k8.owner_sum(recv, rdispls, own, me, p, table, sums)
         else:
             sums[:] = own
         mean = sums / np.float32(p)
@@ -360,18 +363,18 @@ class Exchange(CountsBytes):
             self._gather_signs(mean, counts, displs, _signs.sign_table(np.float32), means)
             return means
         mine = np.empty(int(size[me]), dtype=np.uint8)
-        _k8.quantize(mean, mine, own)                  # own: scratch here, overwritten below
-        _k8.dequantize(mine, c, own)
+        _k8.quantize(mean, mine, own, kind, table)     # own: scratch here, overwritten below
+        _k8.dequantize(mine, c, table, own)
         np.subtract(sums, np.float32(p) * own, out=own)   # sum - P x mean: the owner keeps it
         if p == 1:
-            _k8.dequantize(mine, c, means)
+            _k8.dequantize(mine, c, table, means)
             return means
         recv = np.empty(int(size.sum()), dtype=np.uint8)
         starts = _starts(size)
         self.comm.Allgatherv(mine, [recv, (size, starts)])
         self.bytes.allgather(size, 1)
         for r in range(p):
-            _k8.dequantize(recv[starts[r]: starts[r] + size[r]], int(counts[r]),
+            _k8.dequantize(recv[starts[r]: starts[r] + size[r]], int(counts[r]), table,
                            means[displs[r]: displs[r] + counts[r]])
         return means
 

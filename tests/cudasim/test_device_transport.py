@@ -223,7 +223,7 @@ def test_single_rank_copies_locally():
 
 
 #: the members DeviceExchange defines itself: the array methods, each around ``super()``'s
-OVERRIDES = {"allgatherv", "allgather_indices", "sum_identical", "sum_signs", "mean_wire", "mean_int8",
+OVERRIDES = {"allgatherv", "allgather_indices", "sum_identical", "sum_signs", "mean_wire", "mean_8bit",
              "bcast_from"}
 
 

@@ -111,12 +111,13 @@ def test_16_bit_values_on_the_device_equal_the_host(name, aware):
 
 @pytest.mark.parametrize("aware", [False, True], ids=["staged", "direct"])
 @pytest.mark.parametrize("output", ["mean", "sign"])
+@pytest.mark.parametrize("code", ["int8", "float8_e4m3fn"])
 @pytest.mark.parametrize("name", ["exdyna", "topk"])
-def test_8_bit_values_on_the_device_equal_the_host(name, output, aware):
+def test_8_bit_values_on_the_device_equal_the_host(name, code, output, aware):
     n = 1200
     cls = exdyna_mpi.sparsifiers.REGISTRY[name]
-    ref = cls(n, 0.03, MPI.COMM_SELF, device="cpu", wire_dtype="int8", output=output)
-    dev = simulated(cls, n, 0.03, MPI.COMM_SELF, cuda_aware=aware, wire_dtype="int8", output=output)
+    ref = cls(n, 0.03, MPI.COMM_SELF, device="cpu", wire_dtype=code, output=output)
+    dev = simulated(cls, n, 0.03, MPI.COMM_SELF, cuda_aware=aware, wire_dtype=code, output=output)
     rng = np.random.default_rng(10)
     for step in range(3):
         g = (rng.standard_normal(n) * 0.05).astype(np.float32)

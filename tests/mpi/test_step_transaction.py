@@ -29,6 +29,7 @@ CASES = [(n, n, {}) for n in NAMES] + [
     ("dense-bf16", "dense", {"wire_dtype": "bfloat16"}),
     ("exdyna-int8", "exdyna", {"wire_dtype": "int8"}),              # values that travel in 8 bits
     ("topk-int8-sign", "topk", {"wire_dtype": "int8", "output": "sign"}),
+    ("exdyna-fp8-sign", "exdyna", {"wire_dtype": "float8_e4m3fn", "output": "sign"}),
     ("exdyna-sign", "exdyna", {"output": "sign"}),
 ]
 IDS = [c[0] for c in CASES]

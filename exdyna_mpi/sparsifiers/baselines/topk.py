@@ -39,7 +39,7 @@ from ._common import (ThresholdSelection, float_to_word, kth_largest_magnitude, 
 class UnionSparsifier(DeadlineOption, Sparsifier):
     """Base of the union-exchange methods; subclasses implement ``_threshold(acc)``."""
 
-    CAPABILITIES = Capabilities(wire_half=True, wire_int8=True, sign_output=True)
+    CAPABILITIES = Capabilities(wire_half=True, wire_8bit=True, sign_output=True)
 
     def __init__(self, numel, density, comm=None, **kw):
         super().__init__(numel, density, comm, **kw)
