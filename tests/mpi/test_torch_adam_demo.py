@@ -14,6 +14,8 @@
 - The default ``adam="auto"`` runs ``"demo-age"`` (``"demo"`` with age-scaled signs,
   tests/mpi/test_torch_adam_demo_age.py) for Adam/AdamW with ExDyna and ``"live"`` for other
   sparsifiers, optimizers, ``amsgrad`` and mixed ``betas[0]``; the DDP hook's default follows it.
+  Its values travel as float8 e4m3fn for float32 parameters unless ``wire_dtype`` is given (None
+  included); bfloat16 parameters and ``"demo-age"`` by name keep the gradient's values.
 """
 
 import numpy as np
@@ -175,5 +177,24 @@ def test_auto_runs_demo_age_for_adam_with_exdyna_and_live_elsewhere(wcomm):
     state = ExDynaHookState("exdyna", 0.05, comm=wcomm, optimizer=adamw(model.parameters()))
     mpi_assert(state._adam is not None and state._adam.mode == "demo-age", "the DDP hook's default is not 'demo-age'",
                wcomm)
+    mpi_assert(state.options.get("wire_dtype") == "float8_e4m3fn", f"the DDP hook's values: {state.options}", wcomm)
     state = ExDynaHookState("topk", 0.05, comm=wcomm, optimizer=adamw(model.parameters()))
     mpi_assert(state._adam is None, "the DDP hook ran an Adam path for top-k", wcomm)
+
+
+def test_auto_sends_float8_values_unless_told_otherwise(wcomm):
+    def wire(adam="auto", dtype=torch.float32, **kw):
+        model = _model().to(dtype)
+        opt = DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.99, 0.95)), model,
+                                   sparsifier="exdyna", density=0.05, comm=wcomm, adam=adam, **kw)
+        return opt.sparsifier.wire_dtype, opt.sparsifier.output
+
+    cases = {
+        "auto": (wire(), ("float8_e4m3fn", "sign")),
+        "auto, wire_dtype=None": (wire(wire_dtype=None), (None, "sign")),
+        "auto, bfloat16 values asked": (wire(wire_dtype="bfloat16"), ("bfloat16", "sign")),
+        "auto, bfloat16 parameters": (wire(dtype=torch.bfloat16), (None, "sign")),
+        "demo-age by name": (wire(adam="demo-age"), (None, "sign")),
+    }
+    for name, (got, want) in cases.items():
+        mpi_assert(got == want, f"{name}: (wire_dtype, output) {got!r}, expected {want!r}", wcomm)

@@ -17,8 +17,9 @@ Each path makes the exchanged quantity one that error feedback handles soundly:
   the root of the steps since the coordinate last moved.
 - ``"live"``: no path; the wrapped optimizer (any) steps on the sparse average of the raw gradient.
 - ``"auto"`` (the default): ``"demo-age"`` for a ``torch.optim.Adam``/``AdamW`` with a sparsifier
-  that declares the tuned defaults (ExDyna) where that path accepts the optimizer, ``"live"``
-  elsewhere.
+  that declares the tuned defaults (ExDyna) where that path accepts the optimizer, its values on
+  the wire as float8 e4m3fn (``AUTO_WIRE``) where ``wire_dtype`` is unset and the parameters are
+  float32; ``"live"`` elsewhere.
 
 Every path implements ``AdamPath`` (``base.py``); ``registry.py`` maps each name to its class
 (``ADAM_PATHS``), and ``check_mode`` / ``make_adam_path`` read what each class declares. The
@@ -37,9 +38,9 @@ from .base import ADAM_KEY, AdamPath, is_adam
 from .decoupled import AgedDecoupledMomentum, DecoupledMomentum
 from .frozen import FrozenVarianceAdam
 from .local_update import LocalUpdateAdam
-from .registry import (ADAM_PATHS, AUTO, AUTO_MODE, CHOICES, LIVE, MODES, PATH_CLASSES, check_mode, make_adam_path,
-                       tuned_defaults)
+from .registry import (ADAM_PATHS, AUTO, AUTO_MODE, AUTO_WIRE, CHOICES, LIVE, MODES, PATH_CLASSES, check_mode,
+                       make_adam_path, tuned_defaults)
 
-__all__ = ["ADAM_KEY", "ADAM_PATHS", "AUTO", "AUTO_MODE", "CHOICES", "LIVE", "MODES", "PATH_CLASSES",
+__all__ = ["ADAM_KEY", "ADAM_PATHS", "AUTO", "AUTO_MODE", "AUTO_WIRE", "CHOICES", "LIVE", "MODES", "PATH_CLASSES",
            "AdamPath", "AgedDecoupledMomentum", "DecoupledMomentum", "FrozenVarianceAdam", "LocalUpdateAdam",
            "check_mode", "is_adam", "make_adam_path", "tuned_defaults"]

@@ -48,6 +48,9 @@ class DecoupledMomentum(AdamPath):
 
     modes = ("demo",)
     signs_only = True
+    #: the ``wire_dtype`` this path adds where the user gave none (``adam="auto"`` sets it: the
+    #: tuned recipe's values on the wire); None: the gradient's
+    default_wire: str | None = None
 
     def __init__(self, optimizer, params, mode: str = "demo", who: str = "DistributedOptimizer") -> None:
         super().__init__(optimizer, params, mode, who)
@@ -73,11 +76,18 @@ class DecoupledMomentum(AdamPath):
         """``output="sign"`` where the sparsifier offers it and ``options`` leave ``output`` unset:
         this path reads nothing but the sign of the exchanged average, so only signs travel on the
         gathering half of the value exchange (2 bits a value instead of 32; the same update to the
-        bit)."""
+        bit). ``default_wire`` (set by ``adam="auto"``) where the sparsifier can send 8-bit values,
+        ``options`` leave ``wire_dtype`` unset and every parameter is float32."""
         cls = REGISTRY.get(sparsifier)
-        if "output" in options or cls is None or not cls.CAPABILITIES.sign_output:
+        if cls is None:
             return options
-        return dict(options, output="sign")
+        opts = dict(options)
+        if "output" not in options and cls.CAPABILITIES.sign_output:
+            opts["output"] = "sign"
+        if self.default_wire is not None and "wire_dtype" not in options and cls.CAPABILITIES.wire_8bit \
+                and all(p.dtype == _torch().float32 for p, *_ in self.slices):
+            opts["wire_dtype"] = self.default_wire
+        return opts
 
     def update(self, flat, skipped: bool) -> None:
         """``theta -= lr * sign(flat)`` on every parameter (after AdamW's decay)."""

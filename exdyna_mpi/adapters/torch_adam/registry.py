@@ -26,6 +26,9 @@ LIVE = "live"
 AUTO = "auto"
 #: the path ``AUTO`` chooses
 AUTO_MODE = "demo-age"
+#: the values' wire ``AUTO``'s path sends where the sparsifier can, the user left ``wire_dtype``
+#: unset and the parameters are float32 (``DecoupledMomentum.default_wire``)
+AUTO_WIRE = "float8_e4m3fn"
 
 #: every path class, in the order of ``MODES``
 PATH_CLASSES: tuple[type[AdamPath], ...] = (LocalUpdateAdam, FrozenVarianceAdam, DecoupledMomentum,
@@ -109,9 +112,12 @@ def make_adam_path(optimizer: Any, params: Any, mode: str, who: str = "Distribut
         if not is_adam(optimizer) or not tuned_defaults(sparsifier):
             return None
         try:
-            return ADAM_PATHS[AUTO_MODE](optimizer, params, AUTO_MODE, who)
+            path = ADAM_PATHS[AUTO_MODE](optimizer, params, AUTO_MODE, who)
         except ValueError:   # its refusals are the cases "auto" leaves to "live"
             return None
+        if isinstance(path, DecoupledMomentum):
+            path.default_wire = AUTO_WIRE
+        return path
     if mode == LIVE:
         return None
     cls = ADAM_PATHS.get(mode)
