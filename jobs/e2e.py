@@ -83,11 +83,11 @@ Methods (``--methods``, run one after another in one launch, ``ddp`` first and, 
   (each sign scaled by the root of the steps since the coordinate last moved), ``exdyna-demoage999-bf16``
   the same with bfloat16 values, ``exdyna-demoage999-int8`` with 8-bit values (``wire_dtype="int8"``,
   a float32 scale per block of 128, the rounding kept in the momentum), ``exdyna-demoage999-fp8``
-  with float8 e4m3fn values (``wire_dtype="float8_e4m3fn"``, the same layout); all fifteen with
-  ``--optimizer adamw`` only.
-  ``exdyna`` is the library's default, which for AdamW is ``adam="demo-age"`` since 2026-11-29
-  (``adam="demo"`` from 2026-11-28, ``adam="live"`` before: records of ``exdyna`` on the LM made
-  earlier measured those);
+  with float8 e4m3fn values (``wire_dtype="float8_e4m3fn"``, the same layout), ``exdyna-demoage-fp8``
+  ``-demoage`` with them; all sixteen with ``--optimizer adamw`` only.
+  ``exdyna`` is the library's default, which for AdamW is ``adam="demo-age"`` since 2026-11-29, with
+  float8 values since 2026-12-02 (``adam="demo"`` from 2026-11-28, ``adam="live"`` before: records
+  of ``exdyna`` on the LM made earlier measured those);
   ``exdyna-live``: ``adam="live"`` by name.
 - ``ddp-exdyna``: DDP (default buckets) with the library's hook, ``exdyna_hook`` and
   ``ExDynaHookState("exdyna", density, optimizer=opt)``: one sparsifier over the whole model, exchanged
@@ -501,7 +501,8 @@ bash jobs/run_e2e.sh --workload cnn --rate 20 --tuned out/cnn_tune/tuned.json --
   sparsifier="exdyna", density=0.01)` on the CNN with the library's defaults for momentum SGD
   (momentum correction and quotas). On the LM, `exdyna-demoage999` is `DistributedOptimizer(AdamW,
   sparsifier="exdyna", density=0.05)` with the AdamW default `adam="demo-age"` and `betas[0]` 0.999
-  (the value the docs advise for it), on a 1,200-batch schedule of its own; `diloco-h64` is
+  (the value the docs advise for it), on a 1,200-batch schedule of its own, with float32 values on
+  the wire (`-fp8`: float8 e4m3fn values, the default since 2026-12-02); `diloco-h64` is
   torchft's dense DiLoCo and `sloco-h16` the library's `DiLoCo("exdyna", density=0.03)`, each on
   2,400 batches of its own.
 - **Measured, not composed.** Every time to target is a full run at the rate shown; each CNN

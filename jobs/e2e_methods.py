@@ -273,6 +273,8 @@ _SPECS = (
              "average", adam="live"),
     _library("exdyna-demoage", "exdyna", "adam='demo-age': each sign scaled by the root of its age", adam="demo-age",
              optimizer="adamw"),
+    _library("exdyna-demoage-fp8", "exdyna", "exdyna-demoage with float8 e4m3fn values: what adam='auto' runs",
+             adam="demo-age", options={"wire_dtype": "float8_e4m3fn"}, optimizer="adamw"),
     _library("exdyna-demoage999", "exdyna", "adam='demo-age' at beta1 0.999", adam="demo-age", beta1=0.999,
              optimizer="adamw"),
     _library("exdyna-demoage999-bf16", "exdyna", "exdyna-demoage999 with bfloat16 values", adam="demo-age",

@@ -86,7 +86,7 @@ def _shrink(comm: Any) -> ulfm.Shrunk:
     try:
         return ulfm.shrink(comm)
     except BaseException as e:   # noqa: BLE001 - another rank lost while shrinking: once more
-        if not ulfm.is_rank_failure(e):
+        if not ulfm.is_rank_failure(e, comm):
             raise
         return ulfm.shrink(comm)
 
@@ -117,7 +117,7 @@ def guarded_step(target: ElasticTarget, elastic: Elastic | None, body: Any, coun
     try:
         result = body()
     except BaseException as e:   # noqa: BLE001 - only MPI's report of a lost rank is recovered
-        if not ulfm.is_rank_failure(e):
+        if not ulfm.is_rank_failure(e, target._elastic_comm()):
             raise
         raise recover(target, elastic) from None
     if count:

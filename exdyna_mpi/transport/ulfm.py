@@ -55,15 +55,35 @@ _FAILURE_CLASSES = tuple(getattr(MPI, name) for name in ("ERR_PROC_FAILED", "ERR
                          if hasattr(MPI, name))
 
 
-def is_rank_failure(exc: BaseException) -> bool:
+def is_rank_failure(exc: BaseException, comm: Any = None) -> bool:
     """Whether ``exc`` is MPI's report of a lost rank (``ERR_PROC_FAILED``, ``..._PENDING``) or of a
-    communicator another survivor revoked after one (``ERR_REVOKED``)."""
+    communicator another survivor revoked after one (``ERR_REVOKED``).
+
+    Some collectives report a peer that died during them under another class: Open MPI 5's
+    ``Alltoallv`` (coll/tuned over ob1) returns ``ERR_OTHER``. With ``comm``, any MPI error on a
+    communicator whose failure detector knows a dead rank (``Comm.Get_failed``) counts too.
+    """
     if not isinstance(exc, MPI.Exception):
         return False
     try:
-        return exc.Get_error_class() in _FAILURE_CLASSES
+        if exc.Get_error_class() in _FAILURE_CLASSES:
+            return True
     except MPI.Exception:
         return False
+    return comm is not None and _knows_failed(comm)
+
+
+def _knows_failed(comm: Any) -> bool:
+    """Whether ``comm``'s failure detector has reported a dead rank to this process (local)."""
+    try:
+        group = comm.Get_failed()
+    except (MPI.Exception, NotImplementedError, AttributeError):
+        return False
+    try:
+        return bool(group.Get_size() > 0)
+    finally:
+        if group != MPI.GROUP_EMPTY:
+            group.Free()
 
 
 class Shrunk(NamedTuple):

@@ -275,14 +275,15 @@ def test_adam_paths_train_with_adamw(tmp_path):
     """The harness's Adam paths (``DistributedOptimizer(adam=...)``) under the AdamW protocol: each
     trains, every rank holds the same parameters, and the paths differ from each other and from
     ``adam="live"``; the library's default for AdamW (``exdyna``) is ``adam="demo-age"`` at AdamW's
-    ``betas[0]`` (``exdyna-demoage``), to the bit; the DDP hook gives ``DistributedOptimizer``'s losses,
+    ``betas[0]`` with float8 values (``exdyna-demoage-fp8``), to the bit, and not float32 values'
+    ``exdyna-demoage``; the DDP hook gives ``DistributedOptimizer``'s losses,
     by default (``ddp-exdyna``, clipping inside) and with ``adam="demo"`` named; ``"demo"``
     gathering its means (``exdyna-demo999-mean``) trains to the same bits with more bytes; an Adam
     path under SGD is refused."""
     recs = e2e(tmp_path, "--optimizer", "adamw", "--lr", "2e-3", "--steps", "4", "--max-steps", "4",
                "--eval-every", "4", "--warmup", "1", "--density", "0.05",
                "--methods", "ddp,exdyna,exdyna-live,exdyna-adam-u,exdyna-demo,exdyna-demo999,ddp-exdyna-demo999,"
-               "ddp-exdyna,exdyna-demo999-mean,exdyna-demoage")
+               "ddp-exdyna,exdyna-demo999-mean,exdyna-demoage,exdyna-demoage-fp8")
     runs = {r["method"]: r for r in recs if r["kind"] == "run"}
     finals = set()
     for m in ("exdyna-live", "exdyna-adam-u", "exdyna-demo", "exdyna-demo999", "exdyna-demoage"):
@@ -290,7 +291,9 @@ def test_adam_paths_train_with_adamw(tmp_path):
         assert runs[m]["evals"][-1][2] < runs[m]["evals"][0][2], m
         finals.add(runs[m]["evals"][-1][2])
     assert len(finals) == 5
-    assert [e[2] for e in runs["exdyna"]["evals"]] == [e[2] for e in runs["exdyna-demoage"]["evals"]]
+    assert [e[2] for e in runs["exdyna"]["evals"]] == [e[2] for e in runs["exdyna-demoage-fp8"]["evals"]]
+    assert runs["exdyna"]["evals"][-1][2] != runs["exdyna-demoage"]["evals"][-1][2]
+    assert runs["exdyna"]["bytes_per_step"] < runs["exdyna-demoage"]["bytes_per_step"]
     # the DDP hook's Adam path trains as DistributedOptimizer's: the same losses to the last bit
     assert runs["ddp-exdyna-demo999"]["evals"] and runs["ddp-exdyna-demo999"]["params_identical"]
     assert [e[2] for e in runs["ddp-exdyna-demo999"]["evals"]] == [e[2] for e in runs["exdyna-demo999"]["evals"]]

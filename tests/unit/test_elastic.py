@@ -95,3 +95,20 @@ def test_a_killed_rank_leaves_three_survivors_that_go_on(tmp_path, reference, en
     assert max(got[agreed:agreed + 4]) <= 1.05 * window, (got[agreed - 4:agreed + 4], ref[agreed - 4:agreed + 4])
     tail, ref_tail = sum(got[-4:]) / 4, sum(ref[-4:]) / 4
     assert tail <= 1.03 * ref_tail, (tail, ref_tail)
+
+
+def test_a_lost_rank_is_told_by_its_class_or_by_the_failure_detector():
+    """``is_rank_failure``: the ULFM classes count; another MPI error counts only where the
+    communicator's failure detector knows a dead rank (Open MPI's ``Alltoallv`` reports one as
+    ``ERR_OTHER``; the adamw and zoo cases above die inside it), so here, with nobody dead, not."""
+    from mpi4py import MPI
+
+    from exdyna_mpi.transport import ulfm
+
+    for name in ("ERR_PROC_FAILED", "ERR_REVOKED"):
+        if hasattr(MPI, name):
+            assert ulfm.is_rank_failure(MPI.Exception(getattr(MPI, name))), name
+    other = MPI.Exception(MPI.ERR_OTHER)
+    assert not ulfm.is_rank_failure(other)
+    assert not ulfm.is_rank_failure(other, MPI.COMM_WORLD)
+    assert not ulfm.is_rank_failure(ValueError("not MPI's"), MPI.COMM_WORLD)
