@@ -51,8 +51,10 @@ def _round16(x, name):
     return h.astype(np.float32)
 
 
-def _reference(accs, union, wire):
-    """(out, residuals) of one step from every rank's accumulator (P, N) and the union."""
+def owner_reference(accs, union, rnd, signs=False):
+    """(out, residuals) of one step from every rank's accumulator (P, N) and the union, the values
+    rounded by ``rnd`` on the way to their share's owner and the means on the way back (``signs``:
+    the sign of each mean, and the owner keeps nothing)."""
     p, n = accs.shape[0], union.shape[0]
     out = np.zeros(accs.shape[1], np.float32)
     res = accs.copy()
@@ -67,13 +69,22 @@ def _reference(accs, union, wire):
             if r == j:
                 s += v
             else:
-                sent = _round16(v, wire)
+                sent = rnd(v)
                 s += sent
                 res[r, u] = v - sent
-        m = _round16(s / np.float32(p), wire)
-        out[u] = m
-        res[j, u] = s - np.float32(p) * m
+        mean = s / np.float32(p)
+        if signs:
+            out[u] = np.sign(mean)
+            res[j, u] = 0
+        else:
+            m = rnd(mean)
+            out[u] = m
+            res[j, u] = s - np.float32(p) * m
     return out, res
+
+
+def _reference(accs, union, wire):
+    return owner_reference(accs, union, lambda v: _round16(v, wire))
 
 
 def _bits(a):

@@ -19,6 +19,7 @@ import pytest
 import exdyna_mpi
 from exdyna_mpi.kernels.cpu_8bit import BLOCK
 from tests.conftest import allgather_array, mpi_assert, require
+from tests.mpi.test_wire import _record_unions, owner_reference
 
 pytestmark = pytest.mark.mpi
 
@@ -54,43 +55,7 @@ def _q8(x, code):
 
 
 def _reference(accs, union, signs, code):
-    p, n = accs.shape[0], union.shape[0]
-    out = np.zeros(accs.shape[1], np.float32)
-    res = accs.copy()
-    counts = np.full(p, n // p)
-    counts[: n % p] += 1
-    starts = np.concatenate(([0], np.cumsum(counts)))
-    for j in range(p):
-        u = union[starts[j]: starts[j + 1]]
-        s = np.zeros(u.shape[0], np.float32)
-        for r in range(p):
-            v = accs[r, u]
-            if r == j:
-                s += v
-            else:
-                sent = _q8(v, code)
-                s += sent
-                res[r, u] = v - sent
-        mean = s / np.float32(p)
-        if signs:
-            out[u] = np.sign(mean)
-            res[j, u] = 0
-        else:
-            m = _q8(mean, code)
-            out[u] = m
-            res[j, u] = s - np.float32(p) * m
-    return out, res
-
-
-def _record_unions(sp):
-    seen = []
-    orig = sp.average_at
-
-    def spy(acc, union, out, sec, done=False):
-        seen.append(np.array(union, copy=True))
-        return orig(acc, union, out, sec, done)
-    sp.average_at = spy
-    return seen
+    return owner_reference(accs, union, lambda v: _q8(v, code), signs)
 
 
 @pytest.mark.parametrize("grad_dtype", ["float32", "bfloat16"])
