@@ -20,6 +20,8 @@ import enum
 from types import MappingProxyType
 from typing import Any, Mapping
 
+from exdyna_mpi.adapters.torch_adam import AUTO_WIRE  # the values adam="auto" sends, so -demoage-fp8 follows it
+
 #: the method whose loss at the budget is the others' target (unless ``--target``); it runs first
 REFERENCE = "ddp"
 #: DGC's density warm-up: the densities of its stages, each an eighth of the step budget
@@ -274,7 +276,7 @@ _SPECS = (
     _library("exdyna-demoage", "exdyna", "adam='demo-age': each sign scaled by the root of its age", adam="demo-age",
              optimizer="adamw"),
     _library("exdyna-demoage-fp8", "exdyna", "exdyna-demoage with float8 e4m3fn values: what adam='auto' runs",
-             adam="demo-age", options={"wire_dtype": "float8_e4m3fn"}, optimizer="adamw"),
+             adam="demo-age", options={"wire_dtype": AUTO_WIRE}, optimizer="adamw"),
     _library("exdyna-demoage999", "exdyna", "adam='demo-age' at beta1 0.999", adam="demo-age", beta1=0.999,
              optimizer="adamw"),
     _library("exdyna-demoage999-bf16", "exdyna", "exdyna-demoage999 with bfloat16 values", adam="demo-age",

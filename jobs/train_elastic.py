@@ -58,7 +58,7 @@ def guard(run, fn, *a, **k):
     try:
         return fn(*a, **k)
     except Exception as e:   # noqa: BLE001 - only MPI's report of a lost rank is recovered
-        if not is_rank_failure(e):
+        if not is_rank_failure(e, run.comm):
             raise
         raise run.opt.recover() from None
 
