@@ -3,7 +3,9 @@
 - ``ExchangeProtocol`` (``protocols.py``): the exchange role of every sparsifier, the collectives
   the sparsifiers and adapters use, typed (runtime-checkable); ``PointToPointProtocol``: Ok-Topk's
   point-to-point rounds, which ``point_to_point(exchange)`` hands out.
-- ``Exchange`` (``exchange.py``): the host implementation of both; ``Exchange(comm)``.
+- ``Exchange`` (``exchange.py``): the host implementation of both; ``Exchange(comm)``; its
+  ``reduce_scatter_mean`` is the sparse reduce-scatter of the sharded path (``shard_runs`` cuts a
+  union into the shards' runs).
 - ``ByteCounter`` (``accounting.py``): the bytes a transport moved, one per transport, as ``bytes``
   (``Exchange``, ``DeviceExchange``, ``GroupTransport``, ``DeadlineTransport``), whose
   ``bytes_sent``/``bytes_received`` read it (``CountsBytes``).
@@ -24,7 +26,7 @@ from .agreement import agree_problems
 from .binding import bind_local_gpu
 from .deadline import DeadlineTransport, SendDelay, set_send_delay
 from .accounting import ByteCounter, CountsBytes
-from .exchange import WORD, Exchange, broadcast, node_ranks, thread_multiple, world
+from .exchange import WORD, Exchange, broadcast, node_ranks, shard_runs, thread_multiple, world
 from .protocols import ExchangeProtocol, PointToPointProtocol, point_to_point
 from .worker import Worker, abort_job
 
@@ -39,4 +41,5 @@ def device_exchange(comm, cuda_aware=None):
 
 __all__ = ["WORD", "ByteCounter", "CountsBytes", "DeadlineTransport", "Exchange", "ExchangeProtocol",
            "PointToPointProtocol", "SendDelay", "Worker", "abort_job", "agree_problems", "bind_local_gpu", "broadcast",
-           "device_exchange", "node_ranks", "point_to_point", "set_send_delay", "thread_multiple", "world"]
+           "device_exchange", "node_ranks", "point_to_point", "set_send_delay", "shard_runs", "thread_multiple",
+           "world"]

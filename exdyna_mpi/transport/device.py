@@ -16,10 +16,10 @@ once on the ``exdyna_mpi`` logger. Ranks may differ (the collectives mean the sa
 ``DeviceExchange`` inherits the host-word methods (``agree``, ``sum_words``, ``gather_objects``,
 ``alltoall_counts``, ``rotating_rounds``) and the ``ByteCounter``, and overrides the array methods
 (``allgatherv``, ``allgather_indices``, ``sum_identical``, ``sum_signs``, ``mean_wire``, ``mean_8bit``,
-``bcast_from``): staged, they run the host collective (``super()``) on pinned copies; direct, they
-hand it the device buffers (or run the host method's calls on them), so both paths count the same
-bytes. Building one binds no
-GPU unless ``EXDYNA_BIND_GPU=1`` (``binding.py``; ``exdyna_mpi.bind_local_gpu`` is the call).
+``reduce_scatter_mean``, ``bcast_from``): staged, they run the host collective (``super()``) on
+pinned copies; direct, they hand it the device buffers (or run the host method's calls on them), so
+both paths count the same bytes. Building one binds no GPU unless ``EXDYNA_BIND_GPU=1``
+(``binding.py``; ``exdyna_mpi.bind_local_gpu`` is the call).
 """
 import ctypes
 import logging
@@ -337,6 +337,48 @@ class DeviceExchange(Exchange):
         self.comm.Allgatherv(mine, [means, (counts, displs)])
         self.bytes.allgather(counts, 2)
         return means
+
+    @watched
+    def reduce_scatter_mean(self, vals, counts, fmt=None):
+        """``Exchange.reduce_scatter_mean`` on a device buffer: ``vals`` (float32, device) becomes
+        what this rank keeps; returns this rank's run of means as a device array. Direct: the 16-bit
+        rounding and the owner's rank-order float32 mean are device kernels (``kernels.cuda.shard``)
+        and MPI reads device buffers. Staged: ``vals`` goes to pinned host memory, the host method
+        does the rest, the run's means and ``vals`` come back (O(k), never the gradient)."""
+        ops = CudaOps
+        counts = np.asarray(counts, dtype=np.int64)
+        n, p, me = vals.shape[0], self.size, self.rank
+        if not self.cuda_aware or p == 1:
+            hv = self._buffer("vals", n, vals.dtype)
+            _to_host_async(vals, hv)
+            ops.synchronize()
+            hm = super().reduce_scatter_mean(hv, counts, fmt)
+            mine = ops.empty(hm.shape[0], np.float32)
+            _to_device_async(hv, vals)
+            _to_device_async(hm, mine)
+            return mine
+        if int(counts.sum()) != n or counts.shape[0] != p or (counts < 0).any():
+            raise ValueError(f"reduce_scatter_mean: counts {counts.tolist()} must be P non-negative runs of {n}")
+        displs = np.zeros(p, dtype=np.int64)
+        np.cumsum(counts[:-1], out=displs[1:])
+        c, d = int(counts[me]), int(displs[me])
+        stream = BACKEND.stream()
+        mine = ops.empty(c, np.float32)
+        if fmt is None:
+            recv = ops.empty(p * c, np.float32)
+            ops.synchronize()
+            self._to_owners(vals, counts, displs, recv)
+            _k.owner_mean32(recv.reshape(p, c), vals[d: d + c], me, p, mine, stream)
+            ops.synchronize()
+            vals[:] = 0
+            return mine
+        sent = ops.empty(n, np.uint16)
+        _k.wire_round(vals, fmt.mode, sent, d, d + c, stream)
+        recv16 = ops.empty(p * c, np.uint16)
+        ops.synchronize()
+        self._to_owners(sent, counts, displs, recv16)
+        _k.owner_mean16(recv16.reshape(p, c), vals[d: d + c], me, p, fmt.mode, mine, stream)
+        return mine
 
     def bcast_from(self, buf, root):
         """Broadcast device ``buf`` in place from ``root``."""

@@ -38,6 +38,7 @@ from ..arrays.half import narrow, widen
 from ..kernels import cpu_half as _kh
 from ..kernels import cpu_index as _ki
 from ..kernels import cpu_8bit as _k8
+from ..kernels import cpu_shard as _ks
 from . import signs as _signs
 from .accounting import ByteCounter, Counts, CountsBytes
 from .protocols import Buffer, Parts, Words
@@ -95,6 +96,13 @@ def _starts(counts):
     out = np.zeros(len(counts), dtype=np.int64)
     np.cumsum(counts[:-1], out=out[1:])
     return out
+
+
+def shard_runs(union: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """How many positions of the ascending ``union`` fall in each shard ``[bounds[r], bounds[r+1])``
+    (``bounds``: P + 1 ascending positions): the ``counts`` of ``Exchange.reduce_scatter_mean``.
+    O(P log k)."""
+    return np.diff(np.searchsorted(union, np.asarray(bounds, dtype=np.int64))).astype(np.int64)
 
 
 class Exchange(CountsBytes):
@@ -314,6 +322,42 @@ class Exchange(CountsBytes):
         self.comm.Allgatherv(mine, [means, (counts, displs)])
         self.bytes.allgather(counts, 2)
         return means
+
+    @watched
+    def reduce_scatter_mean(self, vals: np.ndarray, counts: Counts, fmt: WireFormat | None = None) -> np.ndarray:
+        """The sparse reduce-scatter: every rank's values of this rank's run, averaged, on this rank only.
+
+        ``vals`` (n,) float32: this rank's values at the n positions of a union every rank holds in
+        the same order, cut into P consecutive runs of ``counts`` (run ``r``: the positions in rank
+        ``r``'s shard, ``shard_runs``; the same ``counts`` on every rank). Each rank sends each other
+        rank its run (one ``Alltoallv``, exact counts), in float32 or, with ``fmt``
+        (``arrays.half.WireFormat``), in 16 bits. Returns (``counts[rank]``,) float32: the sum in
+        rank order (``kernels/cpu_shard.py``), divided by P, the same bits under any MPI. ``vals``
+        becomes what this rank's residual keeps: what the rounding to 16 bits lost outside its run,
+        zero inside it and everywhere in float32.
+        """
+        counts = np.asarray(counts, dtype=np.int64)
+        n, p, me = vals.shape[0], self.size, self.rank
+        if int(counts.sum()) != n or counts.shape[0] != p or (counts < 0).any():
+            raise ValueError(f"reduce_scatter_mean: counts {counts.tolist()} must be P non-negative runs of {n}")
+        displs = _starts(counts)
+        c, d = int(counts[me]), int(displs[me])
+        mine = np.empty(c, dtype=np.float32)
+        own = vals[d: d + c]
+        if fmt is None:
+            recv = np.empty((p, c), dtype=np.float32)
+            if p > 1:
+                self._to_owners(vals, counts, displs, recv)
+            _ks.owner_mean32(recv, own, me, p, mine)
+            vals[:] = 0.0
+            return mine
+        sent = np.empty(n, dtype=np.uint16)
+        _kh.wire_round(vals, fmt.mode, fmt.table, sent, d, d + c)
+        recv16 = np.empty((p, c), dtype=np.uint16)
+        if p > 1:
+            self._to_owners(sent, counts, displs, recv16)
+        _ks.owner_mean16(recv16, own, me, p, fmt.mode, fmt.table, mine)
+        return mine
 
     @watched
     def mean_8bit(self, vals: np.ndarray, code: str, signs: bool = False) -> np.ndarray:

@@ -18,6 +18,8 @@ The modules, by job:
 - ``half``: float16/bfloat16 gradients widened to float32 and outputs rounded back (``widen16``,
   ``narrow16``), on the 16-bit patterns; 16-bit values on the wire (``wire_round``,
   ``owner_mean``, ``scatter_wire``);
+- ``shard``: the owner's side of the sparse reduce-scatter (``owner_mean32``, ``owner_mean16``,
+  ``scatter_run``);
 - ``index``: the compact index forms of ``kernels/cpu_index.py``, the same bytes (``encode``,
   ``popcounts`` and ``emit``, ``raw_decode``);
 - ``blocks``: device functions the passes share; ``scratch``: ``Scratch``, the reused device words;
@@ -43,7 +45,7 @@ private kernel imports it from its own module (``from exdyna_mpi.kernels.cuda.se
 """
 from numba import cuda
 
-from . import blocks, config, finish, half, index, launch, measure, scatter_gather, scratch, select
+from . import blocks, config, finish, half, index, launch, measure, scatter_gather, scratch, select, shard
 from .config import CONFIG, HIST_MAX, NB_MAX, SIMULATOR, LaunchConfig, check_variant, configured
 from .finish import finish_fine_async
 from .half import MODE_BF16, MODE_F16, narrow16, owner_mean, scatter_wire, widen16, wire_round
@@ -51,6 +53,7 @@ from .launch import chunk_size, device_view, grid_shape, launch_kernel
 from .measure import accumulate_measure_async, hist_range, hist_range_async, measure_kernel, read_totals_hist
 from .scatter_gather import gather, scatter, scatter_mean_zero, zero_at, zero_words
 from .scratch import Scratch, new_scratch
+from .shard import owner_mean16, owner_mean32, scatter_run
 from .select import (
     accumulate_select,
     accumulate_select_async,
@@ -68,8 +71,10 @@ __all__ = [
     "accumulate_measure_async", "accumulate_select", "accumulate_select_async", "check_variant", "chunk_size",
     "compact_async", "configured", "count_range", "count_range_async", "cuda", "device_view", "finish_fine_async",
     "gather", "grid_shape", "hist_range", "hist_range_async", "launch_kernel", "measure_kernel", "narrow16",
-    "new_scratch", "owner_mean", "read_totals_hist", "scan_async", "scatter", "scatter_mean_zero", "scatter_wire",
-    "select_marked_async", "select_range", "select_range_async", "widen16", "wire_round", "zero_at", "zero_words",
+    "new_scratch", "owner_mean", "owner_mean16", "owner_mean32", "read_totals_hist", "scan_async", "scatter",
+    "scatter_mean_zero", "scatter_run", "scatter_wire", "select_marked_async", "select_range", "select_range_async",
+    "widen16", "wire_round", "zero_at", "zero_words",
     # the modules, by job
     "blocks", "config", "finish", "half", "index", "launch", "measure", "scatter_gather", "scratch", "select",
+    "shard",
 ]
