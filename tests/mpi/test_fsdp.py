@@ -74,29 +74,38 @@ def _digest(a):
     return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
 
 
-def test_each_shard_is_the_rank_order_mean_at_the_union():
+def _round16(x, name):
+    t = torch.bfloat16 if name == "bfloat16" else torch.float16
+    return torch.from_numpy(x).to(t).to(torch.float32).numpy()   # nearest even; the values stay in range
+
+
+@pytest.mark.parametrize("wire", [None, "bfloat16"])
+def test_each_shard_is_the_rank_order_mean_at_the_union(wire):
     model = _model()
-    exchange = ShardedExchange(model, DENSITY)
+    options = {} if wire is None else {"wire_dtype": wire}
+    exchange = ShardedExchange(model, DENSITY, **options)
     mpi_assert(len(exchange.units) == 3, f"units {sorted(exchange.units)}")
-    twins, calls = {}, []
+    calls = []
     for key, rs in exchange.units.items():
         sp = rs.sparsifier
-        twin = exdyna_mpi.make("exdyna", sp.numel, DENSITY, COMM)
+        # float32 values: a replicated ExDyna fed the same gradients must select and keep the same
+        twin = exdyna_mpi.make("exdyna", sp.numel, DENSITY, COMM) if wire is None else None
         unions = []
-        orig = twin.average_at
+        orig = sp.average_at
 
         def spy(acc, union, out, sec, done=False, _seen=unions, _orig=orig):
             _seen.append(np.sort(np.array(union, copy=True)))
             return _orig(acc, union, out, sec, done)
-        twin.average_at = spy
-        twins[key] = (twin, unions)
-        step = rs.sparsifier.step
+        sp.average_at = spy
+        step = sp.step
 
-        def recorder(grad, out=None, _sp=sp, _twin=twin, _step=step, _key=key):
+        def recorder(grad, out=None, _sp=sp, _twin=twin, _step=step, _key=key, _unions=unions):
             acc = _sp.residual + grad.numpy()               # what the step accumulates
-            _twin.step(grad.numpy().copy())
+            if _twin is not None:
+                _twin.step(grad.numpy().copy())
             res = _step(grad, out=out)
-            calls.append((_key, acc, grad.numpy().copy(), _sp.residual.copy(), _twin.residual.copy()))
+            calls.append((_key, acc, _unions[-1] if P > 1 else None, grad.numpy().copy(), _sp.residual.copy(),
+                          None if _twin is None else _twin.residual.copy()))
             return res
         sp.step = recorder
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
@@ -105,24 +114,26 @@ def test_each_shard_is_the_rank_order_mean_at_the_union():
         mpi_assert(not calls, f"{len(calls)} reduce-scatters at one rank")
         return
     mpi_assert(len(calls) == 4 * 3, f"{len(calls)} reduce-scatters")
-    seen = {k: 0 for k in twins}
-    for key, acc, out, residual, twin_residual in calls:
-        union = twins[key][1][seen[key]]
-        seen[key] += 1
+    for key, acc, union, out, residual, twin_residual in calls:
         n = acc.shape[0]
         s = n // P
         accs = COMM.allgather(acc)
         total = np.zeros(union.shape[0], np.float32)
-        for r in range(P):
-            total = total + accs[r][union]
+        for r in range(P):                       # rank order, float32; the others' values as they travel
+            v = accs[r][union]
+            total = total + (v if wire is None or r == ME else _round16(v, wire))
         want = np.zeros(n, np.float32)
         want[union] = total / np.float32(P)
         shard = slice(ME * s, (ME + 1) * s)
-        mpi_assert(out[shard].tobytes() == want[shard].tobytes(), f"{key}: the shard differs from the mean")
+        mpi_assert(out[shard].tobytes() == want[shard].tobytes(), f"{key}/{wire}: the shard differs from the mean")
         keep = acc.copy()
-        keep[union] = 0.0
-        mpi_assert(residual.tobytes() == keep.tobytes(), f"{key}: the residual")
-        mpi_assert(residual.tobytes() == twin_residual.tobytes(), f"{key}: the replicated step kept another residual")
+        keep[union] = 0.0 if wire is None else acc[union] - _round16(acc[union], wire)
+        mine = union[(union >= ME * s) & (union < (ME + 1) * s)]
+        keep[mine] = 0.0                         # the owner's own values are consumed
+        mpi_assert(residual.tobytes() == keep.tobytes(), f"{key}/{wire}: the residual")
+        if twin_residual is not None:
+            mpi_assert(residual.tobytes() == twin_residual.tobytes(),
+                       f"{key}: the replicated step kept another residual")
     mpi_assert(np.isfinite(losses).all(), f"losses {losses}")
     digests = COMM.allgather(_digest(_full_params(model)))
     mpi_assert(len(set(digests)) == 1, "ranks hold different parameters")
