@@ -201,3 +201,37 @@ def test_forced_sums_are_refused():
     except ValueError as e:
         msg = str(e)
     mpi_assert(("must average gradients" in msg) if P > 1 else msg == "", msg)   # one rank: no reduce-scatter
+
+
+def test_a_non_finite_gradient_on_one_rank_fails_every_ranks_backward():
+    model = _model()
+    sharded = ShardedExchange(model, DENSITY)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train_step(model, opt, 0)
+    before = state_content(sharded.state_dict())
+    x, y = _batch(1)
+    if ME == P - 1:
+        x[0, 0] = float("nan")
+    msg = ""
+    try:
+        torch.nn.functional.mse_loss(model(x), y).backward()
+    except exdyna_mpi.StepError as e:
+        msg = str(e)
+    msgs = COMM.allgather(msg)
+    if P == 1:   # no reduce-scatter at one rank: nothing of the exchange runs
+        mpi_assert(msgs == [""], f"{msgs}")
+        return
+    mpi_assert(msgs[0] and len(set(msgs)) == 1 and "non-finite" in msgs[0], f"{msgs}")
+    mpi_assert(state_content(sharded.state_dict()) == before, "a refused step changed the exchange")
+
+
+@pytest.mark.parametrize("where", ["one rank", "every rank"])
+def test_a_bad_density_is_refused_on_every_rank(where):
+    density = 1.5 if (where == "every rank" or ME == P - 1) else DENSITY
+    msg = ""
+    try:
+        ShardedExchange(_model(), density)
+    except ValueError as e:
+        msg = str(e)
+    msgs = COMM.allgather(msg)
+    mpi_assert(msgs[0] and len(set(msgs)) == 1 and "density" in msgs[0], f"{msgs}")
