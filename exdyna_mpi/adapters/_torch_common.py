@@ -99,7 +99,10 @@ def _wrap(optimizer: torch.optim.Optimizer, mixin: type, prefix: str, **attrs: A
     """An instance of ``mixin`` + the optimizer's class sharing the optimizer's state (so LR
     schedulers accept it), with ``attrs`` set on it."""
     base = optimizer.__class__
-    cls: Any = type(f"{prefix}{base.__name__}", (mixin, base), {})
+    # the methods that exchange (``mixin._not_compiled``) run eagerly inside a torch.compile'd
+    # region: dynamo breaks the graph there instead of tracing MPI and NumPy calls it cannot follow
+    eager = {name: _torch().compiler.disable(getattr(mixin, name)) for name in getattr(mixin, "_not_compiled", ())}
+    cls: Any = type(f"{prefix}{base.__name__}", (mixin, base), eager)
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)
     wrapped.__dict__.update(attrs)

@@ -47,6 +47,9 @@ def _stats_of(sp: exdyna_mpi.Sparsifier) -> exdyna_mpi.Stats:
 class _DistributedMixin(_OptimizerMixinBase):
     """Methods put in front of the wrapped optimizer's class (see ``DistributedOptimizer``)."""
 
+    #: run eagerly where torch.compile traces the caller (``_wrap``)
+    _not_compiled = ("step", "synchronize", "flush", "zero_grad")
+
     # set by ``DistributedOptimizer`` through ``_wrap`` on the wrapped instance
     _exdyna_grads: FlatGrad
     sparsifier: exdyna_mpi.Sparsifier

@@ -223,6 +223,10 @@ class DiLoCo:
         self.stats: exdyna_mpi.Stats | None = None
         self.comm = comm
         self._elastic = Elastic() if elastic else None
+        # a torch.compile'd region that calls step() or sync() breaks its graph here: the outer
+        # exchange (MPI, NumPy) runs eagerly
+        self._eager_step = torch.compiler.disable(self._step)
+        self._eager_sync = torch.compiler.disable(self._sync)
 
     # ------------------------------------------------------------------ training
     def _local_flat(self) -> torch.Tensor:
@@ -284,6 +288,9 @@ class DiLoCo:
             ValueError: a closure was given.
             StepError: the outer exchange refused the step (as ``sync()``).
         """
+        return self._eager_step(closure)
+
+    def _step(self, closure: None) -> exdyna_mpi.Stats | None:
         if closure is not None:
             raise ValueError("DiLoCo.step: closures are not supported")
         self.optimizer.step()
@@ -307,6 +314,9 @@ class DiLoCo:
                 recovered (docs/faults.md, "Elastic training"); every local model restarts from
                 the global parameters.
         """
+        return self._eager_sync()
+
+    def _sync(self) -> exdyna_mpi.Stats:
         return guarded_step(self, self._elastic, self._sync_once)
 
     def _sync_once(self) -> exdyna_mpi.Stats:

@@ -9,7 +9,11 @@ ranks, over a gloo process group that spans the MPI ranks.
   ``zero_grad(set_to_none=True)``) trains, and every rank ends with the same full parameters;
 - a checkpoint of the exchange resumes to the straight run's parameters bit for bit; one refused on
   one rank is refused on every rank with the same message and changes nothing;
-- FSDP told to sum rather than average is refused with a clear error.
+- FSDP told to sum rather than average is refused with a clear error; a non-finite gradient on one
+  rank fails every rank's backward with the same ``StepError`` and changes nothing; a bad density
+  on one rank is refused on every rank;
+- gradient accumulation with ``set_requires_gradient_sync(False)``: the exchange steps once per
+  optimizer step.
 
 At one rank FSDP makes no reduce-scatter (torch skips it), so the exchange is never called there.
 """
@@ -235,3 +239,21 @@ def test_a_bad_density_is_refused_on_every_rank(where):
         msg = str(e)
     msgs = COMM.allgather(msg)
     mpi_assert(msgs[0] and len(set(msgs)) == 1 and "density" in msgs[0], f"{msgs}")
+
+
+def test_accumulation_without_sync_steps_the_exchange_once():
+    """``set_requires_gradient_sync(False)`` on all but the last micro-batch: FSDP reduces once, and
+    the exchange steps once per optimizer step, on the micro-batches' summed gradient."""
+    model = _model()
+    sharded = ShardedExchange(model, DENSITY)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(2):
+        for micro in range(3):
+            model.set_requires_gradient_sync(micro == 2)
+            x, y = _batch(10 * step + micro)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    iterations = {k: rs.sparsifier.iteration for k, rs in sharded.units.items()}
+    mpi_assert(set(iterations.values()) == ({0} if P == 1 else {2}), f"iterations {iterations}")
+    mpi_assert(len(set(COMM.allgather(_digest(_full_params(model))))) == 1, "ranks hold different parameters")

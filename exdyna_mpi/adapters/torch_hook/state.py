@@ -231,6 +231,10 @@ class ExDynaHookState:
         Returns:
             A ``torch.futures.Future`` of the bucket's gradient averaged over the ranks (its buffer).
 
+        Raises:
+            RuntimeError: ``bucket`` is not a ``GradBucket`` (DDP's Python reducer calls hooks per
+                parameter with ``(grad, param)``; docs/compile.md).
+
         Example::
 
             >>> # xdoctest: +SKIP
@@ -239,6 +243,15 @@ class ExDynaHookState:
             ...     return state.exchange(bucket)
             >>> ddp.register_comm_hook(ExDynaHookState("exdyna", density=0.01), logging_hook)
         """
+        if not callable(getattr(bucket, "buffer", None)):
+            # DDP's Python reducer (torch._dynamo.config.optimize_ddp="python_reducer", which compiled
+            # autograd needs) calls a hook once per parameter with (grad, param) and ignores its result
+            raise RuntimeError(
+                f"{WHO}: the hook was called with {type(bucket).__name__}, not a torch.distributed.GradBucket: "
+                "DDP's Python reducer (torch._dynamo.config.optimize_ddp='python_reducer', which compiled "
+                "autograd needs) calls communication hooks once per parameter and ignores the future they "
+                "return. The hook exchanges DDP's buckets: keep DDP's C++ reducer (the default) and compile "
+                "without compiled autograd, or use DistributedOptimizer, which trains under compiled autograd")
         # ``torch`` in the annotation is the module (for the checker); the object comes from ``_torch()``
         fut: torch.futures.Future[torch.Tensor] = _torch().futures.Future()
         buf, last = bucket.buffer(), bucket.is_last()
