@@ -1,6 +1,7 @@
 """The device side of the sparse reduce-scatter: the owner's float32 mean of its run in rank order
 (``owner_mean32``, ``owner_mean16``) and a run's values into its shard's dense buffer
-(``scatter_run``); the same bits as ``kernels/cpu_shard.py`` (tests/cudasim/test_shard_cuda.py)."""
+(``scatter_run``); the same bits as ``kernels/cpu_shard.py`` (tests/cudasim/test_shard_cuda.py).
+The kernels read the (p, c) rows flat (row r at ``r * c``): the launchers take either shape."""
 import numpy as np
 from numba import cuda
 
@@ -19,7 +20,7 @@ def _owner_mean32(recv, own, me, p, out):
             if r == me:
                 s = np.float32(s + own[i])
             else:
-                s = np.float32(s + recv[r, i])
+                s = np.float32(s + recv[r * own.shape[0] + i])
         out[i] = np.float32(s / pf)
         own[i] = np.float32(0.0)
         i += stride
@@ -36,7 +37,7 @@ def _owner_mean16(recv, own, me, p, mode, out):
             if r == me:
                 s = np.float32(s + own[i])
             else:
-                s = np.float32(s + _value16(np.int64(recv[r, i]), mode))
+                s = np.float32(s + _value16(np.int64(recv[r * own.shape[0] + i]), mode))
         out[i] = np.float32(s / pf)
         own[i] = np.float32(0.0)
         i += stride
@@ -54,12 +55,12 @@ def _scatter_run(out, idx, lo, vals):
 def owner_mean32(recv, own, me, p, out, stream=0):
     """``kernels.cpu_shard.owner_mean32``: the float32 mean of the run in rank order into ``out``;
     ``own`` becomes 0."""
-    _elementwise(_owner_mean32, own.shape[0], stream, recv, own, me, p, out)
+    _elementwise(_owner_mean32, own.shape[0], stream, recv.reshape(-1), own, me, p, out)
 
 
 def owner_mean16(recv, own, me, p, mode, out, stream=0):
     """``kernels.cpu_shard.owner_mean16``: ``recv`` holds 16-bit patterns in ``mode``."""
-    _elementwise(_owner_mean16, own.shape[0], stream, recv, own, me, p, mode, out)
+    _elementwise(_owner_mean16, own.shape[0], stream, recv.reshape(-1), own, me, p, mode, out)
 
 
 def scatter_run(out, idx, lo, vals, stream=0):
