@@ -346,7 +346,6 @@ class DeviceExchange(Exchange):
         and MPI reads device buffers. Staged: ``vals`` goes to pinned host memory, the host method
         does the rest, the run's means and ``vals`` come back (O(k), never the gradient)."""
         ops = CudaOps
-        counts = np.asarray(counts, dtype=np.int64)
         n, p, me = vals.shape[0], self.size, self.rank
         if not self.cuda_aware or p == 1:
             hv = self._buffer("vals", n, vals.dtype)
@@ -357,10 +356,7 @@ class DeviceExchange(Exchange):
             _to_device_async(hv, vals)
             _to_device_async(hm, mine)
             return mine
-        if int(counts.sum()) != n or counts.shape[0] != p or (counts < 0).any():
-            raise ValueError(f"reduce_scatter_mean: counts {counts.tolist()} must be P non-negative runs of {n}")
-        displs = np.zeros(p, dtype=np.int64)
-        np.cumsum(counts[:-1], out=displs[1:])
+        counts, displs = self._runs(counts, n)
         c, d = int(counts[me]), int(displs[me])
         stream = BACKEND.stream()
         mine = ops.empty(c, np.float32)

@@ -323,6 +323,14 @@ class Exchange(CountsBytes):
         self.bytes.allgather(counts, 2)
         return means
 
+    def _runs(self, counts: Counts, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """``reduce_scatter_mean``'s ``counts`` checked to cut ``n`` values into P runs: (counts,
+        displacements), int64."""
+        counts = np.asarray(counts, dtype=np.int64)
+        if int(counts.sum()) != n or counts.shape[0] != self.size or (counts < 0).any():
+            raise ValueError(f"reduce_scatter_mean: counts {counts.tolist()} must be P non-negative runs of {n}")
+        return counts, _starts(counts)
+
     @watched
     def reduce_scatter_mean(self, vals: np.ndarray, counts: Counts, fmt: WireFormat | None = None) -> np.ndarray:
         """The sparse reduce-scatter: every rank's values of this rank's run, averaged, on this rank only.
@@ -336,11 +344,8 @@ class Exchange(CountsBytes):
         becomes what this rank's residual keeps: what the rounding to 16 bits lost outside its run,
         zero inside it and everywhere in float32.
         """
-        counts = np.asarray(counts, dtype=np.int64)
         n, p, me = vals.shape[0], self.size, self.rank
-        if int(counts.sum()) != n or counts.shape[0] != p or (counts < 0).any():
-            raise ValueError(f"reduce_scatter_mean: counts {counts.tolist()} must be P non-negative runs of {n}")
-        displs = _starts(counts)
+        counts, displs = self._runs(counts, n)
         c, d = int(counts[me]), int(displs[me])
         mine = np.empty(c, dtype=np.float32)
         own = vals[d: d + c]
