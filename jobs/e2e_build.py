@@ -3,7 +3,9 @@ initialised from the run's seed on every rank, at the method's learning rate.
 
 ``build`` dispatches on ``spec.kind``: torch's DDP (with torch's hooks), DDP with the library's
 ``exdyna_hook``, the library's ``DistributedOptimizer``, DiLoCo as torchft runs it (``DiLoCoOuter``,
-written here), the library's ``DiLoCo`` and its ``GroupAveragingOptimizer``. Each ``Method`` carries
+written here), the library's ``DiLoCo`` and its ``GroupAveragingOptimizer``, and torch's FSDP2
+(``fully_shard`` on every block and the root) with its own reduce-scatter or the library's
+``ShardedExchange``. Each ``Method`` carries
 ``resolved``: the options the harness passed to the entry point (the recipe's from the run's
 arguments included) and, for the library's entry points, the configuration they resolved (their
 ``state_dict()`` record: sparsifier, options, recipe, Adam path) and the sparsifier's own options.
@@ -38,11 +40,12 @@ class Method:
     entry point was given and resolved (module docstring).
     """
 
-    def __init__(self, runner, model, opt, *, resolved, stats=None, stride=1, outer=None, loop_clips=True):
+    def __init__(self, runner, model, opt, *, resolved, stats=None, stride=1, outer=None, loop_clips=True,
+                 collectives=None):
         self.runner, self.model, self.opt, self.loop_clips = runner, model, opt, loop_clips
         self.stats = stats or (lambda: None)
         self.stride, self.outer, self.resolved = stride, outer, resolved
-        self.collectives = 1.0
+        self.collectives = collectives
 
     def step(self, wl, step, clip):
         """One optimiser step on batches ``step`` .. ``step + stride - 1``; ``clip``: the norm that
@@ -363,8 +366,50 @@ def _wagma(spec, model, args, comm, lr, numel):
                                                         config=opt.state_dict()["exdyna_config"]))
 
 
+def fully_sharded(model, **policy):
+    """``model`` under FSDP2 as its users shard a transformer: ``fully_shard`` on every block (a model
+    without ``blocks`` has only the root unit), then on the root, torch's defaults otherwise (parameters
+    resharded after forward); ``policy``: ``MixedPrecisionPolicy``'s fields, dtypes by name. Returns the
+    number of blocks sharded."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(**{k: getattr(torch, v) if isinstance(v, str) else v for k, v in policy.items()})
+    blocks = list(getattr(model, "blocks", ()))
+    for block in blocks:
+        fully_shard(block, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    return len(blocks)
+
+
+def fsdp_collectives(blocks, reduce_scatter):
+    """Collective calls per step under ``fully_sharded`` (an estimate, as ``collectives``): each block's
+    parameters gathered for forward and again for backward, the root's once (FSDP keeps the root
+    unsharded between them), and ``reduce_scatter`` calls per unit for its gradient."""
+    return 2.0 * blocks + 1 + reduce_scatter * (blocks + 1)
+
+
+def _fsdp(spec, model, args, comm, lr, numel):
+    blocks = fully_sharded(model, **spec.options)
+    return Method(model, model, make_optimizer(model.parameters(), args, lr),
+                  resolved=_resolved("fully_shard", {"mp_policy": dict(spec.options), "units": blocks + 1}),
+                  collectives=fsdp_collectives(blocks, 1))
+
+
+def _fsdp_lib(spec, model, args, comm, lr, numel):
+    from exdyna_mpi.adapters.torch_fsdp import ShardedExchange
+
+    blocks = fully_sharded(model)
+    sharded = ShardedExchange(model, args.density, comm=comm, sparsifier=spec.sparsifier, **spec.options)
+    first = next(iter(sharded.units.values())).sparsifier
+    # the sparse reduce-scatter: the threshold words, the counts, the union's indices, one Alltoallv
+    return Method(model, model, make_optimizer(model.parameters(), args, lr),
+                  resolved=_resolved("ShardedExchange", dict(spec.options, units=len(sharded.units)), sparsifier=first),
+                  collectives=fsdp_collectives(blocks, 4))
+
+
 _BUILDERS = {Kind.DDP: _ddp, Kind.DDP_HOOK: _ddp_hook, Kind.LIBRARY: _library, Kind.DILOCO: _diloco,
-             Kind.DILOCO_LIB: _diloco_lib, Kind.WAGMA: _wagma}
+             Kind.DILOCO_LIB: _diloco_lib, Kind.WAGMA: _wagma, Kind.FSDP: _fsdp, Kind.FSDP_LIB: _fsdp_lib}
 
 
 def build(spec, wl, args, comm, numel):
@@ -375,14 +420,15 @@ def build(spec, wl, args, comm, numel):
     torch.manual_seed(args.seed)
     model = wl.model()
     m = _BUILDERS[spec.kind](spec, model, args, comm, args.lr_of.get(spec.name, args.lr), numel)
-    m.collectives = collectives(spec, numel, m.stride)
+    if m.collectives is None:
+        m.collectives = collectives(spec, numel, m.stride)
     return m
 
 
 def prime_library(spec, wl, args, comm, numel):
     """One untimed step of a library method on a throwaway model: Numba compiles the sparsifier's
     kernels on first use (seconds), a cost paid once per process, not per training step."""
-    if spec.kind in (Kind.LIBRARY, Kind.DDP_HOOK, Kind.DILOCO_LIB):
+    if spec.kind in (Kind.LIBRARY, Kind.DDP_HOOK, Kind.DILOCO_LIB, Kind.FSDP_LIB):
         m = build(spec, wl, args, comm, numel)
         m.step(wl, 0, args.clip)
         if spec.kind is Kind.DILOCO_LIB:
@@ -391,8 +437,10 @@ def prime_library(spec, wl, args, comm, numel):
 
 
 def param_hash(model):
+    """The sha256 of the model's parameters, whole: FSDP's shards (DTensors) are gathered first, a
+    collective every rank makes in the same order."""
     import torch
 
     with torch.no_grad():
-        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        flat = torch.cat([getattr(p, "full_tensor", p.detach)().detach().reshape(-1) for p in model.parameters()])
     return hashlib.sha256(flat.numpy().tobytes()).hexdigest()

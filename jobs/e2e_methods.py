@@ -37,6 +37,8 @@ class Kind(enum.Enum):
     DILOCO = "diloco"            # DiLoCo as torchft runs it (jobs/e2e_build.py's DiLoCoOuter)
     DILOCO_LIB = "diloco-lib"    # the library's DiLoCo
     WAGMA = "wagma"              # the library's GroupAveragingOptimizer (WAGMA-SGD)
+    FSDP = "fsdp"                # torch's fully_shard over gloo (every block and the root), its own reduce-scatter
+    FSDP_LIB = "fsdp-lib"        # fully_shard with the library's ShardedExchange: the sparse reduce-scatter
 
 
 class TorchHook(enum.Enum):
@@ -89,9 +91,10 @@ class MethodSpec:
         kind: the entry point that runs it.
         description: one line on what it is.
         default: in the protocol's default set (``--methods`` not given).
-        sparsifier: the library's sparsifier (``DDP_HOOK``, ``LIBRARY``, ``DILOCO_LIB``).
+        sparsifier: the library's sparsifier (``DDP_HOOK``, ``LIBRARY``, ``DILOCO_LIB``, ``FSDP_LIB``).
         options: keyword options of the entry point as the table fixes them (``DistributedOptimizer``'s,
-            ``DiLoCo``'s, ``GroupAveragingOptimizer``'s, ``PowerSGDState``'s), the sparsifier's among them.
+            ``DiLoCo``'s, ``GroupAveragingOptimizer``'s, ``PowerSGDState``'s, ``ShardedExchange``'s), the
+            sparsifier's among them; for ``FSDP``, ``MixedPrecisionPolicy``'s (dtypes by name).
         recipe: the recipe option set from the run's arguments (``Recipe.options``), if any.
         adam: the Adam path named (``adam=``); None: the entry point's default.
         beta1: the run's optimiser's momentum (SGD) or ``betas[0]`` (AdamW) where not the run's:
@@ -132,7 +135,7 @@ class MethodSpec:
     def __post_init__(self) -> None:
         object.__setattr__(self, "options", MappingProxyType(dict(self.options)))
         k = self.kind
-        needs = {"sparsifier": k in (Kind.DDP_HOOK, Kind.LIBRARY, Kind.DILOCO_LIB),
+        needs = {"sparsifier": k in (Kind.DDP_HOOK, Kind.LIBRARY, Kind.DILOCO_LIB, Kind.FSDP_LIB),
                  "h": k in (Kind.DILOCO, Kind.DILOCO_LIB), "scope": k is Kind.DDP_HOOK}
         for field, needed in needs.items():
             if needed != (getattr(self, field) is not None):
@@ -169,6 +172,10 @@ def _diloco(name: str, h: int, description: str, **fields: Any) -> MethodSpec:
 
 def _diloco_lib(name: str, h: int, sparsifier: str, description: str, **fields: Any) -> MethodSpec:
     return MethodSpec(name, Kind.DILOCO_LIB, description, h=h, sparsifier=sparsifier, **fields)
+
+
+def _fsdp(name: str, description: str, **fields: Any) -> MethodSpec:
+    return MethodSpec(name, Kind.FSDP, description, **fields)
 
 
 def _hook(name: str, scope: str, description: str, **fields: Any) -> MethodSpec:
@@ -285,6 +292,13 @@ _SPECS = (
              adam="demo-age", beta1=0.999, options={"wire_dtype": "int8"}, optimizer="adamw"),
     _library("exdyna-demoage999-fp8", "exdyna", "exdyna-demoage999 with float8 e4m3fn values (a scale per 128)",
              adam="demo-age", beta1=0.999, options={"wire_dtype": "float8_e4m3fn"}, optimizer="adamw"),
+    # sharded data parallelism: FSDP2 with its own reduce-scatter, and with the library's sparse one
+    _fsdp("fsdp", "torch fully_shard over gloo, every block and the root: parameters gathered, gradients "
+          "reduce-scattered densely in float32"),
+    _fsdp("fsdp-bf16", "fully_shard with MixedPrecisionPolicy(reduce_dtype=bfloat16): the reduce-scatter in "
+          "bfloat16", options={"reduce_dtype": "bfloat16"}),
+    MethodSpec("fsdp-exdyna", Kind.FSDP_LIB, "fully_shard with ShardedExchange: ExDyna's sparse reduce-scatter "
+               "at --density, the optimiser on each rank's shard", sparsifier="exdyna"),
 )
 
 #: every method by name, in the order ``--help`` lists them

@@ -177,7 +177,7 @@ def _run_record(spec, m, wl, args, comm, numel, target, evals, steps, step, dive
     w = np.mean(comm.allgather(float(np.mean(steps.wire_bytes[args.warmup:] or steps.wire_bytes))))
     warm = max(0, min(args.warmup, len(times) - 1))
     per_step = float(np.median(times[warm:]))
-    no_density = spec.kind in (Kind.DDP, Kind.DILOCO) or spec.sparsifier == "dense"
+    no_density = spec.kind in (Kind.DDP, Kind.DILOCO, Kind.FSDP) or spec.sparsifier == "dense"
     rec = {"kind": "run", "method": method, "workload": wl.name, "ranks": P, "rate_mbit": args.rate,
            "seed": args.seed, "lr": args.lr_of.get(method, args.lr), "params": numel, "steps": args.steps,
            "steps_run": step, "stride": m.stride, "step_s": per_step / m.stride,

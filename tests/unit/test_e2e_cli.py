@@ -304,3 +304,29 @@ def test_adam_paths_train_with_adamw(tmp_path):
     assert mean["bytes_per_step"] > 1.3 * signs["bytes_per_step"], (mean["bytes_per_step"], signs["bytes_per_step"])
     with pytest.raises(AssertionError, match="are Adam paths"):
         e2e(tmp_path / "sgd", *SGD, "--steps", "2", "--methods", "ddp,exdyna-demo")
+
+
+def test_fsdp_methods_train_sharded(tmp_path):
+    """FSDP2 in the harness (``fully_shard`` on the block and the root, over gloo): its dense
+    reduce-scatter averages as DDP's allreduce does (the same AdamW steps to float tolerance: only
+    the summation order differs), its bf16 one stays close, and the library's sparse one
+    (``ShardedExchange``) trains its own way; each record hashes the gathered parameters, the same on
+    every rank, and counts the gathers and the reduce-scatters of its units."""
+    recs = e2e(tmp_path, "--optimizer", "adamw", "--lr", "2e-3", "--steps", "4", "--max-steps", "4",
+               "--eval-every", "2", "--warmup", "1", "--density", "0.05",
+               "--methods", "ddp,fsdp,fsdp-bf16,fsdp-exdyna")
+    runs = {r["method"]: r for r in recs if r["kind"] == "run"}
+    for m in ("fsdp", "fsdp-bf16", "fsdp-exdyna"):
+        assert runs[m]["params_identical"] and runs[m]["steps_run"] == 4, m
+        assert runs[m]["evals"][-1][2] < runs[m]["evals"][0][2], m
+    for a, b in zip(runs["ddp"]["evals"], runs["fsdp"]["evals"]):
+        assert abs(a[2] - b[2]) < 1e-4, (a, b)
+    for a, b in zip(runs["ddp"]["evals"], runs["fsdp-bf16"]["evals"]):
+        assert abs(a[2] - b[2]) < 2e-2, (a, b)
+    assert abs(runs["fsdp-exdyna"]["evals"][-1][2] - runs["fsdp"]["evals"][-1][2]) > 1e-4
+    assert runs["fsdp-exdyna"]["density"] == 0.05 and runs["fsdp"]["density"] is None
+    # TINY has one block: its parameters gathered twice, the root's once; a reduce-scatter per unit
+    assert runs["fsdp"]["collectives_per_step"] == 2 * 1 + 1 + 2
+    assert runs["fsdp-exdyna"]["collectives_per_step"] == 2 * 1 + 1 + 4 * 2
+    assert runs["fsdp-exdyna"]["resolved"]["entry"] == "ShardedExchange"
+    assert runs["fsdp-exdyna"]["resolved"]["options"]["units"] == 2

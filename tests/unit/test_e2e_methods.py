@@ -45,6 +45,8 @@ def test_the_options_cannot_change_after_construction():
     (dict(kind=Kind.LIBRARY, sparsifier="exdyna", accumulate=True), "DDP's"),
     (dict(kind=Kind.WAGMA, adam="demo"), "Adam path"),
     (dict(kind=Kind.LIBRARY, sparsifier="exdyna", optimizer="adam"), "not sgd or adamw"),
+    (dict(kind=Kind.FSDP_LIB), "sparsifier missing"),
+    (dict(kind=Kind.FSDP, sparsifier="exdyna"), "sparsifier set"),
 ])
 def test_a_row_that_does_not_fit_its_kind_is_refused(fields, message):
     with pytest.raises(ValueError, match=message):
