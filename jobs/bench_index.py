@@ -17,7 +17,7 @@ settings side by side, alternating step by step, each its own instance:
 
 Reported per setting, over the steps after ``--warmup``:
 
-- bits per index on the wire: each rank's selection in its ``kernels/cpu_index.index_form`` (what
+- bits per index on the wire: each rank's selection in its ``exdyna_mpi/kernels/cpu_index.index_form`` (what
   the exchange sends), against the floor ``log2 C(span, count)`` summed over ranks, and the
   16-bit-offset form these forms replaced (computed: 2 bytes an index and 4 a 65,536-element
   segment);

@@ -1,4 +1,4 @@
-"""Static check of every CUDA kernel of the package kernels/cuda/ for sm_90, without a GPU.
+"""Static check of every CUDA kernel of the package exdyna_mpi/kernels/cuda/ for sm_90, without a GPU.
 
 What it does, per kernel and dtype (run WITHOUT ``NUMBA_ENABLE_CUDASIM``):
 
@@ -273,7 +273,7 @@ def run(budgets_path=BUDGETS, kernels_file=None, names_only=False):
                           "(add its signature and budgets)")
     for name in budgets:
         if name not in found:
-            errors.append(f"{name}: budget entry for a kernel that kernels/cuda/ no longer has")
+            errors.append(f"{name}: budget entry for a kernel that exdyna_mpi/kernels/cuda/ no longer has")
     rows = []
     if names_only:
         return rows, errors

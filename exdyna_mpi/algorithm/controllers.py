@@ -41,7 +41,7 @@ _I32, _F32, _I64, _F64 = (struct.Struct(f) for f in ("<i", "<f", "<q", "<d"))   
 
 class Window(NamedTuple):
     """A histogram window over ``|x|``, exact integer logic on the IEEE bits
-    (kernels/cpu_controller.py): ``buckets`` buckets, bucket ``j`` holding the values whose bits
+    (exdyna_mpi/kernels/cpu_controller.py): ``buckets`` buckets, bucket ``j`` holding the values whose bits
     ``>> shift`` are ``key0 + j`` (the first and last also everything below / above)."""
 
     buckets: int
@@ -226,7 +226,7 @@ class MeasuredController(Controller):
     that edge, known before anything is selected. Nothing is forecast, so correlated, constant or
     rotating streams and changes of scale are measured like any other.
 
-    Buckets (exact integer logic on the IEEE bits, kernels/cpu_controller.py): the pass fills a
+    Buckets (exact integer logic on the IEEE bits, exdyna_mpi/kernels/cpu_controller.py): the pass fills a
     coarse window (``N_COARSE`` buckets, 8 per octave, counting every ``stride``-th element) and a
     fine one (``n_fine``: 64 buckets at 256 per octave, up to 256 at 1024 per octave where k is
     large, every element) both centred on the previous threshold. If the k-th largest ``|acc|`` lies inside the fine

@@ -1,6 +1,6 @@
 """Arrays layer: the ONE place that decides between a real CUDA device (CuPy) and the simulator.
 
-``kernels/cuda/config.py`` reads Numba's ``NUMBA_ENABLE_CUDASIM`` (set before numba is imported) to
+``exdyna_mpi/kernels/cuda/config.py`` reads Numba's ``NUMBA_ENABLE_CUDASIM`` (set before numba is imported) to
 choose its launch shapes; everything above the kernels asks ``BACKEND`` instead of branching on it:
 
 - ``SimulatedBackend``: the Numba CUDA simulator. CuPy cannot allocate there, so device buffers are

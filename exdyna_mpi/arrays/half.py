@@ -5,7 +5,7 @@ A sparsifier computes a half gradient in float32: ``widen`` makes the float32 co
 back to the gradient's dtype, round-to-nearest-even (NaN stays NaN, inf stays inf, a value beyond the
 dtype's largest becomes inf). bfloat16 travels as its uint16 bits (NumPy has no bfloat16):
 ``Input.array`` is then a uint16 view. The passes are the ``@njit`` kernels of
-``kernels/cpu_half.py`` on the 16-bit patterns (one pass, no temporaries).
+``exdyna_mpi/kernels/cpu_half.py`` on the 16-bit patterns (one pass, no temporaries).
 
 ``WireFormat`` is the 16-bit format values travel in (``wire_dtype``): the kernels' mode and the
 float16 table, for the exchange (``transport.Exchange.mean_wire``) and the scatter at the end.

@@ -1,7 +1,7 @@
 """Arrays layer: the ``Ops`` protocol, the per-element operations a sparsifier calls, and ``HostOps``.
 
-One protocol, two implementations: ``HostOps`` runs the ``@njit`` kernels (``kernels/cpu.py``,
-``kernels/cpu_controller.py``) on NumPy buffers; ``CudaOps`` (``cuda_ops.py``) runs the CUDA kernels
+One protocol, two implementations: ``HostOps`` runs the ``@njit`` kernels (``exdyna_mpi/kernels/cpu.py``,
+``exdyna_mpi/kernels/cpu_controller.py``) on NumPy buffers; ``CudaOps`` (``cuda_ops.py``) runs the CUDA kernels
 on CUDA buffers, bit-identical. Sparsifiers call these methods only, never a
 kernel directly, so one sparsifier body serves both devices. tests/unit/test_layers.py checks that
 both implement every method of ``Ops`` with the same signature. A device backend may add the methods
@@ -137,14 +137,14 @@ class Ops(Protocol):
 
     def hist_range(self, x, lo, hi, shift, key0, hist, marks=None):
         """``hist += histogram(|x[lo:hi]|)`` (read only; ``hist`` a host int64 array): the bucket
-        rule of kernels/cpu_controller.py. ``marks``: the ``Marks`` of the measuring pass over
+        rule of exdyna_mpi/kernels/cpu_controller.py. ``marks``: the ``Marks`` of the measuring pass over
         ``x[lo:hi]``, if any (a window at or above their level reads only those)."""
 
     def accumulate_measure(self, residual, grad, acc, lo, hi, coarse, fine, stride, mark=None, threads=1,
                            marks=None):
         """``acc = residual + grad``; over [lo, hi) the histograms of ``|acc|`` (``coarse``/``fine``:
         ``(shift, key0, host int64 hist)``, the coarse one every ``stride``-th element, ``fine`` may
-        be None; kernels/cpu_controller.py gives the bucket rule); selects nothing. Returns the
+        be None; exdyna_mpi/kernels/cpu_controller.py gives the bucket rule); selects nothing. Returns the
         number of non-finite values of ``acc``. The measured controller's pass. ``mark``: the backend
         may remember where ``|acc| >= mark`` for the ``select_marked`` that follows (the host in
         ``marks``, a device in its scratch). ``threads``: host threads the pass may use
@@ -259,7 +259,7 @@ class HostOps:
 
     @staticmethod
     def accumulate_measure(residual, grad, acc, lo, hi, coarse, fine, stride, mark=None, threads=1, marks=None):
-        # one fused kernel (kernels/cpu_controller.py: accumulate_measure, or it on threads); it
+        # one fused kernel (exdyna_mpi/kernels/cpu_controller.py: accumulate_measure, or it on threads); it
         # finds the elements at or above the fine window's first edge anyway: with ``mark`` (that
         # edge) and ``marks`` their indices are kept there
         if marks is not None:

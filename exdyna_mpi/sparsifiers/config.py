@@ -21,7 +21,7 @@ NONFINITE_POLICIES = ("raise", "skip")
 DEVICES = ("auto", "cpu", "cuda")
 #: ``wire_dtype``: None (the gradient's: 16-bit values for a half gradient where the sparsifier can
 #: send them, else the computing dtype), or one of these (``EIGHT_BIT``: 8-bit integers or float8
-#: e4m3fn codes with a float32 scale per block of 128 values, ``kernels/cpu_8bit.py``)
+#: e4m3fn codes with a float32 scale per block of 128 values, ``exdyna_mpi/kernels/cpu_8bit.py``)
 WIRE_DTYPES = ("float32", "bfloat16", "float16", "int8", "float8_e4m3fn")
 #: the ``wire_dtype`` values of 8-bit codes with a scale per block
 EIGHT_BIT = ("int8", "float8_e4m3fn")

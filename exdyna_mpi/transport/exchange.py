@@ -11,7 +11,7 @@ seams the adapters use.
 
 ``allgather_indices`` sends each rank's selection in the smallest of three compact forms (uint32
 offsets, a bitmap of the rank's span, or Elias-Fano: within 0.6 bits an index of the entropy floor
-``log2 C(span, count)``; chosen from the agreed counts and spans alone, ``kernels/cpu_index.py``).
+``log2 C(span, count)``; chosen from the agreed counts and spans alone, ``exdyna_mpi/kernels/cpu_index.py``).
 ``mean_wire`` averages values that travel in 16 bits (``wire_dtype``): each rank's values are
 rounded to the 16-bit format for the ranks that reduce them (the rounding stays with the sender),
 the owner of each share sums in float32 in rank order, and the 16-bit mean is gathered, so every
@@ -340,7 +340,7 @@ class Exchange(CountsBytes):
         ``r``'s shard, ``shard_runs``; the same ``counts`` on every rank). Each rank sends each other
         rank its run (one ``Alltoallv``, exact counts), in float32 or, with ``fmt``
         (``arrays.half.WireFormat``), in 16 bits. Returns (``counts[rank]``,) float32: the sum in
-        rank order (``kernels/cpu_shard.py``), divided by P, the same bits under any MPI. ``vals``
+        rank order (``exdyna_mpi/kernels/cpu_shard.py``), divided by P, the same bits under any MPI. ``vals``
         becomes what this rank's residual keeps: what the rounding to 16 bits lost outside its run,
         zero inside it and everywhere in float32.
         """
@@ -368,7 +368,7 @@ class Exchange(CountsBytes):
     def mean_8bit(self, vals: np.ndarray, code: str, signs: bool = False) -> np.ndarray:
         """The mean over ranks of float32 ``vals`` (n,), its values travelling as 8-bit ``code``
         (``"int8"`` or ``"float8_e4m3fn"``) with a float32 scale per block of 128
-        (``kernels/cpu_8bit.py``); returns the means (n,) float32, the same bits on every rank.
+        (``exdyna_mpi/kernels/cpu_8bit.py``); returns the means (n,) float32, the same bits on every rank.
         ``vals`` becomes what this rank's residual keeps: outside its own share, what the 8-bit
         rounding of its values lost; inside, what the rounding of the mean lost (sum - P x mean).
         ``signs``: the sign of each mean instead (1, -1, 0 or NaN), gathered as 2-bit codes, and the

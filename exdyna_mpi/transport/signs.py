@@ -4,7 +4,7 @@ of each value (``Exchange.sum_signs``, ``Exchange.mean_wire(signs=True)``; a spa
 
 Code 0 is zero, 1 positive, 2 negative, 3 NaN, so ``decode(encode(x))`` is ``sign(x)`` to the bit on
 every element but a negative zero (it comes back as +0). Host (NumPy) arrays; one ``@njit`` pass
-each way (``kernels/cpu_signs.py``).
+each way (``exdyna_mpi/kernels/cpu_signs.py``).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Compile the histogram kernels of kernels/cuda/measure.py to PTX without a GPU (run WITHOUT the
+"""Compile the histogram kernels of exdyna_mpi/kernels/cuda/measure.py to PTX without a GPU (run WITHOUT the
 simulator).
 
 Reuses ptx_check.py's stubs (architecture lookups) and checks what the simulator cannot: the

@@ -1,6 +1,6 @@
-"""The CUDA histogram kernels the measured controller uses (kernels/cuda/measure.py: the zoom's
+"""The CUDA histogram kernels the measured controller uses (exdyna_mpi/kernels/cuda/measure.py: the zoom's
 ``hist_range``, the measuring pass through CudaOps) under the simulator, bit for bit against the
-CPU kernels of kernels/cpu_controller.py and HostOps; and ExDyna's default controller through
+CPU kernels of exdyna_mpi/kernels/cpu_controller.py and HostOps; and ExDyna's default controller through
 CudaOps."""
 import os
 import subprocess

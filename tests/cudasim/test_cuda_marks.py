@@ -1,4 +1,4 @@
-"""The measuring pass's marks (kernels/cuda: ``accumulate_measure_async`` marks ``|acc| >= mark``
+"""The measuring pass's marks (exdyna_mpi/kernels/cuda: ``accumulate_measure_async`` marks ``|acc| >= mark``
 in the hit mask, ``select_marked_async`` selects from the marks) under the simulator: the selection
 equals ``select_range`` over ``acc`` whatever the threshold, and marks a step never used are gone
 before the next selection; and the measured controller's exact local count from its fine window."""

@@ -1,4 +1,4 @@
-"""The measuring pass's kernel (kernels/cuda/measure.py: ``_acc_measure32/64``, what
+"""The measuring pass's kernel (exdyna_mpi/kernels/cuda/measure.py: ``_acc_measure32/64``, what
 ``accumulate_measure_async`` launches) under the simulator: its acc, histogram words and marks
 equal an independent NumPy reference for every stride, range and window shape, with non-finite
 values (a float64 NaN whose bits are all ones included: the pattern at the top of the int64 range

@@ -38,7 +38,8 @@ def test_unbudgeted_kernel_fails_loudly(tmp_path):
     """A kernel added to any module of the package without a budget entry fails the check, by name
     (one the package does not re-export included)."""
     # the whole kernels folder: the CUDA package imports the host kernels beside it
-    shutil.copytree(os.path.join(ROOT, "kernels"), tmp_path / "kernels", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(os.path.join(ROOT, "exdyna_mpi", "kernels"), tmp_path / "kernels",
+                    ignore=shutil.ignore_patterns("__pycache__"))
     pkg = tmp_path / "kernels" / "cuda"
     with open(pkg / "scatter_gather.py", "a") as f:
         f.write("\n\n@cuda.jit\ndef _added_later(x):\n    x[0] = 1\n")

@@ -1,4 +1,4 @@
-"""Half gradients and 16-bit values on the (simulated) device: the kernels of kernels/cuda/half.py
+"""Half gradients and 16-bit values on the (simulated) device: the kernels of exdyna_mpi/kernels/cuda/half.py
 give the host kernels' bits, and a float16 or bfloat16 step, or a float32 one with
 ``wire_dtype="bfloat16"``, on the device equals the host step, staged and direct (CUDA-aware)."""
 import numpy as np

@@ -1,5 +1,5 @@
 """The compact index forms on the (simulated) device: ``CudaOps.encode_indices`` writes the host
-encoder's bytes (kernels/cpu_index.py) in every form, and ``CudaOps.decode_indices`` reads them back
+encoder's bytes (exdyna_mpi/kernels/cpu_index.py) in every form, and ``CudaOps.decode_indices`` reads them back
 to the host decoder's indices; the staged and direct device exchanges send those bytes."""
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""The sparse reduce-scatter on the (simulated) device: the kernels of kernels/cuda/shard.py give
+"""The sparse reduce-scatter on the (simulated) device: the kernels of exdyna_mpi/kernels/cuda/shard.py give
 the host kernels' bits, and ``DeviceExchange.reduce_scatter_mean``, staged and direct (CUDA-aware),
 gives ``Exchange.reduce_scatter_mean``'s means, kept values and byte counts over the same two-rank
 exchange."""

@@ -9,7 +9,7 @@ import sys
 root = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else ".")
 n = int(sys.argv[2]) if len(sys.argv) > 2 else 15
 rows = []
-for path in sorted(list((root / "exdyna_mpi").rglob("*.py")) + list((root / "kernels").rglob("*.py"))):
+for path in sorted((root / "exdyna_mpi").rglob("*.py")):
     tree = ast.parse(path.read_text())
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)):

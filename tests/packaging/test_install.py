@@ -59,15 +59,14 @@ def _version():
 
 
 def _sources():
-    """Every module of the package as the wheel must hold it: exdyna_mpi/... and kernels/ -> exdyna_mpi/kernels/."""
+    """Every module of the package as the wheel must hold it: exdyna_mpi/..., its kernels included."""
     want = set()
-    for top, prefix in (("exdyna_mpi", "exdyna_mpi"), ("kernels", "exdyna_mpi/kernels")):
-        for d, dirs, files in os.walk(os.path.join(ROOT, top)):
-            dirs[:] = [x for x in dirs if x != "__pycache__"]
-            rel = os.path.relpath(d, os.path.join(ROOT, top))
-            for f in files:
-                if f.endswith(".py"):
-                    want.add(os.path.normpath(os.path.join(prefix, rel, f)))
+    for d, dirs, files in os.walk(os.path.join(ROOT, "exdyna_mpi")):
+        dirs[:] = [x for x in dirs if x != "__pycache__"]
+        rel = os.path.relpath(d, ROOT)
+        for f in files:
+            if f.endswith(".py"):
+                want.add(os.path.normpath(os.path.join(rel, f)))
     return want
 
 
@@ -99,7 +98,7 @@ def test_the_sdist_holds_the_sources_the_license_and_the_metadata(dists):
     with tarfile.open(dists["sdist"]) as t:
         names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
     for f in ("pyproject.toml", "README.md", "LICENSE", "exdyna_mpi/_version.py", "exdyna_mpi/py.typed",
-              "kernels/cpu.py"):
+              "exdyna_mpi/kernels/cpu.py"):
         assert f in names, f"{f} is not in the sdist"
 
 
@@ -124,7 +123,7 @@ def test_a_fresh_venv_installs_imports_and_steps(dists, tmp_path, kind, preinsta
     assert 360 <= got["selected"] <= 440 and got["values_are_the_gradient"], got
     assert got["sha256"] == _step_here()["sha256"], got
     if kind == "editable":
-        assert got["kernels"] == os.path.join(ROOT, "kernels", "__init__.py"), got
+        assert got["kernels"] == os.path.join(ROOT, "exdyna_mpi", "kernels", "__init__.py"), got
         assert got["package"] == os.path.join(ROOT, "exdyna_mpi", "__init__.py"), got
     else:
         site = str(venv / "lib")

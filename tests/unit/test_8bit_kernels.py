@@ -1,4 +1,4 @@
-"""The 8-bit value kernels (kernels/cpu_8bit.py) against references written here: the bytes of a
+"""The 8-bit value kernels (exdyna_mpi/kernels/cpu_8bit.py) against references written here: the bytes of a
 quantized run (codes, padding, float32 scales), what the rounding lost, the decoded values and the
 owner's float32 sum in rank order, for both codes. int8's reference is NumPy's rint; float8 e4m3fn's
 is ml_dtypes' cast (OCP FP8, round to nearest even), which the kernel never calls."""

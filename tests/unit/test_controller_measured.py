@@ -17,7 +17,7 @@ def _vec(rng, n, dtype):
 
 def _ref_hists(acc, lo, hi, coarse, fine, stride):
     """NumPy: the histograms of |acc| over [lo, hi) the measuring pass makes (the bucket rule of
-    kernels/cpu_controller.py), the coarse one of every ``stride``-th element (global index)."""
+    exdyna_mpi/kernels/cpu_controller.py), the coarse one of every ``stride``-th element (global index)."""
     bits, sign_off = kc.int_view(acc)
 
     def hist(b, w):

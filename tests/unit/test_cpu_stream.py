@@ -1,4 +1,4 @@
-"""The streaming adds (kernels/cpu_stream.py): nontemporal stores, the same bits as ``np.add``.
+"""The streaming adds (exdyna_mpi/kernels/cpu_stream.py): nontemporal stores, the same bits as ``np.add``.
 
 The vector part starts where the output is 64-byte aligned, so every offset of the output's start
 (0..16 elements) and lengths around a vector's width exercise the head, the vectors and the tail."""

@@ -1,4 +1,4 @@
-"""The 16-bit kernels (kernels/cpu_half.py) against independent references.
+"""The 16-bit kernels (exdyna_mpi/kernels/cpu_half.py) against independent references.
 
 Conversions: NumPy's own float16 cast and ``ml_dtypes.bfloat16`` on random float32 patterns (every
 class: normals, subnormals, the rounding boundaries, inf, NaN). Wire rounding saturates instead of

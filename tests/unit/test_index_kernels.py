@@ -1,4 +1,4 @@
-"""The compact index forms (kernels/cpu_index.py) against references computed here.
+"""The compact index forms (exdyna_mpi/kernels/cpu_index.py) against references computed here.
 
 Every form decodes to what was encoded; the chosen form is the smallest of the three sizes
 computed here from ``(count, span)`` alone; Elias-Fano's bytes equal a plain-Python encoder's built

@@ -29,7 +29,7 @@ from mpi4py import MPI
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
-#: layer rank of each top-level part of ``exdyna_mpi`` (kernels/ is installed as exdyna_mpi.kernels)
+#: layer rank of each top-level part of ``exdyna_mpi``
 RANK = {"kernels": 0, "_errors": 0, "arrays": 1, "transport": 2, "algorithm": 3,
         "sparsifiers": 4, "averaging": 5, "__init__": 6, "adapters": 7}
 #: the algorithm layer is pure host logic: it imports nothing else of the package
@@ -92,9 +92,6 @@ def _modules():
     for path in sorted((ROOT / "exdyna_mpi").rglob("*.py")):
         rel = path.relative_to(ROOT / "exdyna_mpi").with_suffix("")
         yield path, ("exdyna_mpi",) + rel.parts
-    for path in sorted((ROOT / "kernels").rglob("*.py")):
-        rel = path.relative_to(ROOT / "kernels").with_suffix("")
-        yield path, ("exdyna_mpi", "kernels") + rel.parts
 
 
 def _part(mod):
@@ -159,6 +156,17 @@ def violations(source, mod):
 def test_imports_point_down(path, mod):
     bad = violations(path.read_text(), mod)
     assert not bad, f"{path.relative_to(ROOT)}:\n" + "\n".join(bad)
+
+
+def test_the_walk_sees_every_module_once_in_its_layer():
+    """Each module of the package is checked once, under its own layer: the kernels (in
+    ``exdyna_mpi/kernels/``) as layer 0, their CUDA package included."""
+    mods = [mod for _, mod in _modules()]
+    assert len(mods) == len(set(mods)), "a module is walked twice"
+    assert set(RANK) <= {_part(m) for m in mods}, "a layer the walk does not reach"
+    kernels = {m for m in mods if _part(m) == "kernels"}
+    assert ("exdyna_mpi", "kernels", "cpu") in kernels and ("exdyna_mpi", "kernels", "cuda", "launch") in kernels
+    assert RANK["kernels"] == 0
 
 
 def test_the_check_catches_an_upward_import_and_a_stray_mpi_call():
@@ -362,11 +370,7 @@ def internal_imports(source):
 
 def exported(package):
     """The names of ``package``'s ``__all__`` (``"exdyna_mpi.arrays"``), read from its source."""
-    parts = package.split(".")[1:]
-    if parts[:1] == ["kernels"]:    # kernels/ is installed as exdyna_mpi.kernels
-        init = ROOT.joinpath("kernels", *parts[1:], "__init__.py")
-    else:
-        init = ROOT.joinpath("exdyna_mpi", *parts, "__init__.py")
+    init = ROOT.joinpath("exdyna_mpi", *package.split(".")[1:], "__init__.py")
     if not init.exists():
         return set()
     for node in ast.parse(init.read_text()).body:

@@ -1,4 +1,4 @@
-"""The 2-bit sign codes (exdyna_mpi/transport/signs.py, kernels/cpu_signs.py) against a NumPy
+"""The 2-bit sign codes (exdyna_mpi/transport/signs.py, exdyna_mpi/kernels/cpu_signs.py) against a NumPy
 reference written here: the packed bytes, and the decoded signs through each table."""
 import numpy as np
 import pytest

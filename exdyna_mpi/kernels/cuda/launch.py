@@ -12,9 +12,9 @@ from numba.core.errors import NumbaPerformanceWarning
 from ._numba_private import _FastLaunch
 from .config import CONFIG, SIMULATOR
 
-_fast = {}
-_views = {}
-_configs = {}
+_fast: dict[tuple, object] = {}      # (kernel, stream, thread, mode, ...) -> a _FastLaunch, or False
+_views: dict[tuple, object] = {}     # (pointer, shape, strides, typestr) -> a Numba device array
+_configs: dict[tuple, tuple] = {}    # (kernel, blocks, threads, stream) -> (kernel[...], kernel, stream)
 
 
 def grid_shape(n_work, block=None):

@@ -9,7 +9,7 @@ reads a 65,536-entry table (``f16_table``), exact by construction.
 Wire rounding *saturates*: a finite float32 beyond the format's range is sent as its largest finite
 value, not inf, so the rounding error a rank keeps in its residual stays finite.
 
-The compact index forms are ``kernels/cpu_index.py``.
+The compact index forms are ``exdyna_mpi/kernels/cpu_index.py``.
 """
 import numpy as np
 from numba import njit
@@ -25,7 +25,7 @@ def f16_table():
 
 # ---------------------------------------------------------------------------- scalar conversions
 # The rounding logic is plain Python, compiled for both targets: here with ``njit`` and in
-# kernels/cuda/half.py as ``cuda.jit`` device functions, so host and device cannot drift apart.
+# exdyna_mpi/kernels/cuda/half.py as ``cuda.jit`` device functions, so host and device cannot drift apart.
 def bf16_round_bits(b, saturate):
     """The bfloat16 pattern of the float32 pattern ``b`` (an int64, 0 .. 2**32 - 1), round to
     nearest even; NaN stays a quiet NaN, inf stays inf; ``saturate``: a finite value beyond range

@@ -1,8 +1,8 @@
 """The 16-bit formats on the device: float16 and bfloat16 gradients widened to float32 and outputs
 rounded back, on their 16-bit patterns (uint16 views: numba-cuda's bfloat16 is incomplete), the
-conversion in registers (the rounding is ``kernels/cpu_half.py``'s own Python, compiled for the
+conversion in registers (the rounding is ``exdyna_mpi/kernels/cpu_half.py``'s own Python, compiled for the
 device); and the device side of 16-bit values on the wire (``wire_round``,
-``owner_sum`` + ``owner_round``, ``scatter_wire``). The integer logic of ``kernels/cpu_half.py``
+``owner_sum`` + ``owner_round``, ``scatter_wire``). The integer logic of ``exdyna_mpi/kernels/cpu_half.py``
 (round-to-nearest-even, NaN kept quiet, inf beyond range, saturation on the wire), so device and
 host give the same bits (tests/cudasim/test_half_cuda.py); float16 is widened arithmetically here
 (the host reads a table; both are exact).

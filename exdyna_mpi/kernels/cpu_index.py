@@ -14,7 +14,7 @@ agreed counts and spans, and no length word travels (``index_form``):
 
 The bit order is little-endian throughout (bit ``b`` of the stream is bit ``b & 7`` of byte
 ``b >> 3``), and each part starts on 4 bytes, so the stream read as uint32 words is the same: the
-CUDA kernels (``kernels/cuda/index.py``) write it with 32-bit atomics and produce these bytes.
+CUDA kernels (``exdyna_mpi/kernels/cuda/index.py``) write it with 32-bit atomics and produce these bytes.
 
 Every form decodes to ascending offsets. Raw and Elias-Fano need an ascending selection (every
 selector writes one); ``encode_indices`` sorts a copy of one that is not, so every rank still

@@ -1,6 +1,6 @@
 """The device side of the sparse reduce-scatter: the owner's float32 mean of its run in rank order
 (``owner_mean32``, ``owner_mean16``) and a run's values into its shard's dense buffer
-(``scatter_run``); the same bits as ``kernels/cpu_shard.py`` (tests/cudasim/test_shard_cuda.py).
+(``scatter_run``); the same bits as ``exdyna_mpi/kernels/cpu_shard.py`` (tests/cudasim/test_shard_cuda.py).
 The kernels read the (p, c) rows flat (row r at ``r * c``): the launchers take either shape."""
 import numpy as np
 from numba import cuda

@@ -1,4 +1,4 @@
-"""Per-element kernels (installed as ``exdyna_mpi.kernels``).
+"""Per-element kernels (``exdyna_mpi.kernels``, the bottom layer of docs/architecture.md).
 
 ``cpu`` holds Numba ``@njit`` kernels on NumPy buffers; ``cuda`` holds ``@cuda.jit`` kernels on CUDA
 device buffers with the same semantics. Kernels know nothing of MPI, sparsifier state or frameworks:

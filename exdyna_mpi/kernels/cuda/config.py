@@ -24,6 +24,7 @@ anything per call.
 import contextlib
 import numbers
 import os
+from typing import Callable, Optional
 
 from numba import cuda
 
@@ -136,6 +137,14 @@ class LaunchConfig:
     """
 
     __slots__ = ("block", "grid_max", "scan_threads", "items", "ipt", "variant", "launch", "on_launch")
+    block: int
+    grid_max: int
+    scan_threads: int
+    items: int
+    ipt: int
+    variant: str
+    launch: str
+    on_launch: Optional[Callable[..., object]]
 
     def __init__(self, **values):
         if set(values) != set(self.__slots__):

@@ -20,7 +20,7 @@ The modules, by job:
   ``owner_mean``, ``scatter_wire``);
 - ``shard``: the owner's side of the sparse reduce-scatter (``owner_mean32``, ``owner_mean16``,
   ``scatter_run``);
-- ``index``: the compact index forms of ``kernels/cpu_index.py``, the same bytes (``encode``,
+- ``index``: the compact index forms of ``exdyna_mpi/kernels/cpu_index.py``, the same bytes (``encode``,
   ``popcounts`` and ``emit``, ``raw_decode``);
 - ``blocks``: device functions the passes share; ``scratch``: ``Scratch``, the reused device words;
 - ``config``: what is fixed at import (``SIMULATOR``, ``NB_MAX``, ``HIST_MAX``) and ``CONFIG``, the

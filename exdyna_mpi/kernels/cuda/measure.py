@@ -5,7 +5,7 @@ over the whole vector, the non-finite count, two histograms of ``|acc|`` over ``
 ``nh`` buckets counting every ``stride``-th element, fine ``nf``, possibly 0) and a mark in the hit
 mask on every element with ``|acc| >= mark``, which ``select_marked_async`` and the finish read
 instead of the vector. A bucket is the key ``((bits(x) & SIGN_OFF) >> shift) - key0`` clamped to
-the window (kernels/cpu_controller.py gives the exact semantics, bit for bit). The zoom
+the window (exdyna_mpi/kernels/cpu_controller.py gives the exact semantics, bit for bit). The zoom
 (``hist_range``) histograms a range again with another window, from the marks where they cover it.
 
 ``bits(x)`` is the IEEE pattern of a value held in a register. On a GPU that is libdevice's bitcast

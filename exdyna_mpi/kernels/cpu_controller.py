@@ -336,7 +336,7 @@ def count_nonfinite(x):
 
 #: the threaded pass only from this many elements per thread (below, dispatch costs more)
 PARALLEL_MIN = 1 << 18
-_POOL = {}   # threads -> a ThreadPoolExecutor (made on first use)
+_POOL: dict[int, ThreadPoolExecutor] = {}   # threads -> a ThreadPoolExecutor (made on first use)
 
 
 def accumulate_measure_threads(residual, grad, acc, bits, lo, hi, sign_off, shift, key0, hist, stride, shift_f,

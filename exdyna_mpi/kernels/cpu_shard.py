@@ -5,7 +5,7 @@ run, and rank ``r`` receives every rank's values of its run. The owner adds them
 order (its own values at its own turn), whatever MPI's reduction order would be, so the mean is
 the same bits under any MPI and equals a rank-order sum computed anywhere else; it stays in
 float32 (nothing is gathered, so nothing rounds it). The owner's own values are consumed: zero
-afterwards, as what its residual keeps of them. The CUDA twins are ``kernels/cuda/shard.py``.
+afterwards, as what its residual keeps of them. The CUDA twins are ``exdyna_mpi/kernels/cuda/shard.py``.
 """
 import numpy as np
 from numba import njit

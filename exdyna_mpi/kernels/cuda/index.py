@@ -1,4 +1,4 @@
-"""The compact index forms on the device: the bytes of ``kernels/cpu_index.py``, written and read
+"""The compact index forms on the device: the bytes of ``exdyna_mpi/kernels/cpu_index.py``, written and read
 by ``@cuda.jit`` kernels on the buffer's uint32 words.
 
 The CPU form is little-endian bit by bit and each part starts on 4 bytes, so one rank's bytes read

@@ -20,7 +20,7 @@ The values are the same bits either way: only the kind of store differs.
 
 Editing this file: Numba's cache keys a cached function on its own source file only, so the
 cached kernels of ``cpu_controller.py`` that call these keep the old code until their file changes
-or ``kernels/__pycache__/*.nb[ic]`` is removed (a fresh clone has no cache).
+or ``exdyna_mpi/kernels/__pycache__/*.nb[ic]`` is removed (a fresh clone has no cache).
 """
 import platform
 
