@@ -86,8 +86,8 @@ if wanted openmpi; then
         # the lane is only worth its name on Open MPI (the base venv carries MPICH)
         python -c "from mpi4py import MPI; v = MPI.Get_library_version().split(chr(10))[0].strip(chr(0))
 print(\"=== MPI:\", v); assert v.startswith(\"Open MPI\"), v" || exit 1
-        # P = 2 and 4: the other MPI's collectives at an even count and at the largest; the odd count
-        # (P = 3, uneven partitions) is the MPICH lanes', which the suite's time on two cores can afford once
+        # P = 2 and 4: the collectives of the other MPI at an even count and at the largest; the odd count
+        # (P = 3, uneven partitions) runs under MPICH only: two cores have time for it once
         for np in 2 4; do
             mpi_lane "openmpi-$np" $np tests/mpi --junitxml="$0/openmpi$np.xml" "$@"
         done
